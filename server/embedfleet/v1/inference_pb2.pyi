@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("input_ids", "attention_mask", "shape")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    input_ids: bytes
+    attention_mask: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "shape")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HealthCheckRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthCheckResponse(_message.Message):
+    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_RATE_TOKENS_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_RATE_TOKENS_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_DRAIN_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    P95_SERVER_SIDE_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    GPU_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    accepting_requests: bool
+    queued_tokens: int
+    service_rate_tokens_per_sec: float
+    arrival_rate_tokens_per_sec: float
+    estimated_drain_time_ms: float
+    p95_server_side_latency_ms: float
+    gpu_queue_depth: int
+    embedding_dimension: int
+    uptime_seconds: float
+    model: str
+    device: str
+    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

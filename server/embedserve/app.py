@@ -1,0 +1,137 @@
+"""Wiring: settings → model, tokenizer, estimator, engine, service, and the gRPC and HTTP
+transports; start-up in the right order and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from embedserve import admission, grpc_server, http_server
+from embedserve.config import Settings
+from embedserve.encoder import Encoder, Placement, choose_placement
+from embedserve.engine import Engine
+from embedserve.estimator import Estimator
+from embedserve.metrics import Metrics
+from embedserve.model_source import resolve
+from embedserve.service import EmbeddingService, Limits
+from embedserve.tokenization import TextTokenizer
+from embedserve.worker import WarmupPlan
+
+log = logging.getLogger(__name__)
+
+
+def policy_from(settings: Settings) -> admission.Policy:
+    return admission.Policy(
+        throughput=settings.backpressure_throughput,
+        latency=settings.backpressure_latency,
+        max_drain_s=settings.max_drain_time_ms / 1000,
+        latency_soft_s=settings.latency_soft_ms / 1000,
+        latency_hard_s=settings.latency_hard_ms / 1000,
+    )
+
+
+def usable_buckets(buckets: tuple[int, ...], max_positions: int | None) -> tuple[int, ...]:
+    """Buckets the model can run: none longer than its position table (which then caps inputs)."""
+    if not max_positions:
+        return buckets
+    kept = tuple(b for b in buckets if b <= max_positions)
+    return kept or (max_positions,)
+
+
+class Server:
+    """One serving process. Transports come up first (reporting "starting"), then the model."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.estimator = Estimator(latency_window_s=settings.latency_window_s)
+        self.metrics = Metrics(self)
+        self.service: EmbeddingService | None = None
+        self.engine: Engine | None = None
+        self.placement: Placement | None = None
+        self.model_name = settings.model_path
+        self.started_at = time.monotonic()
+        self.draining = False
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        servicer = grpc_server.InferenceServicer(lambda: self.service, self.health_fields, self.metrics.request_finished)
+        self.grpc, self.grpc_health, self.grpc_port = grpc_server.build_server(
+            servicer, settings.host, settings.grpc_port, settings.max_message_bytes
+        )
+        self.http = http_server.HttpServer(self, settings.host, settings.http_port)
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        await self.http.start()
+        log.info("gRPC on :%d, HTTP on :%d; loading %s", self.grpc_port, self.http.port, self.model_name)
+        await self._load()
+        await grpc_server.set_serving(self.grpc_health, True)
+        log.info("ready: dimension %d on %s", self.engine.dim, self.placement.device)
+
+    async def _load(self) -> None:
+        s = self.settings
+        from transformers import AutoConfig, AutoTokenizer
+
+        model_dir = str(await asyncio.to_thread(resolve, s.model_path, s.model_cache_dir))
+        config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
+        hf_tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
+        buckets = usable_buckets(s.buckets, getattr(config, "max_position_embeddings", None))
+        tokenizer = TextTokenizer(hf_tok, buckets[-1], s.truncate)
+        exclude = tokenizer.token_ids(s.exclude_tokens)
+        cuda = torch.cuda.is_available()
+        self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
+        plan = WarmupPlan(
+            buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
+            s.batch_caps, tokenizer.pad_id, tokenizer.vocab_size,
+        )
+        placement = self.placement
+        self.engine = Engine(
+            plan, lambda: Encoder(model_dir, s, placement, exclude), self.estimator,
+            s.deadline_wait_ms / 1000, s.gpu_queue_maxsize, on_batch=self.metrics.batch_ran,
+        )
+        await self.engine.start()
+        self.service = EmbeddingService(
+            self.engine, tokenizer, self.estimator, policy_from(s),
+            Limits(s.max_texts_per_request, buckets[-1], s.truncate),
+            executor=self._executor, observer=self.metrics,
+        )
+
+    def health_fields(self) -> dict:
+        snap = self.estimator.snapshot()
+        status = self.service.status() if self.service else "starting"
+        if self.draining:
+            status = "starting" if self.service is None else status
+        return {
+            "status": status,
+            "accepting_requests": bool(self.service and self.service.ready and status != "overloaded"),
+            "queued_tokens": int(snap.queued_tokens),
+            "service_rate_tokens_per_sec": snap.service_rate,
+            "arrival_rate_tokens_per_sec": snap.arrival_rate,
+            "estimated_drain_time_ms": min(snap.drain_s, 1e9) * 1000,
+            "p95_server_side_latency_ms": snap.p95_latency_s * 1000,
+            "gpu_queue_depth": self.engine.in_worker if self.engine else 0,
+            "embedding_dimension": self.engine.dim if self.engine else 0,
+            "uptime_seconds": time.monotonic() - self.started_at,
+            "model": self.model_name,
+            "device": str(self.placement.device) if self.placement else "",
+        }
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.service and self.service.ready)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful: stop admitting (UNAVAILABLE, health NOT_SERVING), let in-flight requests
+        finish within the grace period, then stop the model worker."""
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        self.draining = True
+        if self.service:
+            self.service.draining = True
+        await grpc_server.set_serving(self.grpc_health, False)
+        await self.grpc.stop(grace)
+        await self.http.stop()
+        if self.engine:
+            await self.engine.stop()
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,201 @@
+"""The serving image's configuration: one typed object, read from the environment once at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
+
+
+class ConfigError(ValueError):
+    """An environment variable has a value the server cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_path: str = PACKAGED_MODEL
+    """MODEL_PATH: a local directory, a HuggingFace repo id, an s3://bucket/prefix URI, or
+    `sim:<tokens_per_second>` (simulated accelerator, tests only). Default: the packaged
+    all-MiniLM-L6-v2."""
+    model_cache_dir: str = "/tmp/model_cache"
+    """MODEL_CACHE_DIR: where hub and s3 downloads are kept."""
+    device: str = "auto"
+    """DEVICE: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+    dtype: str = "auto"
+    """DTYPE: auto (bfloat16/float16 on GPU, float32 on CPU), float32, float16, bfloat16."""
+    compile: str = "auto"
+    """COMPILE: auto (on for CUDA), true, false. On CUDA, torch.compile(mode=reduce-overhead)
+    captures CUDA graphs, so shapes come from a fixed ladder."""
+    static_shapes: str = "auto"
+    """STATIC_SHAPES: auto (on when compiling), true, false. Pad rows to the bucket length and
+    batches to the batch-size ladder so captured graphs are reused."""
+    grpc_port: int = 50051
+    """GRPC_PORT: the gRPC listening port."""
+    http_port: int = 8001
+    """HTTP_HEALTH_PORT: HTTP port for /health and /metrics."""
+    host: str = "0.0.0.0"
+    """BIND_HOST: the address both servers bind."""
+    max_batch_size: int = 512
+    """MAX_BATCH_SIZE: most rows in one forward pass."""
+    max_tokens_per_batch: int = 32768
+    """MAX_TOKENS_PER_BATCH: most padded tokens (rows × padded length) in one forward pass."""
+    buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    """BUCKETS: padded sequence lengths, ascending; rows go to the smallest that fits."""
+    batch_caps: Mapping[int, int] | None = None
+    """BATCH_CAPS: `len:rows,...` fixes each bucket's batch cap and skips the warm-up sweep
+    that otherwise measures where bigger batches stop paying."""
+    deadline_wait_ms: float = 50.0
+    """DEADLINE_WAIT_MS: oldest-row age that makes a bucket stale (drained first)."""
+    gpu_queue_maxsize: int = 4
+    """GPU_QUEUE_MAXSIZE: cap of the worker's input queue; the batcher pauses at 2 pending."""
+    backpressure_throughput: bool = True
+    """BACKPRESSURE_THROUGHPUT_ENABLED: reject when admitting would push drain time past
+    MAX_DRAIN_TIME_MS."""
+    backpressure_latency: bool = False
+    """BACKPRESSURE_LATENCY_ENABLED: shed by windowed P95 latency (25% at soft, all at hard)."""
+    max_drain_time_ms: float = 500.0
+    """MAX_DRAIN_TIME_MS: the backlog, in seconds of model time, the server accepts."""
+    latency_soft_ms: float = 500.0
+    """LATENCY_SOFT_MS: P95 above this sheds 25% of requests."""
+    latency_hard_ms: float = 2000.0
+    """LATENCY_HARD_MS: P95 above this sheds every request."""
+    latency_window_s: float = 10.0
+    """LATENCY_WINDOW_S: the sliding window for P95."""
+    pooling: str = "mean"
+    """POOLING: mean, cls or last."""
+    normalize: bool = True
+    """NORMALIZE: L2-normalise embeddings."""
+    exclude_tokens: tuple[str, ...] = ()
+    """EXCLUDE_TOKENS: comma-separated token strings left out of mean pooling."""
+    truncate: bool = True
+    """TRUNCATE: cut inputs longer than the largest bucket (else INVALID_ARGUMENT)."""
+    max_texts_per_request: int = 512
+    """MAX_TEXTS_PER_REQUEST: most texts (or rows) in one request."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """GRPC_MAX_MESSAGE_BYTES: gRPC send and receive limit."""
+    task: str = "auto"
+    """TASK: auto, embed or classify."""
+    trust_remote_code: bool = False
+    """TRUST_REMOTE_CODE: let model repos run their own code."""
+    shutdown_grace_s: float = 20.0
+    """SHUTDOWN_GRACE_S: how long SIGTERM waits for in-flight requests."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        d = cls()
+        s = _Reader(env)
+        settings = cls(
+            model_path=s.str("MODEL_PATH", d.model_path),
+            model_cache_dir=s.str("MODEL_CACHE_DIR", d.model_cache_dir),
+            device=s.str("DEVICE", d.device),
+            dtype=s.choice("DTYPE", d.dtype, ("auto", "float32", "float16", "bfloat16")),
+            compile=s.choice("COMPILE", d.compile, ("auto", "true", "false")),
+            static_shapes=s.choice("STATIC_SHAPES", d.static_shapes, ("auto", "true", "false")),
+            grpc_port=s.int("GRPC_PORT", d.grpc_port),
+            http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
+            host=s.str("BIND_HOST", d.host),
+            max_batch_size=s.int("MAX_BATCH_SIZE", d.max_batch_size, low=1),
+            max_tokens_per_batch=s.int("MAX_TOKENS_PER_BATCH", d.max_tokens_per_batch, low=1),
+            buckets=s.int_list("BUCKETS", d.buckets),
+            batch_caps=s.caps("BATCH_CAPS"),
+            deadline_wait_ms=s.float("DEADLINE_WAIT_MS", d.deadline_wait_ms),
+            gpu_queue_maxsize=s.int("GPU_QUEUE_MAXSIZE", d.gpu_queue_maxsize, low=1),
+            backpressure_throughput=s.bool("BACKPRESSURE_THROUGHPUT_ENABLED", d.backpressure_throughput),
+            backpressure_latency=s.bool("BACKPRESSURE_LATENCY_ENABLED", d.backpressure_latency),
+            max_drain_time_ms=s.float("MAX_DRAIN_TIME_MS", d.max_drain_time_ms),
+            latency_soft_ms=s.float("LATENCY_SOFT_MS", d.latency_soft_ms),
+            latency_hard_ms=s.float("LATENCY_HARD_MS", d.latency_hard_ms),
+            latency_window_s=s.float("LATENCY_WINDOW_S", d.latency_window_s),
+            pooling=s.choice("POOLING", d.pooling, ("mean", "cls", "last")),
+            normalize=s.bool("NORMALIZE", d.normalize),
+            exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
+            truncate=s.bool("TRUNCATE", d.truncate),
+            max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
+            max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes, low=1024),
+            task=s.choice("TASK", d.task, ("auto", "embed", "classify")),
+            trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
+            shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
+        )
+        if settings.latency_soft_ms > settings.latency_hard_ms:
+            raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
+        return settings
+
+
+class _Reader:
+    """Parses one variable at a time; every error names the variable and the bad value."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+
+    def _raw(self, name: str) -> str | None:
+        v = self.env.get(name)
+        return None if v is None or v.strip() == "" else v.strip()
+
+    def str(self, name: str, default: str) -> str:
+        return self._raw(name) or default
+
+    def choice(self, name: str, default: str, allowed: tuple[str, ...]) -> str:
+        v = (self._raw(name) or default).lower()
+        if v not in allowed:
+            raise ConfigError(f"{name}={v!r}: expected one of {', '.join(allowed)}")
+        return v
+
+    def int(self, name: str, default: int, low: int = 0) -> int:
+        v = self._raw(name)
+        try:
+            n = default if v is None else int(v)
+        except ValueError:
+            raise ConfigError(f"{name}={v!r}: expected an integer") from None
+        if n < low:
+            raise ConfigError(f"{name}={n}: must be >= {low}")
+        return n
+
+    def float(self, name: str, default: float) -> float:
+        v = self._raw(name)
+        try:
+            x = default if v is None else float(v)
+        except ValueError:
+            raise ConfigError(f"{name}={v!r}: expected a number") from None
+        if x < 0:
+            raise ConfigError(f"{name}={x}: must be >= 0")
+        return x
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self._raw(name)
+        if v is None:
+            return default
+        if v.lower() in ("1", "true", "yes", "on"):
+            return True
+        if v.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}={v!r}: expected true or false")
+
+    def str_list(self, name: str) -> tuple[str, ...]:
+        v = self._raw(name)
+        return tuple(t.strip() for t in v.split(",") if t.strip()) if v else ()
+
+    def int_list(self, name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        items = self.str_list(name)
+        try:
+            values = tuple(int(t) for t in items) if items else default
+        except ValueError:
+            raise ConfigError(f"{name}={self._raw(name)!r}: expected comma-separated integers") from None
+        if any(b < 2 for b in values) or list(values) != sorted(set(values)):
+            raise ConfigError(f"{name}={values}: expected ascending distinct lengths >= 2")
+        return values
+
+    def caps(self, name: str) -> dict[int, int] | None:
+        items = self.str_list(name)
+        if not items:
+            return None
+        try:
+            pairs = [t.split(":") for t in items]
+            caps = {int(k): int(v) for k, v in pairs}
+        except ValueError:
+            raise ConfigError(f"{name}={self._raw(name)!r}: expected len:rows,...") from None
+        if any(v < 1 for v in caps.values()):
+            raise ConfigError(f"{name}: every cap must be >= 1")
+        return caps

@@ -1,0 +1,152 @@
+"""The server's estimate of its own capacity and backlog: the signal admission control sheds on
+and the operator scales on. Updated by the engine and the worker, read by admission, /health and
+/metrics. All times come from an injected clock (seconds, monotonic)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+
+class DecayingRate:
+    """Events per second, exponentially weighted over `tau` seconds of wall time: a steady stream
+    of r/s reads r, and the rate decays towards 0 once events stop."""
+
+    def __init__(self, tau: float):
+        self.tau = tau
+        self._rate = 0.0
+        self._at: float | None = None
+
+    def add(self, amount: float, now: float) -> None:
+        self._rate = self.read(now) + amount / self.tau
+        self._at = now
+
+    def read(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        return self._rate * math.exp(-max(0.0, now - self._at) / self.tau)
+
+
+class BusyTimeRate:
+    """Tokens per second of model-busy time: a ratio of two EMAs that forget over `tau` seconds
+    of busy time, so large and small batches weigh by how long they ran."""
+
+    def __init__(self, tau: float):
+        self.tau = tau
+        self._tokens = 0.0
+        self._busy = 0.0
+
+    def seed(self, tokens_per_s: float) -> None:
+        self._tokens, self._busy = tokens_per_s * self.tau, self.tau
+
+    def add(self, tokens: float, busy_s: float) -> None:
+        keep = math.exp(-busy_s / self.tau)
+        self._tokens = self._tokens * keep + tokens
+        self._busy = self._busy * keep + busy_s
+
+    def read(self) -> float:
+        return self._tokens / self._busy if self._busy > 0 else 0.0
+
+
+class LatencyWindow:
+    """Server-side latencies over the last `window` seconds; P95 cached for `refresh` seconds so
+    admission can ask on every request."""
+
+    def __init__(self, window: float, refresh: float = 0.1):
+        self.window, self.refresh = window, refresh
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._p95 = 0.0
+        self._computed_at = -math.inf
+
+    def add(self, latency_s: float, now: float) -> None:
+        self._samples.append((now, latency_s))
+
+    def p95(self, now: float) -> float:
+        if now - self._computed_at >= self.refresh:
+            while self._samples and self._samples[0][0] < now - self.window:
+                self._samples.popleft()
+            lat = [s for _, s in self._samples]
+            self._p95 = float(np.percentile(lat, 95)) if lat else 0.0
+            self._computed_at = now
+        return self._p95
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One consistent reading of the estimator."""
+
+    service_rate: float  # padded tokens / s of model time
+    arrival_rate: float  # offered tokens / s, admitted + rejected
+    queued_tokens: int  # admitted, not yet computed
+    p95_latency_s: float
+
+    @property
+    def drain_s(self) -> float:
+        if self.queued_tokens <= 0:
+            return 0.0
+        return self.queued_tokens / self.service_rate if self.service_rate > 0 else math.inf
+
+
+class Estimator:
+    """Thread-safe: the worker thread reports batches, the event loop everything else."""
+
+    def __init__(
+        self,
+        latency_window_s: float = 10.0,
+        arrival_tau_s: float = 5.0,
+        service_tau_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._service = BusyTimeRate(service_tau_s)
+        self._arrival = DecayingRate(arrival_tau_s)
+        self._latency = LatencyWindow(latency_window_s)
+        self._queued = 0
+        self.chars_per_token = 4.0  # learned: estimates a text's tokens before tokenizing it
+
+    def seed_service_rate(self, tokens_per_s: float) -> None:
+        with self._lock:
+            self._service.seed(tokens_per_s)
+
+    def offered(self, tokens: float) -> None:
+        with self._lock:
+            self._arrival.add(tokens, self.clock())
+
+    def enqueued(self, tokens: int) -> None:
+        with self._lock:
+            self._queued += tokens
+
+    def dequeued(self, tokens: int) -> None:
+        """Tokens left the backlog without being computed (cancelled, failed)."""
+        with self._lock:
+            self._queued -= tokens
+
+    def computed(self, queued_tokens: int, padded_tokens: int, busy_s: float) -> None:
+        """The worker finished a batch: `queued_tokens` leave the backlog; the padded tokens it
+        actually ran, over its busy time, update the service rate."""
+        with self._lock:
+            self._queued -= queued_tokens
+            if busy_s > 0:
+                self._service.add(padded_tokens, busy_s)
+
+    def latency(self, seconds: float) -> None:
+        with self._lock:
+            self._latency.add(seconds, self.clock())
+
+    def learn_chars_per_token(self, chars: int, tokens: int) -> None:
+        if tokens > 0 and chars > 0:
+            self.chars_per_token += 0.05 * (chars / tokens - self.chars_per_token)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            now = self.clock()
+            return Snapshot(
+                self._service.read(), self._arrival.read(now), self._queued, self._latency.p95(now)
+            )

@@ -1,0 +1,106 @@
+"""gRPC transport: embedfleet.v1.Inference, grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+RETRY_METADATA = ("embedfleet-attempt", "grpc-previous-rpc-attempts")
+
+
+def is_retry(metadata) -> bool:
+    """Our client sends embedfleet-attempt=N (N>1 on retries); gRPC's own retry sends
+    grpc-previous-rpc-attempts."""
+    for key, value in metadata or ():
+        if key == "embedfleet-attempt" and value not in ("", "0", "1"):
+            return True
+        if key == "grpc-previous-rpc-attempts" and value not in ("", "0"):
+            return True
+    return False
+
+
+_STATUS = (
+    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (ModelFailure, grpc.StatusCode.INTERNAL),
+)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None]):
+        self._service = get_service  # None until start-up has built it
+        self._health_fields = health_fields
+        self._observe = observe
+
+    async def Embed(self, request, context):
+        return await self._call("Embed", context, lambda s, retry: s.embed_texts(request.texts, retry))
+
+    async def Infer(self, request, context):
+        return await self._call(
+            "Infer", context,
+            lambda s, retry: s.infer(request.input_ids, request.attention_mask, request.shape, retry),
+        )
+
+    async def HealthCheck(self, request, context):
+        return pb.HealthCheckResponse(**self._health_fields())
+
+    async def _call(self, rpc: str, context, run):
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            service = self._service()
+            if service is None:
+                raise NotReady("server is warming up")
+            out = await run(service, is_retry(context.invocation_metadata()))
+            return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
+        except tuple(e for e, _ in _STATUS) as e:
+            code = next(c for t, c in _STATUS if isinstance(e, t))
+            if isinstance(e, Overloaded):
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+            await context.abort(code, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self._observe(rpc, code.name, time.perf_counter() - t0)
+
+
+def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int):
+    """→ (server, health servicer, bound port). Health starts NOT_SERVING."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, health_servicer, bound
+
+
+async def set_serving(health_servicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)

@@ -1,0 +1,81 @@
+"""Prometheus exposition: the only module that imports prometheus_client.
+
+Gauges of the shared signal are read from the estimator at scrape time (never a second copy);
+counters and histograms are fed through the Observer calls the core makes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from embedserve.app import Server
+    from embedserve.queues import Batch
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+P = "embedfleet_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 32768, 65536, 262144)
+
+
+class _SignalCollector(Collector):
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def collect(self):
+        snap = self.server.estimator.snapshot()
+        for name, doc, value in (
+            ("service_rate_tokens_per_second", "EMA of padded tokens processed per second of model-busy time (capacity)", snap.service_rate),
+            ("arrival_rate_tokens_per_second", "EMA of offered tokens per second, admitted and rejected", snap.arrival_rate),
+            ("queued_tokens", "Padded tokens admitted and not yet computed", snap.queued_tokens),
+            ("estimated_drain_seconds", "queued_tokens / service_rate", min(snap.drain_s, 1e9)),
+        ):
+            yield GaugeMetricFamily(P + name, doc, value=value)
+        memory = GaugeMetricFamily(P + "gpu_memory_bytes", "Device memory held by the model worker", labels=["type"])
+        runner = self.server.engine.worker.runner if self.server.engine else None
+        for kind, value in (runner.memory() if runner else {}).items():
+            memory.add_metric([kind], value)
+        yield memory
+        if self.server.engine and self.server.engine.dim:
+            info = InfoMetricFamily(P + "model", "What this server serves")
+            info.add_metric([], {
+                "model": self.server.model_name, "device": str(self.server.placement.device),
+                "dtype": str(self.server.placement.dtype).removeprefix("torch."),
+                "dimension": str(self.server.engine.dim),
+            })
+            yield info
+
+
+class Metrics:
+    """Implements the core's Observer; `render()` is the /metrics body."""
+
+    def __init__(self, server: "Server"):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(P + "requests", "Finished requests by outcome", ["rpc", "code"], registry=r)
+        self.rejected_requests = Counter(P + "rejected_requests", "Admission rejections", ["reason"], registry=r)
+        self.duration = Histogram(P + "request_duration_seconds", "Server-side latency", ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(P + "batch_size", "Rows per forward pass", buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(P + "batch_padded_tokens", "Padded tokens per forward pass", buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter(P + "tokens", "Tokens computed (real vs padded: padding efficiency)", ["kind"], registry=r)
+        r.register(_SignalCollector(server))
+
+    def request_finished(self, rpc: str, code: str, seconds: float) -> None:
+        self.requests.labels(rpc, code).inc()
+        self.duration.labels(rpc).observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        self.rejected_requests.labels(reason).inc()
+
+    def batch_ran(self, batch: "Batch", busy_s: float) -> None:
+        self.batch_size.observe(batch.rows)
+        self.batch_tokens.observe(batch.padded_tokens)
+        self.tokens.labels("real").inc(batch.real_tokens)
+        self.tokens.labels("padded").inc(batch.padded_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,148 @@
+"""Requests in flight, their rows waiting in length buckets, and the batch those rows become.
+
+A request's rows that share a bucket arrive pre-stacked as one tensor (a Chunk); a batch is
+concatenated from slices of chunks. Everything here runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from embedserve.batching import BucketView
+
+
+class PendingRequest:
+    """One request's output buffer and future; rows land here as their batches finish."""
+
+    __slots__ = ("out", "remaining", "future", "chunks")
+
+    def __init__(self, rows: int, dim: int, future: asyncio.Future):
+        self.out = np.empty((rows, dim), dtype=np.float32)
+        self.remaining = rows
+        self.future = future
+        self.chunks: list[Chunk] = []
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def deliver(self, positions: np.ndarray, values: np.ndarray) -> None:
+        if self.future.done():  # cancelled or failed meanwhile: nobody is waiting
+            return
+        self.out[positions] = values
+        self.remaining -= len(positions)
+        if self.remaining == 0:
+            self.future.set_result(self.out)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclasses.dataclass(eq=False)
+class Chunk:
+    """Rows of one request that fall in one bucket: ids[i, :lengths[i]] is row positions[i]."""
+
+    request: PendingRequest
+    ids: torch.Tensor  # [n, width] int32, right-padded
+    lengths: np.ndarray  # [n] int
+    positions: np.ndarray  # [n] row index in the request's output
+
+
+class QueuedRow:
+    __slots__ = ("chunk", "index", "length", "cost", "enqueued")
+
+    def __init__(self, chunk: Chunk, index: int, length: int, cost: int, enqueued: float):
+        self.chunk, self.index, self.length, self.cost, self.enqueued = chunk, index, length, cost, enqueued
+
+
+class BucketQueues:
+    """FIFO row queues per bucket length, with the queued padded-token count kept exact."""
+
+    def __init__(self, buckets: Iterable[int], static: bool):
+        self.rows: dict[int, list[QueuedRow]] = {b: [] for b in buckets}
+        self.static = static
+        self.queued_tokens = 0
+
+    def add(self, bucket: int, chunk: Chunk, now: float) -> int:
+        """Queue a chunk's rows; returns their padded-token cost."""
+        q = self.rows[bucket]
+        added = 0
+        for i, n in enumerate(chunk.lengths.tolist()):
+            cost = bucket if self.static else n
+            q.append(QueuedRow(chunk, i, n, cost, now))
+            added += cost
+        self.queued_tokens += added
+        return added
+
+    def views(self, caps: dict[int, int]) -> list[BucketView]:
+        return [
+            BucketView(b, len(q), q[0].enqueued if q else 0.0, caps[b]) for b, q in self.rows.items()
+        ]
+
+    def take(self, bucket: int, indices: list[int]) -> list[QueuedRow]:
+        q = self.rows[bucket]
+        keep = set(indices)
+        taken = [q[i] for i in indices]
+        self.rows[bucket] = [r for i, r in enumerate(q) if i not in keep]
+        self.queued_tokens -= sum(r.cost for r in taken)
+        return taken
+
+    def drop(self, request: PendingRequest) -> int:
+        """Remove a finished (cancelled, failed) request's rows; returns the tokens freed."""
+        freed = 0
+        for b, q in self.rows.items():
+            if any(r.chunk.request is request for r in q):
+                freed += sum(r.cost for r in q if r.chunk.request is request)
+                self.rows[b] = [r for r in q if r.chunk.request is not request]
+        self.queued_tokens -= freed
+        return freed
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    """One forward pass: `rows` real rows first, then any dummy rows a captured shape needs."""
+
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] int64
+    rows: int
+    real_tokens: int
+    routes: list[tuple[PendingRequest, np.ndarray, slice]]  # request, its positions, batch rows
+    queued_cost: int = 0  # what these rows counted in the backlog
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
+
+
+def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: int | None) -> Batch:
+    """Concatenate the taken rows into one padded batch; rows of one chunk are copied with one
+    indexed slice. `pad_to`/`batch_to` fix the shape for captured graphs; otherwise the batch
+    pads to its own longest row and has no dummy rows."""
+    width = pad_to or max(r.length for r in taken)
+    n = len(taken)
+    total = batch_to or n
+    ids = torch.full((total, width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((total, width), dtype=torch.int64)
+    routes = []
+    groups: dict[int, tuple[Chunk, list[int]]] = {}
+    for r in taken:
+        groups.setdefault(id(r.chunk), (r.chunk, []))[1].append(r.index)
+    pos = 0
+    for chunk, idx in groups.values():
+        k = len(idx)
+        w = min(width, chunk.ids.shape[1])
+        ids[pos : pos + k, :w] = chunk.ids[idx, :w]
+        lengths = torch.from_numpy(chunk.lengths[idx])
+        mask[pos : pos + k] = torch.arange(width) < lengths[:, None]
+        routes.append((chunk.request, chunk.positions[idx], slice(pos, pos + k)))
+        pos += k
+    if total > n:
+        mask[n:, 0] = 1  # dummy rows attend to one token so no row is fully masked
+    ids.masked_fill_(mask == 0, pad_id)
+    return Batch(ids, mask, n, sum(r.length for r in taken), routes, sum(r.cost for r in taken))

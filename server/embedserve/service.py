@@ -1,0 +1,131 @@
+"""What every transport calls: validate → admit → tokenize → engine → result. Transports only
+translate wire formats and map the errors of embedserve.errors to their status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import warnings
+from concurrent.futures import Executor
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from embedserve import admission
+from embedserve.engine import Engine
+from embedserve.errors import InvalidInput, NotReady, Overloaded
+from embedserve.estimator import Estimator
+from embedserve.infer_decode import decode
+from embedserve.tokenization import TextTokenizer, validate_texts
+
+# The latest rejection keeps /health "overloaded" this long.
+OVERLOADED_HOLD_S = 1.0
+
+
+class Observer(Protocol):
+    """Where the service reports what happened (the metrics module implements it)."""
+
+    def rejected(self, reason: str) -> None: ...
+
+
+class _NoObserver:
+    def rejected(self, reason: str) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Limits:
+    max_texts: int
+    max_length: int  # the largest bucket
+    truncate: bool
+
+
+class EmbeddingService:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: TextTokenizer,
+        estimator: Estimator,
+        policy: admission.Policy,
+        limits: Limits,
+        executor: Executor | None = None,
+        observer: Observer | None = None,
+        draw: Callable[[], float] = admission.uniform,
+    ):
+        self.engine, self.tokenizer, self.estimator = engine, tokenizer, estimator
+        self.policy, self.limits, self.executor = policy, limits, executor
+        self.observer = observer or _NoObserver()
+        self.draw = draw
+        self.draining = False
+        self._last_rejection = -float("inf")
+        self.started_at = time.monotonic()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and not self.draining
+
+    def status(self) -> str:
+        snap = self.estimator.snapshot()
+        rejecting = self.estimator.clock() - self._last_rejection < OVERLOADED_HOLD_S
+        if self.engine.failed_batches >= 3:
+            return "degraded"
+        return admission.status(snap, self.policy, self.ready, rejecting)
+
+    async def embed_texts(self, texts, retry: bool = False) -> np.ndarray:
+        t0 = self.estimator.clock()
+        self._check_ready()
+        texts = validate_texts(texts, self.limits.max_texts)
+        # Admission is decided on an estimate (characters / learned characters-per-token), so a
+        # refused request costs no tokenization.
+        per_text_cap = self.limits.max_length
+        cpt = self.estimator.chars_per_token
+        estimate = sum(min(per_text_cap, len(t) / cpt + 2) for t in texts)
+        self._admit(estimate, retry)
+        loop = asyncio.get_running_loop()
+        ids, lengths = await loop.run_in_executor(self.executor, self.tokenizer.encode, texts)
+        self.estimator.learn_chars_per_token(sum(map(len, texts)), int(lengths.sum()))
+        return await self._run(torch.from_numpy(ids), lengths, t0)
+
+    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> np.ndarray:
+        t0 = self.estimator.clock()
+        self._check_ready()
+        ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
+        top = self.limits.max_length
+        if ids.shape[1] > top:
+            if not self.limits.truncate and (lengths > top).any():
+                row = int(np.flatnonzero(lengths > top)[0])
+                raise InvalidInput(f"row {row} has {int(lengths[row])} tokens, more than {top} (the largest bucket), and TRUNCATE is off")
+            ids, lengths = ids[:, :top], np.minimum(lengths, top)
+        self._admit(float(lengths.sum()), retry)
+        with warnings.catch_warnings():
+            # The request's bytes are read-only; nothing downstream writes to them.
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(ids)
+        return await self._run(tensor, lengths, t0)
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise NotReady("server is shutting down" if self.draining else "server is warming up")
+
+    def _admit(self, cost: float, retry: bool) -> None:
+        if not retry:  # a retry is the same demand again, not new demand
+            self.estimator.offered(cost)
+        decision = admission.decide(self.estimator.snapshot(), cost, self.policy, self.draw())
+        if not decision.admit:
+            self._last_rejection = self.estimator.clock()
+            self.observer.rejected(decision.reason)
+            raise Overloaded(decision.reason, decision.retry_after_ms)
+
+    async def _run(self, ids: torch.Tensor, lengths: np.ndarray, t0: float) -> np.ndarray:
+        request = self.engine.submit(ids, lengths)
+        try:
+            out = await request.future
+        finally:
+            if not request.future.done() or request.future.cancelled():
+                request.future.cancel()
+            if request.future.cancelled() or request.future.exception() is not None:
+                self.engine.drop(request)
+        self.estimator.latency(self.estimator.clock() - t0)
+        return out

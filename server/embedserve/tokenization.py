@@ -1,0 +1,62 @@
+"""Texts → right-padded int32 token ids and lengths, with the model's fast tokenizer.
+
+Called from a worker pool, never on the event loop: the Rust tokenizer releases the GIL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from embedserve.errors import InvalidInput
+
+
+class TextTokenizer:
+    def __init__(self, hf_tokenizer, max_length: int, truncate: bool):
+        # A private copy of the Rust tokenizer: the model repo's padding/truncation settings
+        # are replaced by ours (no padding; cut at the largest bucket, or one past it to detect).
+        self._tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._tok.no_padding()
+        self._tok.enable_truncation(max_length if truncate else max_length + 1)
+        self.max_length = max_length
+        self.truncate = truncate
+        self.pad_id = int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0)
+        self.vocab_size = len(hf_tokenizer)
+        self._hf = hf_tokenizer
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """→ ids [n, longest] int32 (pad id after each row), lengths [n]."""
+        encodings = self._tok.encode_batch(texts)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        if not self.truncate:
+            too_long = np.flatnonzero(lengths > self.max_length)
+            if too_long.size:
+                i = int(too_long[0])
+                raise InvalidInput(
+                    f"texts[{i}] is longer than {self.max_length} tokens (the largest bucket) "
+                    "and TRUNCATE is off"
+                )
+        ids = np.full((len(texts), int(lengths.max())), self.pad_id, dtype=np.int32)
+        for row, e in zip(ids, encodings):
+            row[: len(e.ids)] = e.ids
+        return ids, lengths
+
+    def token_ids(self, tokens: tuple[str, ...]) -> list[int]:
+        """EXCLUDE_TOKENS strings → ids; a token the vocabulary lacks is a start-up error."""
+        vocab = self._hf.get_vocab()
+        missing = [t for t in tokens if t not in vocab]
+        if missing:
+            raise ValueError(f"EXCLUDE_TOKENS: not in the model's vocabulary: {', '.join(missing)}")
+        return [vocab[t] for t in tokens]
+
+
+def validate_texts(texts, max_texts: int) -> list[str]:
+    """The checks of an Embed request that need no tokenizer."""
+    if len(texts) == 0:
+        raise InvalidInput("texts is empty: send at least one text")
+    if len(texts) > max_texts:
+        raise InvalidInput(f"{len(texts)} texts exceed MAX_TEXTS_PER_REQUEST={max_texts}")
+    for i, t in enumerate(texts):
+        if not t or t.isspace():
+            raise InvalidInput(f"texts[{i}] is empty or whitespace only")
+    return list(texts)

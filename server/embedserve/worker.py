@@ -1,0 +1,157 @@
+"""The model-worker thread: it loads the model, warms it up (compiling/capturing every shape the
+batcher can produce and measuring where bigger batches stop paying), then runs batches from its
+queue and reports each result. It is the only thread that touches the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from embedserve.batching import bucket_row_limit, choose_cap, ladder_size, ladder_upto, sweep_should_stop
+from embedserve.queues import Batch
+
+log = logging.getLogger(__name__)
+
+# A warm-up batch slower than this is not worth growing further: latency, not throughput.
+SWEEP_MAX_BATCH_S = 0.5
+# Each shape is timed best-of-n over at least this long (single runs of small batches are noisy).
+SWEEP_MIN_TIMING_S = 0.15
+SWEEP_MAX_REPEATS = 5
+
+
+class Runner(Protocol):
+    dim: int
+
+    def run(self, batch: Batch) -> np.ndarray: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupPlan:
+    buckets: Sequence[int]
+    max_batch_size: int
+    max_tokens_per_batch: int
+    static: bool
+    fixed_caps: dict[int, int] | None
+    pad_id: int
+    vocab_size: int
+
+
+@dataclasses.dataclass
+class WarmupResult:
+    caps: dict[int, int]
+    rates: dict[int, float]  # padded tokens/s at each bucket's cap
+
+    @property
+    def service_rate(self) -> float:
+        return float(np.mean(list(self.rates.values()))) if self.rates else 0.0
+
+
+def dummy_batch(bucket: int, rows: int, plan: WarmupPlan, rng: np.random.Generator) -> Batch:
+    low = min(1000, plan.vocab_size - 1)
+    ids = torch.from_numpy(rng.integers(low, plan.vocab_size, size=(rows, bucket), dtype=np.int64))
+    mask = torch.ones((rows, bucket), dtype=torch.int64)
+    return Batch(ids, mask, rows, rows * bucket, [])
+
+
+def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.perf_counter) -> WarmupResult:
+    """Run every shape once (compiling it), time it, and cap each bucket's batch size."""
+    rng = np.random.default_rng(0)
+    caps, rates = {}, {}
+    for b in plan.buckets:
+        limit = bucket_row_limit(b, plan.max_batch_size, plan.max_tokens_per_batch, plan.static)
+        fixed = plan.fixed_caps.get(b) if plan.fixed_caps else None
+        if fixed is not None:
+            top = min(fixed, limit)
+            sizes = ladder_upto(top) if plan.static else (top,)
+        else:
+            sizes = ladder_upto(limit) if plan.static else _powers_of_two(limit)
+        sweep: list[tuple[int, float]] = []
+        for rows in sizes:
+            batch = dummy_batch(b, rows, plan, rng)
+            runner.run(batch)  # first run compiles / captures; not timed
+            dt = _best_time(runner, batch, clock)
+            sweep.append((rows, rows * b / dt))
+            if fixed is None and (sweep_should_stop(sweep) or dt > SWEEP_MAX_BATCH_S):
+                break
+        cap = ladder_size(fixed, ladder_upto(limit)) if (fixed and plan.static) else (fixed or choose_cap(sweep))
+        caps[b] = min(cap, limit)
+        rates[b] = dict(sweep).get(caps[b], sweep[-1][1])
+        log.info("bucket %d: batch cap %d rows (sweep %s)", b, caps[b],
+                 ", ".join(f"{s}:{r:.0f} tok/s" for s, r in sweep))
+    return WarmupResult(caps, rates)
+
+
+def _best_time(runner: Runner, batch: Batch, clock: Callable[[], float]) -> float:
+    best, spent = float("inf"), 0.0
+    for _ in range(SWEEP_MAX_REPEATS):
+        t0 = clock()
+        runner.run(batch)
+        dt = clock() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent >= SWEEP_MIN_TIMING_S:
+            break
+    return max(best, 1e-9)
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    sizes, s = [], 1
+    while s < limit:
+        sizes.append(s)
+        s *= 2
+    return tuple(sizes + [limit])
+
+
+Report = Callable[[Batch, "np.ndarray | BaseException", float], None]
+
+
+class ModelWorker:
+    """Owns the runner on its own thread. `started` is set once loading and warm-up end (check
+    `failure`); `submit` never blocks (the batcher keeps the queue below its cap)."""
+
+    def __init__(self, load: Callable[[], Runner], plan: WarmupPlan, report: Report, maxsize: int):
+        self._load, self._plan, self._report = load, plan, report
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=maxsize)
+        self.started = threading.Event()
+        self.failure: BaseException | None = None
+        self.warmup: WarmupResult | None = None
+        self.runner: Runner | None = None
+        self._thread = threading.Thread(target=self._main, name="model-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, batch: Batch) -> None:
+        self._queue.put_nowait(batch)
+
+    def stop(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        try:
+            self.runner = self._load()
+            self.warmup = warm_up(self.runner, self._plan)
+        except BaseException as e:  # noqa: BLE001 - reported to the starter, which exits
+            self.failure = e
+            log.exception("model load / warm-up failed")
+            return
+        finally:
+            self.started.set()
+        while (batch := self._queue.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                out: np.ndarray | BaseException = self.runner.run(batch)
+            except Exception as e:  # one bad batch fails its own requests, not the server
+                log.exception("batch of %d rows failed", batch.rows)
+                out = e
+            self._report(batch, out, time.perf_counter() - t0)

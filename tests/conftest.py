@@ -1,0 +1,167 @@
+"""Shared test helpers: the packaged model, an independent reference encoder, and real server
+processes started through the real entry point."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fixed caps skip the warm-up sweep (seconds on this CPU); the sweep has its own tests.
+TEST_BATCH_CAPS = "16:8,32:8,64:8,128:8,256:4,512:2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m embedserve` on loopback ports; `wait_ready` polls /health until 200."""
+
+    def __init__(self, env: dict[str, str] | None = None, log_path: Path | None = None):
+        self.grpc_port, self.http_port = free_port(), free_port()
+        full_env = {
+            **os.environ,
+            "BIND_HOST": "127.0.0.1",
+            "GRPC_PORT": str(self.grpc_port),
+            "HTTP_HEALTH_PORT": str(self.http_port),
+            "BATCH_CAPS": TEST_BATCH_CAPS,
+            "LOG_LEVEL": "INFO",
+            **(env or {}),
+        }
+        self.log_path = log_path or Path(f"/tmp/embedserve-test-{self.grpc_port}.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "embedserve"], env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> tuple[int, dict]:
+        import json
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.http + "/health", timeout=2) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if self.health()[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()[-3000:]}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from embedserve.model_source import packaged_model_dir
+
+    return str(packaged_model_dir())
+
+
+class Reference:
+    """Embeddings computed directly with transformers, one text at a time (no padding, no
+    batching), pooled by hand: an implementation independent of embedserve's."""
+
+    def __init__(self, model_dir: str, max_length: int = 512):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.max_length = max_length
+        self._cache: dict = {}
+
+    def embed(self, texts, exclude_ids=(), pooling="mean", normalize=True) -> np.ndarray:
+        return np.stack([self._one(t, tuple(exclude_ids), pooling, normalize) for t in texts])
+
+    def _one(self, text, exclude_ids, pooling, normalize):
+        key = (text, exclude_ids, pooling, normalize)
+        if key not in self._cache:
+            torch = self.torch
+            enc = self.tok(text, truncation=True, max_length=self.max_length, return_tensors="pt")
+            with torch.inference_mode():
+                hidden = self.model(**enc).last_hidden_state[0].double()
+            ids = enc["input_ids"][0].tolist()
+            if pooling == "cls":
+                v = hidden[0]
+            elif pooling == "last":
+                v = hidden[-1]
+            else:
+                keep = [i for i, t in enumerate(ids) if t not in exclude_ids]
+                v = hidden[keep].mean(dim=0)
+            if normalize:
+                v = v / v.norm()
+            self._cache[key] = v.float().numpy()
+        return self._cache[key]
+
+    def tokens(self, text) -> int:
+        return len(self.tok(text, truncation=True, max_length=self.max_length)["input_ids"])
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+WORDS = (
+    "embedding vector search query passage retrieval model token batch bucket latency throughput "
+    "kubernetes operator replica cluster gpu cuda graph compile tensor numpy stream request reply "
+    "the a of and to in is for on with as by at from that this it be are was were not or"
+).split()
+
+
+def make_text(rng: np.random.Generator, words: int) -> str:
+    return " ".join(rng.choice(WORDS, size=max(1, words)))
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    # Functional tests offer bursts far beyond capacity on purpose: admission stays out of the way.
+    server = ServerProcess({"MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    yield server
+    server.stop()

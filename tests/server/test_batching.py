@@ -1,0 +1,126 @@
+"""Table tests of the pure batching decisions, on an injected clock (plain numbers)."""
+
+import pytest
+
+from embedserve.batching import (
+    BucketView,
+    bucket_row_limit,
+    choose_bucket,
+    choose_cap,
+    ladder_size,
+    next_drain,
+    select_rows,
+    sweep_should_stop,
+)
+
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@pytest.mark.parametrize(
+    "length, bucket",
+    [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (129, 256), (512, 512), (900, 512)],
+)
+def test_choose_bucket_is_smallest_that_fits(length, bucket):
+    assert choose_bucket(length, BUCKETS) == bucket
+
+
+@pytest.mark.parametrize("rows, size", [(1, 8), (8, 8), (9, 16), (100, 128), (512, 512)])
+def test_ladder_size(rows, size):
+    assert ladder_size(rows) == size
+
+
+def test_ladder_size_rejects_more_than_largest():
+    with pytest.raises(ValueError, match="exceed"):
+        ladder_size(513)
+
+
+@pytest.mark.parametrize(
+    "bucket, max_batch, max_tokens, static, limit",
+    [
+        (16, 512, 32768, False, 512),
+        (512, 512, 32768, False, 64),
+        (512, 512, 32768, True, 64),
+        (256, 512, 30000, False, 117),
+        (256, 512, 30000, True, 64),  # rounded down to a captured size
+        (512, 512, 100, False, 1),  # a single row always fits
+    ],
+)
+def test_bucket_row_limit(bucket, max_batch, max_tokens, static, limit):
+    assert bucket_row_limit(bucket, max_batch, max_tokens, static) == limit
+
+
+def v(length, rows, oldest, cap=8):
+    return BucketView(length, rows, oldest, cap)
+
+
+DEADLINE = 0.05
+
+
+@pytest.mark.parametrize(
+    "views, now, idle, bucket, reason",
+    [
+        ([v(16, 0, 0), v(32, 0, 0)], 1.0, True, None, ""),
+        # a stale bucket beats a full one, and the oldest stale bucket goes first
+        ([v(16, 8, 0.99), v(32, 1, 0.90), v(64, 1, 0.94)], 1.0, False, 32, "stale"),
+        # full buckets go even while the worker is busy; the oldest full one first
+        ([v(16, 8, 0.99), v(32, 9, 0.98), v(64, 1, 0.995)], 1.0, False, 32, "full"),
+        # idle worker: no waiting out the deadline; the bucket holding the most tokens goes
+        ([v(16, 3, 0.999), v(128, 1, 0.9995)], 1.0, True, 128, "idle"),
+        ([v(16, 1, 0.999)], 1.0, True, 16, "idle"),
+    ],
+)
+def test_next_drain_priority(views, now, idle, bucket, reason):
+    d = next_drain(views, now, DEADLINE, idle)
+    assert (d.bucket, d.reason) == (bucket, reason)
+
+
+def test_next_drain_waits_for_the_earliest_deadline_when_busy():
+    d = next_drain([v(16, 2, 0.99), v(64, 1, 0.97)], 1.0, DEADLINE, worker_idle=False)
+    assert d.bucket is None
+    assert d.wake_at == pytest.approx(0.97 + DEADLINE)
+
+
+def test_next_drain_becomes_stale_exactly_at_the_deadline():
+    views = [v(16, 1, 1.0)]
+    assert next_drain(views, 1.0 + DEADLINE - 1e-6, DEADLINE, False).bucket is None
+    assert next_drain(views, 1.0 + DEADLINE, DEADLINE, False).reason == "stale"
+
+
+def test_select_rows_always_takes_the_oldest_then_nearest_lengths():
+    lengths = [40, 64, 33, 41, 60, 39, 35]
+    assert select_rows(lengths, cap=3, max_tokens=10_000) == [0, 3, 5]
+
+
+def test_select_rows_respects_cap_and_token_budget():
+    lengths = [10, 10, 10, 10, 10]
+    assert select_rows(lengths, cap=2, max_tokens=10_000) == [0, 1]
+    assert select_rows(lengths, cap=8, max_tokens=30) == [0, 1, 2]
+    # static shapes: every row costs the padded length
+    assert select_rows(lengths, cap=8, max_tokens=64, pad_to=16) == [0, 1, 2, 3]
+
+
+def test_select_rows_skips_a_row_that_would_break_the_budget_but_keeps_smaller_ones():
+    # The 60-token row would make 3 rows × 60 > 130; the 20-token row still fits.
+    assert select_rows([20, 60, 21], cap=3, max_tokens=130) == [0, 2]
+
+
+def test_select_rows_oldest_row_goes_even_alone_over_budget():
+    assert select_rows([500], cap=4, max_tokens=100) == [0]
+
+
+@pytest.mark.parametrize(
+    "sweep, cap",
+    [
+        ([(1, 1000), (2, 1900), (4, 3000), (8, 3100), (16, 2000)], 4),  # 3000 >= 0.95 × 3100
+        ([(1, 1000), (2, 1900), (4, 2500), (8, 3100)], 8),
+        ([(8, 100), (16, 400), (32, 800), (64, 1600)], 64),  # GPU-like: keeps growing
+        ([(1, 500)], 1),
+    ],
+)
+def test_choose_cap_is_smallest_batch_near_the_best(sweep, cap):
+    assert choose_cap(sweep) == cap
+
+
+def test_sweep_stops_once_throughput_clearly_falls():
+    assert not sweep_should_stop([(1, 100), (2, 180), (4, 170)])
+    assert sweep_should_stop([(1, 100), (2, 180), (4, 140)])

@@ -1,0 +1,61 @@
+import pytest
+
+from embedserve.config import PACKAGED_MODEL, ConfigError, Settings
+
+
+def test_defaults_match_the_design_contract():
+    s = Settings.from_env({})
+    assert s.model_path == PACKAGED_MODEL
+    assert (s.grpc_port, s.http_port) == (50051, 8001)
+    assert (s.max_batch_size, s.max_tokens_per_batch) == (512, 32768)
+    assert s.buckets == (16, 32, 64, 128, 256, 512)
+    assert s.deadline_wait_ms == 50 and s.gpu_queue_maxsize == 4
+    assert s.backpressure_throughput and not s.backpressure_latency
+    assert (s.pooling, s.normalize, s.exclude_tokens) == ("mean", True, ())
+    assert (s.truncate, s.max_texts_per_request) == (True, 512)
+    assert (s.compile, s.dtype, s.task, s.trust_remote_code) == ("auto", "auto", "auto", False)
+
+
+def test_values_are_parsed():
+    s = Settings.from_env({
+        "BUCKETS": "8, 64,128", "EXCLUDE_TOKENS": "[a],[b]", "NORMALIZE": "false",
+        "BATCH_CAPS": "8:4,64:2", "POOLING": "CLS", "TRUST_REMOTE_CODE": "1",
+    })
+    assert s.buckets == (8, 64, 128)
+    assert s.exclude_tokens == ("[a]", "[b]")
+    assert s.normalize is False and s.trust_remote_code is True
+    assert s.batch_caps == {8: 4, 64: 2}
+    assert s.pooling == "cls"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"GRPC_PORT": "abc"}, "GRPC_PORT='abc': expected an integer"),
+        ({"POOLING": "max"}, "POOLING='max': expected one of mean, cls, last"),
+        ({"BUCKETS": "64,32"}, "BUCKETS"),
+        ({"NORMALIZE": "maybe"}, "NORMALIZE='maybe'"),
+        ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE=0: must be >= 1"),
+        ({"BATCH_CAPS": "16"}, "BATCH_CAPS"),
+        ({"LATENCY_SOFT_MS": "900", "LATENCY_HARD_MS": "100"}, "LATENCY_SOFT_MS"),
+    ],
+)
+def test_bad_values_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        Settings.from_env(env)
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import embedserve.config as mod
+
+    tree = ast.parse(inspect.getsource(mod.Settings))
+    body = tree.body[0].body
+    fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+    documented = {
+        body[i].target.id for i in range(len(body) - 1)
+        if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)
+    }
+    assert set(fields) == documented

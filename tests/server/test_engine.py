@@ -1,0 +1,127 @@
+"""The engine with a stand-in model whose output is a known function of each row's tokens, so
+routing, ordering, cancellation and failure isolation can be checked exactly and fast."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from embedserve.engine import Engine, split_by_bucket
+from embedserve.errors import ModelFailure
+from embedserve.estimator import Estimator
+from embedserve.worker import WarmupPlan
+
+BUCKETS = (4, 8, 16)
+POISON = 13
+
+
+class RowSums:
+    """'Embeds' a row as (sum of its attended ids, its length). Raises on POISON."""
+
+    dim = 2
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.batches: list[tuple[int, int]] = []
+
+    def run(self, batch):
+        self.gate.wait()
+        ids, mask = batch.input_ids, batch.attention_mask
+        if batch.routes and (ids[mask.bool()] == POISON).any():
+            raise RuntimeError("poisoned batch")
+        if batch.routes:  # not a warm-up batch
+            self.batches.append(tuple(ids.shape))
+        return torch.stack([(ids * mask).sum(1), mask.sum(1)], 1)[: batch.rows].float().numpy()
+
+    def memory(self):
+        return {}
+
+
+def expected(rows):
+    return np.array([[sum(r), len(r)] for r in rows], dtype=np.float32)
+
+
+def as_tensor(rows):
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    return torch.from_numpy(ids), np.array([len(r) for r in rows])
+
+
+async def started_engine(runner, static=False, caps=None):
+    plan = WarmupPlan(BUCKETS, 64, 1024, static, caps or {4: 8, 8: 8, 16: 8}, 0, 100)
+    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4)
+    await engine.start()
+    return engine
+
+
+def random_rows(rng, n):
+    return [list(rng.integers(1, 12, size=rng.integers(1, 17))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("static", [False, True])
+async def test_concurrent_requests_get_their_own_rows_in_order(static):
+    runner = RowSums()
+    engine = await started_engine(runner, static)
+    rng = np.random.default_rng(1)
+    requests = [random_rows(rng, int(rng.integers(1, 9))) for _ in range(200)]
+    futures = [engine.submit(*as_tensor(rows)).future for rows in requests]
+    results = await asyncio.gather(*futures)
+    for rows, out in zip(requests, results):
+        np.testing.assert_array_equal(out, expected(rows))
+    assert engine.estimator.snapshot().queued_tokens == 0
+    if static:  # captured shapes only: ladder batch sizes, bucket-length rows
+        assert {b for b, _ in runner.batches} <= {8, 16, 32, 64} and {w for _, w in runner.batches} <= set(BUCKETS)
+    else:  # no dummy rows
+        assert all(b <= 8 for b, _ in runner.batches)
+    await engine.stop()
+
+
+async def test_dropped_requests_never_reach_the_model_and_leave_the_backlog():
+    runner = RowSums()
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1})
+    runner.gate.clear()  # the worker blocks on its first batch
+    first = engine.submit(*as_tensor([[1, 2]]))
+    await asyncio.sleep(0)  # let the batcher hand it to the worker
+    while engine.in_worker == 0:
+        await asyncio.sleep(0.001)
+    queued = [engine.submit(*as_tensor([[3] * 5, [4] * 9])) for _ in range(50)]
+    assert engine.estimator.snapshot().queued_tokens > 50 * 14 - 100
+    for request in queued:
+        request.future.cancel()
+        engine.drop(request)
+    runner.gate.set()
+    assert (await first.future).tolist() == [[3.0, 2.0]]
+    while engine.in_worker:
+        await asyncio.sleep(0.001)
+    assert engine.estimator.snapshot().queued_tokens == 0
+    assert runner.batches == [(1, 2)]  # none of the 100 dropped rows ran
+    assert all(not engine.queues.rows[b] for b in BUCKETS)
+    await engine.stop()
+
+
+async def test_a_failing_batch_fails_only_its_requests():
+    runner = RowSums()
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1})
+    good = [engine.submit(*as_tensor([[1, 2, 3]])) for _ in range(5)]
+    bad = engine.submit(*as_tensor([[POISON, 1], [2, 2, 2, 2, 2, 2]]))  # two buckets, one poisoned
+    more = [engine.submit(*as_tensor([[5] * 10])) for _ in range(5)]
+    for r in good + more:
+        assert (await r.future).shape == (1, 2)
+    with pytest.raises(ModelFailure, match="poisoned batch"):
+        await bad.future
+    while engine.in_worker:
+        await asyncio.sleep(0.001)
+    assert engine.estimator.snapshot().queued_tokens == 0
+    later = engine.submit(*as_tensor([[7, 7]]))
+    assert (await later.future).tolist() == [[14.0, 2.0]]
+    await engine.stop()
+
+
+def test_split_by_bucket_groups_positions():
+    groups = split_by_bucket(np.array([3, 9, 4, 16, 20, 5]), BUCKETS)
+    assert [(b, p.tolist()) for b, p in groups] == [(4, [0, 2]), (8, [5]), (16, [1, 3, 4])]

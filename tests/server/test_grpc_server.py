@@ -1,0 +1,110 @@
+"""The real server process, the real packaged model, real gRPC over loopback."""
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.client import Client, decode_embeddings
+from tests.conftest import make_text
+
+BUCKETS = (16, 32, 64, 128, 256, 512)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def stub(default_server):
+    channel = grpc.insecure_channel(default_server.target)
+    yield pb_grpc.InferenceStub(channel)
+    channel.close()
+
+
+def spanning_texts(reference):
+    rng = np.random.default_rng(7)
+    texts = [make_text(rng, n) for n in (1, 6, 12, 25, 45, 90, 170, 330, 700)]
+    covered = {next(b for b in BUCKETS if b >= min(reference.tokens(t), 512)) for t in texts}
+    assert covered == set(BUCKETS), "the texts must land in every bucket"
+    return texts
+
+
+def test_embed_equals_the_transformers_reference_in_every_bucket(stub, reference):
+    texts = spanning_texts(reference)
+    out = decode_embeddings(stub.Embed(pb.EmbedRequest(texts=texts)))
+    assert out.shape == (len(texts), 384)
+    assert np.abs(out - reference.embed(texts)).max() <= TOL
+
+
+def test_infer_equals_the_reference_for_pretokenized_rows(stub, reference):
+    texts = spanning_texts(reference)
+    enc = reference.tok(texts, truncation=True, max_length=512, padding=True, return_tensors="np")
+    ids, mask = enc["input_ids"].astype("<i4"), enc["attention_mask"].astype("<i4")
+    req = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape))
+    out = decode_embeddings(stub.Infer(req))
+    assert np.abs(out - reference.embed(texts)).max() <= TOL
+
+
+async def test_500_concurrent_requests_each_get_their_own_rows(default_server, reference):
+    rng = np.random.default_rng(11)
+    pool = [make_text(rng, int(n)) for n in rng.integers(1, 120, size=300)]
+    requests = [list(rng.choice(pool, size=int(rng.integers(1, 9)))) for _ in range(500)]
+    async with Client(default_server.target, timeout_s=120) as client:
+        results = await asyncio.gather(*(client.embed(texts) for texts in requests))
+    worst = max(float(np.abs(out - reference.embed(texts)).max()) for texts, out in zip(requests, results))
+    assert worst <= TOL
+    assert [len(out) for out in results] == [len(t) for t in requests]
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (pb.EmbedRequest(texts=[]), "texts is empty"),
+        (pb.EmbedRequest(texts=["ok", "   "]), r"texts\[1\] is empty or whitespace"),
+        (pb.EmbedRequest(texts=["x"] * 513), "513 texts exceed MAX_TEXTS_PER_REQUEST=512"),
+        (pb.InferRequest(input_ids=b"\x01\x00\x00", attention_mask=b"\x01\x00\x00\x00", shape=[1, 1]), "multiple of 4"),
+        (pb.InferRequest(input_ids=np.array([[101, 99999]], "<i4").tobytes(),
+                         attention_mask=np.ones((1, 2), "<i4").tobytes(), shape=[1, 2]), "vocabulary size 30522"),
+        (pb.InferRequest(input_ids=np.ones(4, "<i4").tobytes(), attention_mask=np.ones(4, "<i4").tobytes(), shape=[2, 3]), "needs 6"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(stub, request_, message):
+    method = stub.Embed if isinstance(request_, pb.EmbedRequest) else stub.Infer
+    with pytest.raises(grpc.RpcError) as e:
+        method(request_)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() and __import__("re").search(message, e.value.details())
+    assert decode_embeddings(stub.Embed(pb.EmbedRequest(texts=["still serving"]))).shape == (1, 384)
+
+
+def test_health_protocols_and_reflection(default_server, stub):
+    channel = grpc.insecure_channel(default_server.target)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "embedfleet.v1.Inference"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    ours = stub.HealthCheck(pb.HealthCheckRequest())
+    assert ours.status in ("healthy", "degraded") and ours.embedding_dimension == 384
+    assert ours.service_rate_tokens_per_sec > 0  # seeded by warm-up
+    code, fields = default_server.health()
+    assert code == 200 and fields["embedding_dimension"] == 384
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"embedfleet.v1.Inference", "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+def test_cli_client_prints_dimension_and_values(default_server):
+    out = subprocess.run(
+        [sys.executable, "-m", "embedserve.client", "--target", default_server.target, "hello world", "second text"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "2 embeddings, dimension 384" in out.stdout
+    assert "'hello world'" in out.stdout
