@@ -26,6 +26,10 @@ class Policy:
     max_drain_s: float
     latency_soft_s: float
     latency_hard_s: float
+    # Padded tokens of the largest batch the batcher forms. A batch takes a bucket's rows
+    # together, so a row can be overtaken by one batch of rows admitted after it: that much
+    # is held back from the drain budget, so accepted requests finish within MAX_DRAIN_TIME_MS.
+    reorder_tokens: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,7 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float) -> D
     if policy.throughput and snap.queued_tokens > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
-        after = snap.queued_tokens + cost_tokens
+        after = snap.queued_tokens + cost_tokens + policy.reorder_tokens
         rate = snap.service_rate
         if rate <= 0 or after / rate > policy.max_drain_s:
             excess_s = (after - policy.max_drain_s * rate) / rate if rate > 0 else policy.max_drain_s

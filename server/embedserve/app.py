@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from embedserve import admission, grpc_server, http_server
+from embedserve import admission, grpc_server, http_server, simulated
 from embedserve.config import Settings
 from embedserve.encoder import Encoder, Placement, choose_placement
 from embedserve.engine import Engine
@@ -24,8 +24,9 @@ from embedserve.worker import WarmupPlan
 log = logging.getLogger(__name__)
 
 
-def policy_from(settings: Settings) -> admission.Policy:
+def policy_from(settings: Settings, caps: dict[int, int]) -> admission.Policy:
     return admission.Policy(
+        reorder_tokens=max(bucket * rows for bucket, rows in caps.items()),
         throughput=settings.backpressure_throughput,
         latency=settings.backpressure_latency,
         max_drain_s=settings.max_drain_time_ms / 1000,
@@ -74,26 +75,38 @@ class Server:
         s = self.settings
         from transformers import AutoConfig, AutoTokenizer
 
-        model_dir = str(await asyncio.to_thread(resolve, s.model_path, s.model_cache_dir))
+        sim_rate = simulated.parse(s.model_path)
+        source = "" if sim_rate else s.model_path  # the simulator borrows the packaged tokenizer
+        model_dir = str(await asyncio.to_thread(resolve, source, s.model_cache_dir))
         config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
         hf_tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
         buckets = usable_buckets(s.buckets, getattr(config, "max_position_embeddings", None))
         tokenizer = TextTokenizer(hf_tok, buckets[-1], s.truncate)
         exclude = tokenizer.token_ids(s.exclude_tokens)
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() and not sim_rate
         self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
+        if sim_rate:
+            self.placement = Placement(torch.device("cpu"), torch.float32, False, False)
         plan = WarmupPlan(
             buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
             s.batch_caps, tokenizer.pad_id, tokenizer.vocab_size,
         )
         placement = self.placement
+
+        def load():
+            if sim_rate:
+                return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
+            return Encoder(model_dir, s, placement, exclude)
+
         self.engine = Engine(
-            plan, lambda: Encoder(model_dir, s, placement, exclude), self.estimator,
-            s.deadline_wait_ms / 1000, s.gpu_queue_maxsize, on_batch=self.metrics.batch_ran,
+            plan, load, self.estimator,
+            s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
+            lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
+            on_batch=self.metrics.batch_ran,
         )
         await self.engine.start()
         self.service = EmbeddingService(
-            self.engine, tokenizer, self.estimator, policy_from(s),
+            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.caps),
             Limits(s.max_texts_per_request, buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics,
         )

@@ -49,7 +49,11 @@ class Settings:
     deadline_wait_ms: float = 50.0
     """DEADLINE_WAIT_MS: oldest-row age that makes a bucket stale (drained first)."""
     gpu_queue_maxsize: int = 4
-    """GPU_QUEUE_MAXSIZE: cap of the worker's input queue; the batcher pauses at 2 pending."""
+    """GPU_QUEUE_MAXSIZE: cap of the worker's input queue."""
+    batch_lookahead: int | None = None
+    """BATCH_LOOKAHEAD: batches formed ahead of the running one (the batcher pauses beyond).
+    Default: 2 on GPU and the simulated accelerator (the host prepares while the device
+    computes), 0 on CPU (nothing to overlap; a batch formed later is fuller)."""
     backpressure_throughput: bool = True
     """BACKPRESSURE_THROUGHPUT_ENABLED: reject when admitting would push drain time past
     MAX_DRAIN_TIME_MS."""
@@ -103,6 +107,7 @@ class Settings:
             batch_caps=s.caps("BATCH_CAPS"),
             deadline_wait_ms=s.float("DEADLINE_WAIT_MS", d.deadline_wait_ms),
             gpu_queue_maxsize=s.int("GPU_QUEUE_MAXSIZE", d.gpu_queue_maxsize, low=1),
+            batch_lookahead=s.optional_int("BATCH_LOOKAHEAD"),
             backpressure_throughput=s.bool("BACKPRESSURE_THROUGHPUT_ENABLED", d.backpressure_throughput),
             backpressure_latency=s.bool("BACKPRESSURE_LATENCY_ENABLED", d.backpressure_latency),
             max_drain_time_ms=s.float("MAX_DRAIN_TIME_MS", d.max_drain_time_ms),
@@ -152,6 +157,9 @@ class _Reader:
         if n < low:
             raise ConfigError(f"{name}={n}: must be >= {low}")
         return n
+
+    def optional_int(self, name: str) -> int | None:
+        return None if self._raw(name) is None else self.int(name, 0)
 
     def float(self, name: str, default: float) -> float:
         v = self._raw(name)

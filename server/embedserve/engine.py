@@ -20,9 +20,6 @@ from embedserve.worker import ModelWorker, Runner, WarmupPlan
 
 log = logging.getLogger(__name__)
 
-# The batcher stops forming batches while this many wait behind the running one: enough to keep
-# the device fed, few enough that batches are formed late (and so full).
-QUEUED_BATCHES_HOLD = 2
 
 
 class Engine:
@@ -33,6 +30,7 @@ class Engine:
         estimator: Estimator,
         deadline_s: float,
         worker_queue_size: int,
+        lookahead: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
     ):
@@ -42,7 +40,10 @@ class Engine:
         self.deadline_s = deadline_s
         self.clock = clock
         self.queues = BucketQueues(plan.buckets, plan.static)
-        self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, QUEUED_BATCHES_HOLD + 1))
+        # Batches formed ahead of the running one. A GPU wants two (the host prepares while the
+        # device computes); a CPU has nothing to overlap, and a batch formed later is fuller.
+        self.lookahead = lookahead
+        self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, lookahead + 1))
         self.caps: dict[int, int] = {}
         self.dim = 0
         self.in_worker = 0  # batches submitted and not yet reported
@@ -113,7 +114,7 @@ class Engine:
     def _form_batches(self) -> float | None:
         """Submit batches while the decision says so; → seconds until the next look (None:
         wait for news)."""
-        while self.in_worker - 1 < QUEUED_BATCHES_HOLD:
+        while self.in_worker <= self.lookahead:
             now = self.clock()
             drain = next_drain(self.queues.views(self.caps), now, self.deadline_s, self.in_worker == 0)
             if drain.bucket is None:

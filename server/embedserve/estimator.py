@@ -83,7 +83,7 @@ class Snapshot:
 
     service_rate: float  # padded tokens / s of model time
     arrival_rate: float  # offered tokens / s, admitted + rejected
-    queued_tokens: int  # admitted, not yet computed
+    queued_tokens: int  # admitted, not yet computed, in padded tokens
     p95_latency_s: float
 
     @property
@@ -109,6 +109,9 @@ class Estimator:
         self._arrival = DecayingRate(arrival_tau_s)
         self._latency = LatencyWindow(latency_window_s)
         self._queued = 0
+        # Padded tokens a batch runs per token its rows counted in the backlog (>= 1 when rows
+        # pad to the batch's longest): converts the backlog to the service rate's units.
+        self._padding = 1.0
         self.chars_per_token = 4.0  # learned: estimates a text's tokens before tokenizing it
 
     def seed_service_rate(self, tokens_per_s: float) -> None:
@@ -135,6 +138,8 @@ class Estimator:
             self._queued -= queued_tokens
             if busy_s > 0:
                 self._service.add(padded_tokens, busy_s)
+            if queued_tokens > 0:
+                self._padding += 0.1 * (padded_tokens / queued_tokens - self._padding)
 
     def latency(self, seconds: float) -> None:
         with self._lock:
@@ -148,5 +153,6 @@ class Estimator:
         with self._lock:
             now = self.clock()
             return Snapshot(
-                self._service.read(), self._arrival.read(now), self._queued, self._latency.p95(now)
+                self._service.read(), self._arrival.read(now), round(self._queued * self._padding),
+                self._latency.p95(now),
             )

@@ -63,6 +63,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if service is None:
                 raise NotReady("server is warming up")
             out = await run(service, is_retry(context.invocation_metadata()))
+            context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))

@@ -83,10 +83,17 @@ class EmbeddingService:
         cpt = self.estimator.chars_per_token
         estimate = sum(min(per_text_cap, len(t) / cpt + 2) for t in texts)
         self._admit(estimate, retry)
-        loop = asyncio.get_running_loop()
-        ids, lengths = await loop.run_in_executor(self.executor, self.tokenizer.encode, texts)
+        # The estimate stays in the backlog until the real rows replace it, so requests admitted
+        # while this one is being tokenized see it.
+        self.estimator.enqueued(round(estimate))
+        try:
+            loop = asyncio.get_running_loop()
+            ids, lengths = await loop.run_in_executor(self.executor, self.tokenizer.encode, texts)
+            request = self.engine.submit(torch.from_numpy(ids), lengths)
+        finally:
+            self.estimator.dequeued(round(estimate))
         self.estimator.learn_chars_per_token(sum(map(len, texts)), int(lengths.sum()))
-        return await self._run(torch.from_numpy(ids), lengths, t0)
+        return await self._wait(request, t0)
 
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> np.ndarray:
         t0 = self.estimator.clock()
@@ -103,7 +110,7 @@ class EmbeddingService:
             # The request's bytes are read-only; nothing downstream writes to them.
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(ids)
-        return await self._run(tensor, lengths, t0)
+        return await self._wait(self.engine.submit(tensor, lengths), t0)
 
     def _check_ready(self) -> None:
         if not self.ready:
@@ -118,8 +125,7 @@ class EmbeddingService:
             self.observer.rejected(decision.reason)
             raise Overloaded(decision.reason, decision.retry_after_ms)
 
-    async def _run(self, ids: torch.Tensor, lengths: np.ndarray, t0: float) -> np.ndarray:
-        request = self.engine.submit(ids, lengths)
+    async def _wait(self, request, t0: float) -> np.ndarray:
         try:
             out = await request.future
         finally:

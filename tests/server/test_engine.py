@@ -52,9 +52,9 @@ def as_tensor(rows):
     return torch.from_numpy(ids), np.array([len(r) for r in rows])
 
 
-async def started_engine(runner, static=False, caps=None):
+async def started_engine(runner, static=False, caps=None, lookahead=2):
     plan = WarmupPlan(BUCKETS, 64, 1024, static, caps or {4: 8, 8: 8, 16: 8}, 0, 100)
-    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4)
+    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4, lookahead=lookahead)
     await engine.start()
     return engine
 
@@ -63,10 +63,10 @@ def random_rows(rng, n):
     return [list(rng.integers(1, 12, size=rng.integers(1, 17))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("static", [False, True])
-async def test_concurrent_requests_get_their_own_rows_in_order(static):
+@pytest.mark.parametrize("static, lookahead", [(False, 0), (False, 2), (True, 2)])
+async def test_concurrent_requests_get_their_own_rows_in_order(static, lookahead):
     runner = RowSums()
-    engine = await started_engine(runner, static)
+    engine = await started_engine(runner, static, lookahead=lookahead)
     rng = np.random.default_rng(1)
     requests = [random_rows(rng, int(rng.integers(1, 9))) for _ in range(200)]
     futures = [engine.submit(*as_tensor(rows)).future for rows in requests]

@@ -1,0 +1,78 @@
+"""Both admission strategies as pure decisions, and the health status they imply."""
+
+import random
+
+import pytest
+
+from embedserve.admission import Policy, decide, status
+from embedserve.estimator import Snapshot
+
+POLICY = Policy(throughput=True, latency=True, max_drain_s=0.5, latency_soft_s=0.2, latency_hard_s=1.0)
+
+
+def snap(queued=0, rate=1000.0, p95=0.0):
+    return Snapshot(service_rate=rate, arrival_rate=0.0, queued_tokens=queued, p95_latency_s=p95)
+
+
+@pytest.mark.parametrize(
+    "queued, cost, admit",
+    [
+        (0, 10_000, True),  # an empty queue admits even a request larger than the budget
+        (400, 100, True),  # exactly 0.5 s after admitting
+        (400, 101, False),
+        (499, 2, False),
+    ],
+)
+def test_throughput_strategy_predicts_the_drain_time(queued, cost, admit):
+    d = decide(snap(queued), cost, POLICY, draw=0.99)
+    assert d.admit is admit
+    if not admit:
+        assert d.reason == "drain_time"
+        # retry after the excess has drained at the service rate
+        assert d.retry_after_ms == pytest.approx((queued + cost - 500) / 1000 * 1000, abs=1)
+
+
+def test_one_largest_batch_is_held_back_for_reordering():
+    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_tokens=100)
+    assert decide(snap(300), 100, policy, 0.99).admit  # 300 + 100 + 100 = 0.5 s
+    d = decide(snap(301), 100, policy, 0.99)
+    assert not d.admit and d.retry_after_ms == 1
+
+
+def test_throughput_strategy_can_be_disabled():
+    off = Policy(False, False, 0.5, 0.2, 1.0)
+    assert decide(snap(100_000), 100, off, 0.0).admit
+
+
+def test_unknown_service_rate_with_a_backlog_refuses():
+    d = decide(snap(queued=10, rate=0.0), 10, POLICY, 0.99)
+    assert not d.admit and d.retry_after_ms >= 1
+
+
+def test_latency_hard_rejects_everything_soft_sheds_a_quarter():
+    assert decide(snap(p95=1.5), 1, POLICY, draw=0.99).reason == "latency_hard"
+    rng = random.Random(42)
+    draws = 20_000
+    shed = sum(not decide(snap(p95=0.5), 1, POLICY, rng.random()).admit for _ in range(draws))
+    assert shed / draws == pytest.approx(0.25, abs=0.01)
+    assert decide(snap(p95=0.1), 1, POLICY, draw=0.0).admit
+
+
+def test_latency_recovery_once_the_window_empties():
+    # With nothing admitted, the time window empties and P95 reads 0: admission resumes.
+    assert not decide(snap(p95=1.5), 1, POLICY, 0.5).admit
+    assert decide(snap(p95=0.0), 1, POLICY, 0.5).admit
+
+
+@pytest.mark.parametrize(
+    "s, ready, rejecting, expected",
+    [
+        (snap(), False, False, "starting"),
+        (snap(), True, False, "healthy"),
+        (snap(queued=450), True, False, "degraded"),  # 0.45 s of 0.5 s
+        (snap(p95=0.19), True, False, "degraded"),
+        (snap(), True, True, "overloaded"),
+    ],
+)
+def test_status(s, ready, rejecting, expected):
+    assert status(s, POLICY, ready, rejecting) == expected

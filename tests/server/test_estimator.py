@@ -1,0 +1,90 @@
+"""The estimator on an injected clock: EMA convergence, idle decay, drain, P95 window."""
+
+import math
+
+import pytest
+
+from embedserve.estimator import BusyTimeRate, DecayingRate, Estimator, LatencyWindow
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_arrival_rate_converges_to_a_steady_stream_and_decays_when_idle():
+    r = DecayingRate(tau=5.0)
+    t = 0.0
+    for _ in range(600):  # 60 s of 100 tokens every 0.1 s = 1000 tokens/s
+        t += 0.1
+        r.add(100, t)
+    assert r.read(t) == pytest.approx(1000, rel=0.02)
+    assert r.read(t + 5) == pytest.approx(1000 / math.e, rel=0.02)
+    assert r.read(t + 60) < 1
+
+
+def test_arrival_rate_follows_a_step_within_a_few_tau():
+    r = DecayingRate(tau=2.0)
+    t = 0.0
+    for _ in range(200):
+        t += 0.05
+        r.add(50, t)  # 1000/s
+    for _ in range(200):
+        t += 0.05
+        r.add(150, t)  # 3000/s for 10 s = 5 tau
+    assert r.read(t) == pytest.approx(3000, rel=0.03)
+
+
+def test_service_rate_weighs_batches_by_busy_time_and_forgets_the_seed():
+    s = BusyTimeRate(tau=1.0)
+    s.seed(10_000)
+    assert s.read() == 10_000
+    for _ in range(100):  # 5 s of busy time at 4000 tokens/s, in uneven batches
+        s.add(400, 0.1)
+        s.add(0, 0.0)
+    assert s.read() == pytest.approx(4000, rel=0.02)
+    big_and_small = BusyTimeRate(tau=100.0)
+    big_and_small.add(9000, 1.0)  # 9000/s for a long batch
+    big_and_small.add(10, 0.01)  # 1000/s for a tiny one: barely moves the estimate
+    assert big_and_small.read() == pytest.approx(9010 / 1.01, rel=1e-3)
+
+
+def test_p95_over_a_time_window_ages_out():
+    w = LatencyWindow(window=10.0, refresh=0.0)
+    for i in range(100):
+        w.add(0.010 if i < 94 else 1.0, now=i * 0.01)
+    assert w.p95(1.0) > 0.5  # 6% slow: P95 lands among them
+    assert w.p95(11.5) == 0.0  # all aged out
+
+
+def test_p95_is_cached_between_refreshes():
+    w = LatencyWindow(window=10.0, refresh=0.1)
+    w.add(0.01, 0.0)
+    assert w.p95(0.0) == pytest.approx(0.01)
+    w.add(5.0, 0.05)
+    assert w.p95(0.05) == pytest.approx(0.01)  # cached
+    assert w.p95(0.2) > 1.0
+
+
+def test_backlog_and_drain_time():
+    clock = Clock()
+    e = Estimator(clock=clock)
+    e.seed_service_rate(2000)
+    e.enqueued(1000)
+    snap = e.snapshot()
+    assert snap.queued_tokens == 1000 and snap.drain_s == pytest.approx(0.5)
+    e.computed(queued_tokens=600, padded_tokens=700, busy_s=0.35)
+    e.dequeued(400)  # a cancelled request's rows
+    snap = e.snapshot()
+    assert snap.queued_tokens == 0 and snap.drain_s == 0
+    assert snap.service_rate == pytest.approx(2000, rel=1e-6)  # 700 / 0.35 = 2000
+
+
+def test_chars_per_token_is_learned():
+    e = Estimator()
+    for _ in range(200):
+        e.learn_chars_per_token(600, 100)
+    assert e.chars_per_token == pytest.approx(6.0, rel=0.01)

@@ -1,0 +1,85 @@
+"""Overload against a real server process: ~3× capacity offered for a bounded time.
+
+The server runs the simulated accelerator (MODEL_PATH=sim:RATE), so its capacity is known and
+independent of this small CPU, which the load generator shares; tokenizer, batching, admission,
+gRPC and metrics are the real ones."""
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.loadgen import call, open_loop
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, make_text
+
+SIM_RATE = 4000  # padded tokens/s of the simulated device
+MAX_DRAIN_MS = 400
+CAPS = "16:16,32:16,64:8,128:4,256:2,512:1"
+LOAD_S = 12
+
+
+@pytest.fixture(scope="module")
+def sim_server():
+    server = ServerProcess({
+        "MODEL_PATH": f"sim:{SIM_RATE}", "MAX_DRAIN_TIME_MS": str(MAX_DRAIN_MS), "BATCH_CAPS": CAPS,
+    }).wait_ready()
+    yield server
+    server.stop()
+
+
+async def test_three_times_capacity(sim_server, reference):
+    rng = np.random.default_rng(3)
+    texts = [make_text(rng, int(n)) for n in rng.integers(8, 40, size=200)]
+    tokens = {t: reference.tokens(t) for t in texts}
+    capacity = sim_server.health()[1]["service_rate_tokens_per_sec"]
+    assert 0.5 * SIM_RATE < capacity <= SIM_RATE  # warm-up measured the simulated device
+    mean_tokens = np.mean(list(tokens.values()))
+    rate = 3 * capacity / mean_tokens  # requests/s
+
+    channel = grpc.aio.insecure_channel(sim_server.target)
+    stub = pb_grpc.InferenceStub(channel)
+    picks = iter(rng.choice(texts, size=100_000))
+
+    async def send():
+        text = next(picks)
+        return await call(stub.Embed, pb.EmbedRequest(texts=[text]), tokens[text], timeout_s=30)
+
+    arrival_rates = []
+
+    async def watch_arrival_rate():
+        await asyncio.sleep(LOAD_S - 1)
+        arrival_rates.append(sim_server.health()[1]["arrival_rate_tokens_per_sec"])
+
+    watcher = asyncio.ensure_future(watch_arrival_rate())
+    outcomes, sent_for = await open_loop(send, rate, LOAD_S, seed=5)
+    await watcher
+    await channel.close()
+
+    codes = {o.code for o in outcomes}
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, codes  # nothing else, nothing hanging
+    rejected = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    ok = [o for o in outcomes if o.code == "OK"]
+    assert len(rejected) > 0.4 * len(outcomes)  # about 2/3 of 3× must be refused
+    assert all(o.retry_after_ms and o.retry_after_ms > 0 for o in rejected)
+    # Accepted requests finish within the drain budget plus one batch (the largest at the cap).
+    one_batch_s = max(int(b) * int(c) for b, c in (x.split(":") for x in CAPS.split(","))) / capacity
+    p99_server_ms = np.percentile([o.server_ms for o in ok], 99)
+    assert p99_server_ms <= MAX_DRAIN_MS + 1000 * one_batch_s, p99_server_ms
+    # Goodput is near capacity: admission sheds the excess, it does not idle the device.
+    good_tokens_per_s = sum(o.tokens for o in ok) / sent_for
+    assert good_tokens_per_s > 0.6 * capacity
+    # The exported arrival rate counts offered (admitted + rejected) demand.
+    offered = sum(o.tokens for o in outcomes) / sent_for
+    assert arrival_rates[0] == pytest.approx(offered, rel=0.25)
+
+    def drained():
+        return sim_server.health()[1]["queued_tokens"] == 0
+
+    for _ in range(100):
+        if drained():
+            break
+        await asyncio.sleep(0.1)
+    assert drained()
