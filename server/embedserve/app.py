@@ -64,6 +64,7 @@ class Server:
         self.http = http_server.HttpServer(self, settings.host, settings.http_port)
 
     async def start(self) -> None:
+        await grpc_server.set_serving(self.grpc_health, False)  # grpc's default is SERVING
         await self.grpc.start()
         await self.http.start()
         log.info("gRPC on :%d, HTTP on :%d; loading %s", self.grpc_port, self.http.port, self.model_name)

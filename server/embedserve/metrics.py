@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from embedserve.app import Server
     from embedserve.queues import Batch
+
+disable_created_metrics()  # *_created series double the exposition for no dashboard's use
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 P = "embedfleet_"

@@ -1,0 +1,208 @@
+"""The EmbeddingService CustomResourceDefinition, built here once: crds/embeddingservice.yaml is
+this rendered (`python -m embedop.crd > crds/embeddingservice.yaml`; a test keeps them equal), and
+the operator applies the schema's defaults from the same source."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices", "EmbeddingService"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+def _t(type_: str, description: str, **extra: Any) -> dict:
+    return {"type": type_, "description": description, **extra}
+
+
+def integer(description, default=None, minimum=None, maximum=None) -> dict:
+    s = _t("integer", description)
+    for key, value in (("default", default), ("minimum", minimum), ("maximum", maximum)):
+        if value is not None:
+            s[key] = value
+    return s
+
+
+def number(description, default=None, minimum=None, maximum=None) -> dict:
+    s = integer(description, default, minimum, maximum)
+    s["type"] = "number"
+    return s
+
+
+def string(description, default=None, **extra) -> dict:
+    s = _t("string", description, **extra)
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def boolean(description, default) -> dict:
+    return _t("boolean", description, default=default)
+
+
+def obj(description, properties: dict, default: dict | None = None, **extra) -> dict:
+    s = _t("object", description, properties=properties, **extra)
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def quantity(description, default=None) -> dict:
+    s = {"description": description, "x-kubernetes-int-or-string": True,
+         "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", "anyOf": [{"type": "integer"}, {"type": "string"}]}
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+SPEC = obj(
+    "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
+    {
+        "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
+        "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
+        "replicas": integer("Server replicas when autoscaling.mode is off (also the scale subresource: kubectl scale, external HPA/KEDA).", 1, 0, 1000),
+        "resources": obj("Resources of each server pod.", {
+            "gpu": integer("NVIDIA GPUs per pod (nvidia.com/gpu); 0 runs on CPU.", 1, 0, 16),
+            "cpu": quantity("CPU request and limit, e.g. 4 or 3500m.", "4"),
+            "memory": quantity("Memory request and limit, e.g. 16Gi.", "16Gi"),
+        }, default={}),
+        "batching": obj("How each server groups token rows into forward passes.", {
+            "buckets": {"type": "array", "description": "Padded sequence lengths, ascending; each row goes to the smallest that holds it.",
+                        "items": {"type": "integer", "minimum": 2, "maximum": 8192}, "minItems": 1, "maxItems": 16,
+                        "default": [16, 32, 64, 128, 256, 512]},
+            "maxBatchSize": integer("Most rows in one forward pass.", 512, 1, 4096),
+            "maxTokensPerBatch": integer("Most padded tokens (rows x length) in one forward pass.", 32768, 16, 1048576),
+            "deadlineWaitMs": integer("Age of a bucket's oldest row that makes it drain before fuller buckets.", 50, 0, 10000),
+        }, default={}),
+        "admission": obj("Admission control: refuse work that cannot finish in time (RESOURCE_EXHAUSTED with retry-after-ms).", {
+            "throughput": boolean("Refuse a request when the backlog would take longer than maxDrainTimeMs to compute.", True),
+            "latency": boolean("Shed 25% of requests above latencySoftMs P95, all above latencyHardMs.", False),
+            "maxDrainTimeMs": integer("Backlog, in milliseconds of model time, a server accepts.", 500, 1, 600000),
+            "latencySoftMs": integer("P95 server-side latency above which 25% of requests are shed.", 500, 1, 600000),
+            "latencyHardMs": integer("P95 server-side latency above which every request is shed.", 2000, 1, 600000),
+        }, default={}, **{"x-kubernetes-validations": [
+            {"rule": "self.latencySoftMs <= self.latencyHardMs", "message": "latencySoftMs must not exceed latencyHardMs"}]}),
+        "pooling": obj("How token states become one vector.", {
+            "strategy": string("mean, cls or last.", "mean", enum=["mean", "cls", "last"]),
+            "normalize": boolean("L2-normalise the vectors.", True),
+            "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling.",
+                              "items": {"type": "string", "minLength": 1}, "maxItems": 64},
+        }, default={}),
+        "autoscaling": obj("How the operator sizes the fleet.", {
+            "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; off: spec.replicas.", "operator", enum=["operator", "hpa", "off"]),
+            "minReplicas": integer("Fewest replicas.", 1, 0, 1000),
+            "maxReplicas": integer("Most replicas.", 4, 1, 1000),
+            "targetUtilization": number("Offered load per replica as a fraction of its measured capacity.", 0.7, 0.05, 1.0),
+            "targetDrainTimeMs": integer("Time in which a backlog should be cleared by the added capacity.", 1000, 1, 600000),
+            "intervalSeconds": integer("Seconds between autoscaling decisions.", 15, 1, 3600),
+            "scaleUpStabilizationSeconds": integer("Seconds a higher recommendation must persist before scaling up (0: at once).", 0, 0, 3600),
+            "scaleDownStabilizationSeconds": integer("The highest recommendation over this window wins when scaling down.", 120, 0, 3600),
+        }, default={}, **{"x-kubernetes-validations": [
+            {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"}]}),
+        "modelCache": obj("Where servers keep downloaded models.", {
+            "sizeLimit": quantity("Size of the emptyDir cache when no claim is given.", "20Gi"),
+            "claimName": string("An existing PersistentVolumeClaim to use as the cache instead.", maxLength=253),
+        }, default={}),
+        "nodeSelector": {"type": "object", "description": "Node labels the server pods must match.",
+                         "additionalProperties": {"type": "string"}},
+        "tolerations": {"type": "array", "description": "Tolerations of the server pods (e.g. for GPU node taints).",
+                        "items": obj("A Kubernetes toleration.", {
+                            "key": string("Taint key."), "operator": string("Exists or Equal.", enum=["Exists", "Equal"]),
+                            "value": string("Taint value."), "effect": string("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+                            "tolerationSeconds": integer("How long a NoExecute taint is tolerated."),
+                        })},
+        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting).",
+                "items": obj("A name and a literal value.", {
+                    "name": string("Variable name.", minLength=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
+                    "value": string("Variable value."),
+                }, required=["name"])},
+    },
+    required=["model"],
+)
+
+CONDITION = obj("A condition of the service.", {
+    "type": string("Ready, Progressing, Degraded or ScalingLimited."),
+    "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+    "reason": string("CamelCase reason."),
+    "message": string("Human-readable detail."),
+    "lastTransitionTime": string("When status last changed.", format="date-time"),
+    "observedGeneration": integer("Generation the condition was computed for."),
+}, required=["type", "status"])
+
+STATUS = obj("Observed state, written by the operator.", {
+    "observedGeneration": integer("Last spec generation the operator reconciled."),
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited.", "items": CONDITION,
+                   "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    "replicas": integer("Server pods that exist."),
+    "readyReplicas": integer("Server pods ready to serve."),
+    "desiredReplicas": integer("Replicas the operator wants (autoscaler's decision)."),
+    "selector": string("Label selector of the server pods (for the scale subresource)."),
+    "serviceRateTokensPerSecond": number("Measured capacity of one replica (padded tokens/s)."),
+    "arrivalRateTokensPerSecond": number("Offered load across the fleet (tokens/s, admitted + rejected)."),
+    "estimatedDrainMs": number("Largest backlog drain time among the replicas."),
+    "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
+    "lastScaleReason": string("Why it did."),
+})
+
+
+def crd() -> dict:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": "embeddingservice",
+                      "shortNames": ["embsvc"], "categories": ["embedfleet"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": obj("An embedding inference service: a fleet of embedserve pods.", {
+                    "apiVersion": string("API version."), "kind": string("Kind."), "metadata": {"type": "object"},
+                    "spec": SPEC, "status": STATUS,
+                }, required=["spec"])},
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                    "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": [
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+                    {"name": "Service-Rate", "type": "number", "jsonPath": ".status.serviceRateTokensPerSecond"},
+                    {"name": "Drain-Ms", "type": "number", "jsonPath": ".status.estimatedDrainMs"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }],
+        },
+    }
+
+
+def render_yaml() -> str:
+    header = "# Generated by `python -m embedop.crd`; edit operator/embedop/crd.py, not this file.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+
+
+def with_defaults(value: Any, schema: dict) -> Any:
+    """Apply the schema's defaults as the API server would (missing fields of present objects;
+    an absent object with a default of {} is created and defaulted too)."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        out = dict(value)
+        for name, prop in schema.get("properties", {}).items():
+            if name not in out and "default" in prop:
+                out[name] = _copy(prop["default"])
+            if name in out:
+                out[name] = with_defaults(out[name], prop)
+        return out
+    if schema.get("type") == "array" and isinstance(value, list) and "items" in schema:
+        return [with_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def _copy(v):
+    return yaml.safe_load(yaml.safe_dump(v))
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_yaml())

@@ -1,0 +1,57 @@
+"""The EmbeddingService's status from what the operator observed. Pure."""
+
+from __future__ import annotations
+
+import datetime
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int | None, previous: list[dict], now: str) -> dict:
+    """A condition; lastTransitionTime moves only when the status flips."""
+    status = "True" if ok else "False"
+    before = next((c for c in previous or [] if c.get("type") == type_), None)
+    since = before["lastTransitionTime"] if before and before.get("status") == status and before.get("lastTransitionTime") else now
+    c = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+    if generation is not None:
+        c["observedGeneration"] = generation
+    return c
+
+
+def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
+                    previous: list[dict], now: str | None = None) -> dict:
+    """Replica counts and Ready / Progressing / Degraded from the Deployment's status."""
+    now = now or now_iso()
+    st = (deployment or {}).get("status") or {}
+    replicas, ready = int(st.get("replicas", 0)), int(st.get("readyReplicas", 0))
+    updated = int(st.get("updatedReplicas", 0))
+    wanted = wanted if wanted is not None else int((deployment or {}).get("spec", {}).get("replicas", 0))
+    failing = [c for c in st.get("conditions", []) if
+               (c.get("type") == "ReplicaFailure" and c.get("status") == "True")
+               or (c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded")]
+    if problems:
+        degraded = condition("Degraded", True, "InvalidSpec", "; ".join(problems), generation, previous, now)
+    elif deployment is None:
+        degraded = condition("Degraded", True, "DeploymentMissing", "the Deployment does not exist yet", generation, previous, now)
+    elif failing:
+        degraded = condition("Degraded", True, failing[0].get("reason") or "DeploymentFailing",
+                             failing[0].get("message", ""), generation, previous, now)
+    else:
+        degraded = condition("Degraded", False, "AsExpected", "", generation, previous, now)
+    progressing = deployment is not None and not problems and (updated < wanted or ready < wanted or replicas > wanted)
+    is_ready = deployment is not None and not problems and ready >= max(wanted, 1)
+    ours = ("Ready", "Progressing", "Degraded")
+    kept = [c for c in previous or [] if c.get("type") not in ours]  # e.g. the autoscaler's
+    return {
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "conditions": kept + [
+            condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
+                      f"{ready}/{wanted} replicas ready", generation, previous, now),
+            condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
+                      f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
+            degraded,
+        ],
+    }
