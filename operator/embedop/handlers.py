@@ -1,0 +1,71 @@
+"""The only module that registers kopf handlers: events in, reconcile calls out."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from embedop import crd, reconcile
+from embedop.config import OperatorSettings
+from embedop.kube import Kube, Retryable, connect
+from embedop.render import MANAGED_BY
+
+SETTINGS = OperatorSettings.from_env()
+RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
+_kube: Kube | None = None
+
+
+def kube() -> Kube:
+    global _kube
+    if _kube is None:
+        connect()
+        _kube = Kube()
+    return _kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.persistence.finalizer = f"{crd.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    kube()
+
+
+def _reconcile(body, logger) -> None:
+    try:
+        outcome = reconcile.reconcile(kube(), SETTINGS, dict(body))
+    except Retryable as e:
+        raise kopf.TemporaryError(str(e), delay=5) from e
+    if outcome.problems:
+        kopf.warn(dict(body), reason="InvalidSpec", message="; ".join(outcome.problems))
+    elif outcome.applied:
+        logger.info("applied %s", ", ".join(outcome.applied))
+
+
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+@kopf.on.resume(*RESOURCE)
+def service_changed(body, logger, **_) -> None:
+    _reconcile(body, logger)
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
+def resync(body, logger, **_) -> None:
+    """Periodic check: reverts drift nobody told us about and refreshes status."""
+    _reconcile(body, logger)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
+def deployment_event(body, event, logger, **_) -> None:
+    """A Deployment we own changed (rollout progress, or a hand edit): follow it."""
+    if event.get("type") == "DELETED" or body.get("metadata", {}).get("labels", {}).get(
+            "app.kubernetes.io/managed-by") != MANAGED_BY["app.kubernetes.io/managed-by"]:
+        return  # label filters are not applied by every API server (nor by emulators)
+    for ref in body.get("metadata", {}).get("ownerReferences", []):
+        if ref.get("kind") == crd.KIND and ref.get("apiVersion") == crd.API_VERSION:
+            owner = kube().get(crd.KIND, body["metadata"]["namespace"], ref["name"])
+            if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+                _reconcile(owner, logger)

@@ -1,0 +1,90 @@
+"""kmock's KubernetesEmulator on its own thread and loop, a kubeconfig pointing at it, and a tiny
+JSON client the tests use to act as kubectl would (independent of the operator's own code)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import kmock
+
+from embedop import crd
+
+
+class Emulator:
+    def __init__(self):
+        self.url = ""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="kmock", daemon=True)
+
+    def __enter__(self) -> "Emulator":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("kmock did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    async def _main(self) -> None:
+        async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
+            k8s.resources.load_bundled()
+            k8s.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
+                kind=crd.KIND, namespaced=True, shortnames={"embsvc"},
+                verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
+                subresources={"status", "scale"},
+            )
+            self.url = str(server.url).rstrip("/")
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            self._ready.set()
+            await self._stop.wait()
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+        }))
+        return path
+
+    # -- a kubectl stand-in ---------------------------------------------------------------------
+    def request(self, method: str, path: str, body=None, content_type="application/json"):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                raw = r.read()
+                return json.loads(raw) if raw else {}
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def get(self, path: str):
+        return self.request("GET", path)
+
+    def merge_patch(self, path: str, body: dict):
+        return self.request("PATCH", path, body, "application/merge-patch+json")
+
+
+def service_path(namespace: str, name: str = "") -> str:
+    return f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.PLURAL}" + (f"/{name}" if name else "")
+
+
+def new_service(name: str, spec: dict, namespace: str = "default") -> dict:
+    """A CR body as `kubectl apply` sends it, plus the uid/resourceVersion a real server adds
+    (the emulator does not, and kopf's JSON patches test resourceVersion)."""
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()), "resourceVersion": "1",
+                         "generation": 1},
+            "spec": spec}

@@ -1,0 +1,146 @@
+"""The CRD: generated file up to date, valid for Kubernetes, examples valid against its schema,
+bad resources rejected — by the OpenAPI schema (jsonschema) and its CEL rules (cel-python)."""
+
+import copy
+from pathlib import Path
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from embedop import crd, spec as specs
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
+
+
+def load(name):
+    return yaml.safe_load((ROOT / "crds" / "examples" / name).read_text())
+
+
+def schema():
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def strict(s):
+    """kubectl's strict field validation: unknown fields are errors."""
+    s = copy.deepcopy(s)
+    if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s:
+        s["additionalProperties"] = False
+        s["properties"]["metadata"] = s["properties"].get("metadata", {"type": "object"})
+    for key in ("properties",):
+        for name, sub in s.get(key, {}).items():
+            s[key][name] = strict(sub) if name != "metadata" else sub
+    if "items" in s:
+        s["items"] = strict(s["items"])
+    return s
+
+
+def cel_errors(obj: dict, s: dict) -> list[str]:
+    """Evaluate every x-kubernetes-validations rule on the (defaulted) object, as the API server does."""
+    errors = []
+    env = celpy.Environment()
+    for rule in s.get("x-kubernetes-validations", []):
+        if not env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(obj)}):
+            errors.append(rule["message"])
+    if s.get("type") == "object" and isinstance(obj, dict):
+        for name, sub in s.get("properties", {}).items():
+            if name in obj:
+                errors += cel_errors(obj[name], sub)
+    return errors
+
+
+def test_generated_file_is_up_to_date():
+    assert (ROOT / "crds" / "embeddingservice.yaml").read_text() == crd.render_yaml(), \
+        "run: python -m embedop.crd > crds/embeddingservice.yaml"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_crd_validates_strictly(version):
+    kubernetes_validate.validate(crd.crd(), version, strict=True)
+
+
+def test_every_schema_field_is_described():
+    missing = []
+
+    def walk(s, path):
+        if path and "description" not in s and not path.endswith((".metadata", ".apiVersion", ".kind")):
+            missing.append(path)
+        for name, sub in s.get("properties", {}).items():
+            walk(sub, f"{path}.{name}")
+        if "items" in s and s["items"].get("type") == "object":
+            walk(s["items"], f"{path}[]")
+
+    walk(schema()["properties"]["spec"], "spec")
+    walk(schema()["properties"]["status"], "status")
+    assert missing == []
+
+
+def test_scale_subresource_and_printer_columns():
+    version = crd.crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model", "Ready", "Desired", "Service-Rate", "Drain-Ms", "Age"]
+
+
+@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml"])
+def test_examples_are_valid(name):
+    obj = load(name)
+    jsonschema.validate(obj, strict(schema()))
+    defaulted = specs.defaulted(obj["spec"])
+    assert cel_errors(defaulted, schema()["properties"]["spec"]) == []
+    assert specs.problems(defaulted) == []
+
+
+BAD = [
+    ("no model", lambda s: s.pop("model"), "'model' is a required property"),
+    ("unknown pooling", lambda s: s.update(pooling={"strategy": "max"}), "'max' is not one of"),
+    ("negative replicas", lambda s: s.update(replicas=-1), "-1 is less than the minimum"),
+    ("unknown field", lambda s: s.update(modle="x"), "Additional properties"),
+    ("bad mode", lambda s: s.update(autoscaling={"mode": "keda"}), "'keda' is not one of"),
+    ("bad quantity", lambda s: s.update(resources={"memory": "lots"}), "does not match"),
+    ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
+]
+
+
+@pytest.mark.parametrize("label, mutate, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_resources_are_rejected_by_the_schema(label, mutate, message):
+    obj = load("minimal.yaml")
+    mutate(obj["spec"])
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        jsonschema.validate(obj, strict(schema()))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("autoscaling", {"minReplicas": 5, "maxReplicas": 2}, "minReplicas must not exceed maxReplicas"),
+    ("admission", {"latencySoftMs": 900, "latencyHardMs": 100}, "latencySoftMs must not exceed latencyHardMs"),
+])
+def test_cross_field_rules_reject(field, value, message):
+    obj = load("minimal.yaml")
+    obj["spec"][field] = value
+    jsonschema.validate(obj, strict(schema()))  # each field alone is fine
+    defaulted = specs.defaulted(obj["spec"])
+    assert message in cel_errors(defaulted, schema()["properties"]["spec"])
+    assert any(message.split(" must")[0] in p for p in specs.problems(defaulted))  # the operator agrees
+
+
+def test_defaults_fill_nested_objects():
+    s = specs.defaulted({"model": "m", "batching": {"maxBatchSize": 64}})
+    assert s["batching"] == {"maxBatchSize": 64, "buckets": [16, 32, 64, 128, 256, 512],
+                             "maxTokensPerBatch": 32768, "deadlineWaitMs": 50}
+    assert s["autoscaling"]["mode"] == "operator" and s["pooling"]["strategy"] == "mean"
+    assert s["resources"] == {"gpu": 1, "cpu": "4", "memory": "16Gi"}
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({"batching": {"buckets": [64, 32]}}, "ascending"),
+    ({"batching": {"maxTokensPerBatch": 100}}, "below the largest bucket"),
+    ({"pooling": {"strategy": "cls", "excludeTokens": ["[x]"]}}, "mean pooling only"),
+])
+def test_schema_valid_specs_that_cannot_work(spec, problem):
+    problems = specs.problems(specs.defaulted({"model": "m", **spec}))
+    assert any(problem in p for p in problems)
