@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 
 import kopf
 
@@ -31,12 +33,21 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    # Timers run in threads and cannot be interrupted: check often whether they have ended,
+    # so deletion (finalizer release) does not wait kopf's default minute.
+    settings.background.cancellation_polling = 1
     kube()
 
 
+# Sync handlers run on kopf's thread pool: one reconcile of a service at a time.
+_locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+
+
 def _reconcile(body, logger) -> None:
+    meta = body["metadata"]
     try:
-        outcome = reconcile.reconcile(kube(), SETTINGS, dict(body))
+        with _locks[meta["namespace"], meta["name"]]:
+            outcome = reconcile.reconcile(kube(), SETTINGS, dict(body))
     except Retryable as e:
         raise kopf.TemporaryError(str(e), delay=5) from e
     if outcome.problems:

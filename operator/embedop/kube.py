@@ -109,7 +109,10 @@ class Kube:
             created = self._call("POST", self._path(kind, meta["namespace"]), obj, "application/json",
                                  [("fieldManager", FIELD_MANAGER)])
         except Retryable as e:
-            raise Retryable(f"create {kind} {meta['name']} raced: {e}") from e
+            if "409" not in str(e):
+                raise
+            # Somebody created it since our apply: now the apply updates it.
+            created = self._call("PATCH", path, obj, "application/apply-patch+yaml", query)
         return created or {}
 
     def delete(self, kind: str, namespace: str, name: str) -> None:

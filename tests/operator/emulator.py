@@ -4,6 +4,8 @@ JSON client the tests use to act as kubectl would (independent of the operator's
 from __future__ import annotations
 
 import asyncio
+import datetime
+import itertools
 import json
 import threading
 import urllib.error
@@ -11,9 +13,53 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import attrs
 import kmock
 
 from embedop import crd
+
+
+_versions = itertools.count(100)
+
+
+@attrs.frozen
+class JsonPatchTestFailed(kmock.KubernetesError):
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = "the JSON patch's test operation failed: the object changed meanwhile"
+
+
+class VersionedEmulator(kmock.KubernetesEmulator):
+    """kmock plus what a real API server does on every write and kmock does not: a new
+    resourceVersion, a generation that moves with the spec, uid and creationTimestamp on create.
+    (kopf relies on resourceVersions to tell its own writes' echoes from news.)"""
+
+    async def _handle(self, request):
+        data = request.data
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            version = str(next(_versions))
+            if isinstance(data, dict):
+                meta = data.setdefault("metadata", {})
+                meta["resourceVersion"] = version
+                if request.action == kmock.action.CREATE:
+                    meta.setdefault("uid", str(uuid.uuid4()))
+                    meta.setdefault("generation", 1)
+                    meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                elif "spec" in data and request.subresource is None and (current := self._current(request)) is not None:
+                    if current.get("spec") != data["spec"]:
+                        meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+            elif isinstance(data, list):  # a JSON patch
+                current = self._current(request)
+                for op in data:
+                    if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and current is not None \
+                            and current.get("metadata", {}).get("resourceVersion") != op.get("value"):
+                        raise JsonPatchTestFailed()
+                data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
+        return await super()._handle(request)
+
+    def _current(self, request) -> dict | None:
+        key = (request.resource, request.namespace, request.name)
+        return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
 
 
 class Emulator:
@@ -35,7 +81,7 @@ class Emulator:
         self._thread.join(10)
 
     async def _main(self) -> None:
-        async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
+        async with VersionedEmulator() as k8s, kmock.Server(k8s) as server:
             k8s.resources.load_bundled()
             k8s.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
                 kind=crd.KIND, namespaced=True, shortnames={"embsvc"},
@@ -82,9 +128,6 @@ def service_path(namespace: str, name: str = "") -> str:
 
 
 def new_service(name: str, spec: dict, namespace: str = "default") -> dict:
-    """A CR body as `kubectl apply` sends it, plus the uid/resourceVersion a real server adds
-    (the emulator does not, and kopf's JSON patches test resourceVersion)."""
-    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
-            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()), "resourceVersion": "1",
-                         "generation": 1},
+    """A CR body as `kubectl apply` sends it."""
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name, "namespace": namespace},
             "spec": spec}
