@@ -43,6 +43,7 @@ class ServerProcess:
             **(env or {}),
         }
         self.host = full_env["BIND_HOST"]
+        self.grpc_port, self.http_port = int(full_env["GRPC_PORT"]), int(full_env["HTTP_HEALTH_PORT"])
         self.log_path = log_path or Path(f"/tmp/embedserve-test-{self.grpc_port}.log")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(

@@ -18,6 +18,9 @@ class OperatorSettings:
     (drift is also reverted at once on events)."""
     scrape_timeout_s: float = 2.0
     """EMBEDOP_SCRAPE_TIMEOUT_S: per-pod timeout of a /metrics scrape."""
+    metrics_port: int = 8001
+    """EMBEDOP_METRICS_PORT: the servers' HTTP port (/health, /metrics): rendered into their
+    HTTP_HEALTH_PORT, probes and Services, and scraped by the autoscaler."""
     grace_seconds: int = 45
     """EMBEDOP_GRACE_SECONDS: terminationGracePeriodSeconds of server pods (drain time)."""
 
@@ -29,5 +32,6 @@ class OperatorSettings:
             server_image=env.get("EMBEDOP_SERVER_IMAGE") or d.server_image,
             resync_seconds=float(env.get("EMBEDOP_RESYNC_SECONDS") or d.resync_seconds),
             scrape_timeout_s=float(env.get("EMBEDOP_SCRAPE_TIMEOUT_S") or d.scrape_timeout_s),
+            metrics_port=int(env.get("EMBEDOP_METRICS_PORT") or d.metrics_port),
             grace_seconds=int(env.get("EMBEDOP_GRACE_SECONDS") or d.grace_seconds),
         )

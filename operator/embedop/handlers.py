@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import kopf
 
-from embedop import crd, reconcile
+from embedop import autoscale, autoscaler, crd, reconcile, spec as specs
 from embedop.config import OperatorSettings
 from embedop.kube import Kube, Retryable, connect
 from embedop.render import MANAGED_BY
@@ -80,3 +81,29 @@ def deployment_event(body, event, logger, **_) -> None:
             owner = kube().get(crd.KIND, body["metadata"]["namespace"], ref["name"])
             if owner is not None and not owner["metadata"].get("deletionTimestamp"):
                 _reconcile(owner, logger)
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=10)
+async def autoscale_daemon(body, stopped, logger, **_) -> None:
+    """mode: operator — every intervalSeconds, scale on the servers' own signal. The history
+    (recommendations, demand trend, measured start-up time) lives here, per service."""
+    history = autoscale.History()
+    was_limited = False
+    while not stopped:
+        snapshot = dict(body)
+        interval = specs.defaulted(snapshot.get("spec") or {})["autoscaling"]["intervalSeconds"]
+        try:
+            history, decision, current = await autoscaler.step(kube(), SETTINGS, snapshot, history, time.monotonic())
+        except Retryable as e:
+            logger.warning("autoscaling step skipped: %s", e)
+        else:
+            if decision is not None:
+                logger.debug("autoscale: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s",
+                             current, decision.desired, decision.reason, decision.demand, decision.forecast, decision.capacity)
+            if decision is not None and decision.desired != current:
+                kopf.info(snapshot, reason="Scaled", message=f"{current} → {decision.desired}: {decision.reason}")
+            limited = decision is not None and decision.limited
+            if limited and not was_limited:
+                kopf.warn(snapshot, reason="ScalingLimited", message=f"demand needs {decision.recommendation}+ replicas, more than maxReplicas")
+            was_limited = limited
+        await stopped.wait(interval)

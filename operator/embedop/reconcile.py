@@ -43,8 +43,10 @@ def reconcile(kube: Kube, settings: OperatorSettings, body: dict) -> Outcome:
     if not problems:
         desired_replicas = (body.get("status") or {}).get("desiredReplicas")
         image = spec.get("image") or settings.server_image
-        for obj in render.owned(owner, spec, image, desired_replicas, settings.grace_seconds):
+        for obj in render.owned(owner, spec, image, desired_replicas, settings.grace_seconds, settings.metrics_port):
             current = kube.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+            if obj["kind"] == "Deployment" and current is not None and spec["autoscaling"]["mode"] == "operator":
+                obj["spec"].pop("replicas", None)  # the autoscaler owns the count once it exists
             if current is None or not subset(obj, current):
                 kube.apply(obj)
                 applied.append(f"{obj['kind']}/{obj['metadata']['name']}")

@@ -46,14 +46,14 @@ def _meta(owner: Owner, name: str | None = None) -> dict:
     }
 
 
-def server_env(spec: dict, grace_seconds: int) -> list[dict]:
+def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> list[dict]:
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
     values = {
         "MODEL_PATH": spec["model"],
         "MODEL_CACHE_DIR": MODEL_CACHE,
         "GRPC_PORT": GRPC_PORT,
-        "HTTP_HEALTH_PORT": HTTP_PORT,
+        "HTTP_HEALTH_PORT": http_port,
         "DEVICE": "cuda" if spec["resources"]["gpu"] > 0 else "cpu",
         "BUCKETS": ",".join(map(str, b["buckets"])),
         "MAX_BATCH_SIZE": b["maxBatchSize"],
@@ -77,7 +77,8 @@ def server_env(spec: dict, grace_seconds: int) -> list[dict]:
     return env + list(extra.values())
 
 
-def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int) -> dict:
+def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
+               http_port: int = HTTP_PORT) -> dict:
     res = spec["resources"]
     limits = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
     if res["gpu"] > 0:
@@ -95,9 +96,9 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
         "imagePullPolicy": "IfNotPresent",
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "http", "containerPort": http_port, "protocol": "TCP"},
         ],
-        "env": server_env(spec, grace_seconds),
+        "env": server_env(spec, grace_seconds, http_port),
         "resources": {"requests": dict(limits), "limits": limits},
         # Warm-up compiles every batch shape: allow up to 15 minutes before liveness applies.
         "startupProbe": {"httpGet": http_get, "periodSeconds": 5, "failureThreshold": 180, "timeoutSeconds": 3},
@@ -133,7 +134,7 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
             "template": {
                 "metadata": {
                     "labels": labels(owner.name),
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
                                     "prometheus.io/path": "/metrics"},
                 },
                 "spec": pod_spec,
@@ -145,22 +146,22 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
     return body
 
 
-def _ports() -> list[dict]:
+def _ports(http_port: int) -> list[dict]:
     return [
         {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
-        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP"},
     ]
 
 
-def service(owner: Owner) -> dict:
+def service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner),
-            "spec": {"type": "ClusterIP", "selector": selector(owner.name), "ports": _ports()}}
+            "spec": {"type": "ClusterIP", "selector": selector(owner.name), "ports": _ports(http_port)}}
 
 
-def headless_service(owner: Owner) -> dict:
+def headless_service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
     """For client-side balancing: `dns:///NAME-headless:50051` resolves every ready pod."""
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, f"{owner.name}-headless"),
-            "spec": {"clusterIP": "None", "selector": selector(owner.name), "ports": _ports()}}
+            "spec": {"clusterIP": "None", "selector": selector(owner.name), "ports": _ports(http_port)}}
 
 
 def pod_disruption_budget(owner: Owner) -> dict:
@@ -203,12 +204,13 @@ def deployment_replicas(spec: dict, desired: int | None) -> int | None:
     return min(max(base, s["minReplicas"]), s["maxReplicas"])
 
 
-def owned(owner: Owner, spec: dict, image: str, desired: int | None, grace_seconds: int) -> list[dict]:
+def owned(owner: Owner, spec: dict, image: str, desired: int | None, grace_seconds: int,
+          http_port: int = HTTP_PORT) -> list[dict]:
     """Everything the service owns, in apply order."""
     objects = [
-        deployment(owner, spec, image, deployment_replicas(spec, desired), grace_seconds),
-        service(owner),
-        headless_service(owner),
+        deployment(owner, spec, image, deployment_replicas(spec, desired), grace_seconds, http_port),
+        service(owner, http_port),
+        headless_service(owner, http_port),
         pod_disruption_budget(owner),
     ]
     if spec["autoscaling"]["mode"] == "hpa":

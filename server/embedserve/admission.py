@@ -48,8 +48,12 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float) -> D
     if policy.throughput and snap.queued_tokens > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
-        after = snap.queued_tokens + cost_tokens + policy.reorder_tokens
         rate = snap.service_rate
+        # Never hold back more than half the budget: with batches that long (a slow device, a
+        # tiny budget) the bound cannot hold anyway, and admission must not degenerate into
+        # "only when idle".
+        reorder = min(policy.reorder_tokens, 0.5 * policy.max_drain_s * rate)
+        after = snap.queued_tokens + cost_tokens + reorder
         if rate <= 0 or after / rate > policy.max_drain_s:
             excess_s = (after - policy.max_drain_s * rate) / rate if rate > 0 else policy.max_drain_s
             return Decision(False, "drain_time", _ms(excess_s))

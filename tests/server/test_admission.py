@@ -39,6 +39,12 @@ def test_one_largest_batch_is_held_back_for_reordering():
     assert not d.admit and d.retry_after_ms == 1
 
 
+def test_held_back_share_is_at_most_half_the_budget():
+    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_tokens=10_000)  # batches longer than the budget
+    assert decide(snap(200), 50, policy, 0.99).admit  # 200 + 50 + 250 = 0.5 s
+    assert not decide(snap(201), 50, policy, 0.99).admit
+
+
 def test_throughput_strategy_can_be_disabled():
     off = Policy(False, False, 0.5, 0.2, 1.0)
     assert decide(snap(100_000), 100, off, 0.0).admit

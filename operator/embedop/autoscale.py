@@ -1,0 +1,148 @@
+"""The autoscaling decision: replicas from the servers' own signal. Pure — samples, policy and
+history in; a decision and the next history out.
+
+capacity per replica = median of the ready pods' measured service rates (robust to an outlier
+  and to a fresh pod with no samples yet; the last known value when none reports one)
+demand = Σ offered arrival rate (rejected demand included: while shedding, the accepted rate
+  understates need) + backlog / targetDrainTime
+forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready)
+recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
+scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
+recommendation of the stabilization window; pods still starting count as capacity on its way,
+and those the latest recommendation no longer needs are cancelled at once (they never served,
+so this cannot flap); a failed scrape never lets the fleet shrink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+TREND_SAMPLES = 5
+DEFAULT_STARTUP_S = 60.0
+MAX_STEP_FACTOR, MAX_STEP_ADD = 4, 4
+CANCEL_CONFIRMATIONS = 2  # consecutive recommendations that must agree before starting pods go
+
+
+@dataclasses.dataclass(frozen=True)
+class PodSample:
+    name: str
+    ready: bool
+    scraped: bool  # False: the scrape failed or timed out
+    service_rate: float = 0.0  # padded tokens/s of model time (capacity)
+    arrival_rate: float = 0.0  # offered tokens/s
+    queued_tokens: float = 0.0
+    startup_s: float | None = None  # creation → Ready, when the pod became ready
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    min_replicas: int
+    max_replicas: int
+    target_utilization: float
+    target_drain_s: float
+    scale_up_stabilization_s: float
+    scale_down_stabilization_s: float
+
+    @classmethod
+    def from_spec(cls, autoscaling: dict) -> "Policy":
+        return cls(
+            autoscaling["minReplicas"], autoscaling["maxReplicas"], autoscaling["targetUtilization"],
+            autoscaling["targetDrainTimeMs"] / 1000, autoscaling["scaleUpStabilizationSeconds"],
+            autoscaling["scaleDownStabilizationSeconds"],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    recommendations: tuple[tuple[float, int], ...] = ()  # (time, clamped recommendation)
+    demand: tuple[tuple[float, float], ...] = ()  # (time, demand tokens/s)
+    capacity: float | None = None  # last known tokens/s per replica
+    startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str
+    recommendation: int  # before stabilization
+    capacity: float | None
+    demand: float
+    forecast: float
+    limited: bool  # demand needs more than maxReplicas
+    history: History
+
+
+def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> float:
+    """Least-squares slope (units per second) of the last few points: 0 with fewer than 3, or
+    when the line explains less than `min_fit` of the variance (noise is not a trend, and
+    extrapolating it a start-up ahead would turn jitter into replicas)."""
+    pts = points[-TREND_SAMPLES:]
+    if len(pts) < 3:
+        return 0.0
+    mt = sum(t for t, _ in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
+    var_t = sum((t - mt) ** 2 for t, _ in pts)
+    var_v = sum((v - mv) ** 2 for _, v in pts)
+    if var_t == 0 or var_v == 0:
+        return 0.0
+    cov = sum((t - mt) * (v - mv) for t, v in pts)
+    r2 = cov * cov / (var_t * var_v)
+    return cov / var_t if r2 >= min_fit else 0.0
+
+
+def decide(samples: list[PodSample], current: int, policy: Policy, history: History, now: float) -> Decision:
+    """`current` is the Deployment's replica count, starting pods included."""
+    ready = [s for s in samples if s.ready]
+    scraped = [s for s in ready if s.scraped]
+    rates = [s.service_rate for s in scraped if s.service_rate > 0]
+    capacity = statistics.median(rates) if rates else history.capacity
+    startups = [s.startup_s for s in samples if s.startup_s is not None]
+    startup_s = statistics.median(startups) if startups else history.startup_s
+    demand = sum(s.arrival_rate + s.queued_tokens / policy.target_drain_s for s in scraped)
+    demand_points = (history.demand + ((now, demand),))[-TREND_SAMPLES:]
+    forecast = demand + max(0.0, trend(demand_points)) * startup_s
+    blind = len(scraped) < len(ready)  # some serving pods could not be read: demand is a floor
+
+    def keep(recommendation: int) -> History:
+        horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
+        recs = tuple(r for r in history.recommendations if r[0] >= horizon) + ((now, recommendation),)
+        return History(recs, demand_points, capacity, startup_s)
+
+    if capacity is None:  # nothing measured yet: hold (within bounds)
+        desired = min(max(current, policy.min_replicas), policy.max_replicas)
+        return Decision(desired, "no service rate measured yet", desired, None, demand, forecast, False,
+                        keep(desired))
+
+    raw = math.ceil(forecast / (capacity * policy.target_utilization) - 1e-9) if forecast > 0 else 0
+    recommendation = min(max(raw, policy.min_replicas), policy.max_replicas)
+    limited = raw > policy.max_replicas
+    new_history = keep(recommendation)
+    in_window = lambda seconds: [r for t, r in new_history.recommendations if t >= now - seconds]  # noqa: E731
+
+    if recommendation > current:
+        # Scale-up stabilization (0 by default): the lowest recommendation of its window.
+        target = min(in_window(policy.scale_up_stabilization_s)) if policy.scale_up_stabilization_s else recommendation
+        step = max(current * MAX_STEP_FACTOR, current + MAX_STEP_ADD)
+        desired = max(current, min(target, step))
+        reason = f"scale up: demand {forecast:.0f} tok/s needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
+    elif recommendation < current:
+        windowed = max(in_window(policy.scale_down_stabilization_s))
+        starting = current - len(ready)
+        if blind:
+            desired, reason = current, "hold: some ready pods could not be scraped"
+        elif windowed < current:
+            desired = windowed
+            reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
+        elif starting > 0 and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current:
+            # Capacity that came too late: cancel starting pods that the latest recommendations
+            # (two in a row, so one noisy sample cannot) no longer need. They never served.
+            desired = max(confirmed, len(ready))
+            reason = f"cancel {current - desired} starting pod(s) no longer needed"
+        else:
+            desired, reason = current, f"hold: scale-down window ({policy.scale_down_stabilization_s:.0f}s)"
+    else:
+        desired, reason = current, "steady"
+    desired = min(max(desired, policy.min_replicas), policy.max_replicas)
+    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited, new_history)

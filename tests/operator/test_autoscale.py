@@ -1,0 +1,139 @@
+"""decide() table tests: plain numbers, an injected clock."""
+
+import pytest
+
+from embedop.autoscale import History, PodSample, Policy, decide, trend
+
+POLICY = Policy(min_replicas=1, max_replicas=20, target_utilization=0.5, target_drain_s=1.0,
+                scale_up_stabilization_s=0, scale_down_stabilization_s=60)
+CAP = 1000.0  # tokens/s per replica
+
+
+def pods(n, arrival_each, ready=None, rate=CAP, queued=0.0, scraped=True):
+    ready = n if ready is None else ready
+    return [PodSample(f"p{i}", i < ready, scraped, rate if i < ready else 0.0,
+                      arrival_each if i < ready else 0.0, queued) for i in range(n)]
+
+
+def run(samples, current, history=History(capacity=CAP), now=1000.0, policy=POLICY):
+    return decide(samples, current, policy, history, now)
+
+
+def test_steady_load_keeps_the_size():
+    d = run(pods(4, 500), 4)  # 2000 tok/s offered / (1000 × 0.5) = 4
+    assert (d.desired, d.recommendation, d.reason) == (4, 4, "steady")
+
+
+def test_step_up_x4_reaches_the_right_size_in_one_decision():
+    d = run(pods(2, 2000), 2)  # 4000 tok/s → 8 replicas
+    assert d.desired == 8 and d.reason.startswith("scale up")
+
+
+def test_scale_up_is_bounded_per_decision():
+    d = run(pods(1, 20_000), 1, policy=Policy(1, 100, 0.5, 1.0, 0, 60))  # needs 40
+    assert d.desired == 5  # max(1 × 4, 1 + 4)
+
+
+def test_backlog_counts_as_demand_to_clear_within_the_target_drain_time():
+    d = run(pods(2, 0, queued=1000), 2)  # 2 × 1000 tokens / 1 s = 2000 tok/s → 4
+    assert d.desired == 4
+
+
+def test_rejected_demand_counts():
+    # arrival_rate is offered load: a shedding fleet of 2 offered 6000 tok/s needs 12
+    assert run(pods(2, 3000), 2).desired == 8  # bounded step first ...
+    assert run(pods(8, 750), 8).desired == 12  # ... then the rest
+
+
+def test_capacity_is_robust_to_an_outlier_and_to_a_pod_without_samples():
+    samples = pods(4, 500)
+    samples[0] = PodSample("slow", True, True, 10.0, 500)  # one pod reports nonsense
+    samples[1] = PodSample("new", True, True, 0.0, 500)  # no rate yet
+    d = run(samples, 4, History())
+    assert d.capacity == CAP and d.desired == 4
+
+
+def test_noisy_metrics_do_not_flap():
+    history, now, sizes = History(capacity=CAP), 0.0, []
+    current = 4
+    for i in range(60):  # ±20% noise around 2000 tok/s
+        noise = 1.2 if i % 2 else 0.8
+        d = decide(pods(current, 500 * noise * 4 / current), current, POLICY, history, now)
+        history, current, now = d.history, d.desired, now + 15
+        sizes.append(current)
+    assert len(set(sizes[4:])) == 1  # settles on one size (the window keeps the high one)
+
+
+def test_scale_down_waits_out_the_window():
+    history, now = History(capacity=CAP), 0.0
+    d = decide(pods(8, 500), 8, POLICY, history, now)  # 4000 → 8
+    history = d.history
+    for t in (15, 30, 45):  # load falls to 1000 tok/s: recommendation 2, but the window holds 8
+        d = decide(pods(8, 125), 8, POLICY, history, now + t)
+        history = d.history
+        assert d.desired == 8 and "window" in d.reason
+    d = decide(pods(8, 125), 8, POLICY, history, now + 75)  # the 8 has left the 60 s window
+    assert d.desired == 2 and d.reason.startswith("scale down")
+
+
+def test_warming_pods_count_as_capacity_on_its_way():
+    # 8 replicas, 2 ready: demand still needs 8 → no further scale-up for pods already coming
+    d = run(pods(8, 2000, ready=2), 8)
+    assert d.desired == 8
+
+
+def test_starting_pods_no_longer_needed_are_cancelled_once_confirmed():
+    history = run(pods(2, 2000), 2).history  # the spike recommended 8
+    # pods are starting; the spike is over: 2 ready pods see 400 tok/s each → 2 needed
+    d = run(pods(8, 400, ready=2), 8, history, now=1015.0)
+    assert d.desired == 8  # one low sample could be noise
+    d = run(pods(8, 400, ready=2), 8, d.history, now=1030.0)
+    assert d.desired == 2 and d.reason.startswith("cancel 6 starting")
+
+
+def test_failed_scrapes_hold_and_never_scale_down():
+    samples = pods(4, 100)
+    samples[3] = PodSample("unreachable", True, False)
+    d = run(samples, 4, History(capacity=CAP, recommendations=((0.0, 4),)), now=1000.0)
+    assert d.desired == 4 and "could not be scraped" in d.reason
+    # but a blind spot does not stop a scale-up the visible pods already justify
+    samples = pods(4, 1000)
+    samples[3] = PodSample("unreachable", True, False)
+    assert run(samples, 4).desired == 6
+
+
+@pytest.mark.parametrize("arrival, current, desired", [(0, 3, 3), (10_000, 20, 20)])
+def test_clamps(arrival, current, desired):
+    policy = Policy(3, 20, 0.5, 1.0, 0, 0)
+    assert run(pods(current, arrival), current, policy=policy).desired == desired
+
+
+def test_zero_traffic_goes_to_min_after_the_window():
+    policy = Policy(1, 10, 0.5, 1.0, 0, 0)
+    d = run(pods(5, 0), 5, policy=policy)
+    assert d.desired == 1
+
+
+def test_scaling_limited_when_demand_exceeds_max():
+    d = run(pods(20, 2000), 20)  # needs 80
+    assert d.desired == 20 and d.limited
+
+
+def test_nothing_measured_yet_holds():
+    d = run(pods(2, 500, rate=0.0), 2, History())
+    assert d.desired == 2 and d.capacity is None
+
+
+def test_upward_trend_is_forecast_one_startup_ahead():
+    history = History(capacity=CAP, startup_s=60.0, demand=((940.0, 1000.0), (955.0, 1500.0), (970.0, 2000.0), (985.0, 2500.0)))
+    d = run(pods(6, 500), 6, history)  # demand 3000 now, rising 33 tok/s per s → 5000 in 60 s
+    assert d.forecast == pytest.approx(5000, rel=0.01)
+    assert d.desired == 10
+    falling = History(capacity=CAP, demand=((940.0, 5000.0), (955.0, 4500.0), (970.0, 4000.0)))
+    assert run(pods(6, 500), 6, falling).forecast == pytest.approx(3000)  # upward only
+
+
+def test_trend():
+    assert trend(((0, 0), (1, 2), (2, 4))) == pytest.approx(2)
+    assert trend(((0, 5), (1, 5))) == 0
+    assert trend(((0, 100), (1, 140), (2, 90), (3, 150), (4, 100))) == 0  # jitter is not a trend

@@ -1,0 +1,194 @@
+"""Autoscaling end to end on this machine: kmock as the API server, a small test kubelet that turns
+the Deployment's replicas into real server processes (simulated accelerator, each on its own
+127.0.0.x address) and posts their Pods, the real operator process scraping them, and a load
+generator offering ~3x one replica's capacity through all ready pods."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.loadgen import call
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedop import render
+from tests.conftest import ServerProcess, free_port, make_text
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS, NAME = "default", "auto"
+SIM_RATE = 1500  # padded tokens/s per simulated device
+HTTP_PORT, GRPC_PORT = free_port(), free_port()
+DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+LOAD_S = 45
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Kubelet(threading.Thread):
+    """Plays the Deployment/ReplicaSet controllers and the kubelet for one Deployment: keeps
+    spec.replicas server processes running and their Pods posted, removing unready pods first."""
+
+    def __init__(self, emulator):
+        super().__init__(daemon=True, name="test-kubelet")
+        self.emulator = emulator
+        self.pods: list[dict] = []  # {"name", "ip", "server", "ready"}
+        self.halt = threading.Event()
+        self.replica_history: list[tuple[float, int]] = []
+        self.errors: list[str] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def ready_targets(self) -> list[str]:
+        with self._lock:
+            return [p["server"].target for p in self.pods if p["ready"]]
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # noqa: BLE001 - kept for the test to report
+                self.errors.append(repr(e))
+            self.halt.wait(0.2)
+        with self._lock:
+            for p in self.pods:
+                p["server"].stop()
+
+    def _sync(self) -> None:
+        if True:
+            d = self.emulator.get(DEPLOY)
+            want = int(d["spec"].get("replicas", 0)) if d else 0
+            with self._lock:
+                self.replica_history.append((time.monotonic(), want))
+                while len(self.pods) < want:
+                    self._start()
+                while len(self.pods) > want:
+                    victim = next((p for p in reversed(self.pods) if not p["ready"]), self.pods[-1])
+                    self.pods.remove(victim)
+                    self.emulator.request("DELETE", f"{PODS}/{victim['name']}")
+                    victim["server"].proc.terminate()
+                for p in self.pods:
+                    if not p["ready"] and p["server"].proc.poll() is None:
+                        try:
+                            ok = p["server"].health()[0] == 200
+                        except OSError:
+                            ok = False
+                        if ok:
+                            p["ready"] = True
+                            self.emulator.merge_patch(f"{PODS}/{p['name']}/status", {"status": {
+                                "phase": "Running", "podIP": p["ip"],
+                                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]}})
+
+    def _start(self) -> None:
+        self._next += 1
+        ip = f"127.0.0.{20 + self._next}"
+        name = f"{NAME}-{self._next}"
+        server = ServerProcess({
+            "MODEL_PATH": f"sim:{SIM_RATE}", "BIND_HOST": ip, "GRPC_PORT": str(GRPC_PORT),
+            "HTTP_HEALTH_PORT": str(HTTP_PORT), "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1",
+            "MAX_DRAIN_TIME_MS": "1500",
+        })
+        self.emulator.request("POST", PODS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": render.labels(NAME)},
+            "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]},
+        })
+        self.pods.append({"name": name, "ip": ip, "server": server, "ready": False})
+
+
+@pytest.fixture(scope="module")
+def fleet(emulator, tmp_path_factory):
+    d = tmp_path_factory.mktemp("autoscale")
+    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log",
+                         env={"EMBEDOP_METRICS_PORT": str(HTTP_PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+    kubelet = Kubelet(emulator)
+    kubelet.start()
+    emulator.request("POST", service_path(NS), new_service(NAME, {
+        "model": "sim", "resources": {"gpu": 0, "cpu": "1", "memory": "1Gi"},
+        "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "targetUtilization": 0.8,
+                        "intervalSeconds": 2, "scaleDownStabilizationSeconds": 12, "targetDrainTimeMs": 1000},
+    }))
+    yield kubelet, op
+    kubelet.halt.set()
+    kubelet.join(60)
+    op.stop()
+
+
+def replicas(emulator) -> int:
+    return int(emulator.get(DEPLOY)["spec"]["replicas"])
+
+
+async def offer_load(kubelet, tokens_per_s: float, seconds: float, texts, token_counts):
+    """Open-loop Poisson load spread over the ready pods; → [(time, code)]."""
+    rng = np.random.default_rng(1)
+    channels: dict[str, pb_grpc.InferenceStub] = {}
+    outcomes, tasks = [], []
+    rate = tokens_per_s / np.mean(token_counts)
+    start = time.monotonic()
+    next_at = start
+
+    async def one(stub, i):
+        o = await call(stub.Embed, pb.EmbedRequest(texts=[texts[i]]), token_counts[i], timeout_s=20)
+        outcomes.append((time.monotonic() - start, o.code))
+
+    while (now := time.monotonic()) - start < seconds:
+        next_at += rng.exponential(1 / rate)
+        await asyncio.sleep(max(0.0, next_at - now))
+        targets = kubelet.ready_targets()
+        if not targets:
+            continue
+        target = targets[int(rng.integers(len(targets)))]
+        if target not in channels:
+            channels[target] = pb_grpc.InferenceStub(grpc.aio.insecure_channel(target))
+        tasks.append(asyncio.ensure_future(one(channels[target], int(rng.integers(len(texts))))))
+    await asyncio.gather(*tasks)
+    return outcomes
+
+
+async def test_replicas_follow_offered_load(emulator, fleet, reference):
+    kubelet, operator = fleet
+    eventually(lambda: kubelet.ready_targets() or kubelet.errors, timeout=60)
+    assert kubelet.errors == []
+    assert replicas(emulator) == 1
+    rng = np.random.default_rng(2)
+    # Long texts: the load is in tokens, and fewer requests leave this small CPU to the servers.
+    texts = [make_text(rng, int(n)) for n in rng.integers(150, 250, size=100)]
+    counts = [reference.tokens(t) for t in texts]
+    outcomes = await offer_load(kubelet, 3 * SIM_RATE, LOAD_S, texts, counts)
+
+    t0 = kubelet.replica_history[0][0]
+    changes = [(round(t - t0, 1), n) for i, (t, n) in enumerate(kubelet.replica_history)
+               if i == 0 or n != kubelet.replica_history[i - 1][1]]
+    per_5s = [(k * 5, sum(c == "RESOURCE_EXHAUSTED" for t, c in outcomes if k * 5 <= t < k * 5 + 5),
+               sum(1 for t, _ in outcomes if k * 5 <= t < k * 5 + 5)) for k in range(LOAD_S // 5)]
+    timeline = f"replicas {changes}; rejected/sent per 5 s {per_5s}"
+    codes = {c for _, c in outcomes}
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, codes
+    peak = max(n for _, n in kubelet.replica_history)
+    assert peak >= 4, timeline  # 3x capacity at 80% utilization → ceil(3.75) = 4
+    early = [c for t, c in outcomes if t < 10]
+    late = [c for t, c in outcomes if t > LOAD_S - 10]
+    early_rejected = sum(c == "RESOURCE_EXHAUSTED" for c in early) / max(1, len(early))
+    late_rejected = sum(c == "RESOURCE_EXHAUSTED" for c in late) / max(1, len(late))
+    assert early_rejected > 0.2  # one replica really was overloaded
+    assert late_rejected < 0.03, timeline  # the fleet caught up: rejections stopped
+
+    cr = emulator.get(service_path(NS, NAME))
+    assert cr["status"]["desiredReplicas"] >= 4 and "scale up" in cr["status"]["lastScaleReason"]
+    assert cr["status"]["serviceRateTokensPerSecond"] > 0.5 * SIM_RATE
+    events = [e for e in emulator.get(f"/api/v1/namespaces/{NS}/events")["items"] if e.get("reason") == "Scaled"]
+    assert events
+
+    # Load gone: back to min once the 12 s window has passed (and the arrival EMA has decayed).
+    eventually(lambda: replicas(emulator) == 1, timeout=60, interval=0.5)
+    assert "scale down" in emulator.get(service_path(NS, NAME))["status"]["lastScaleReason"]
