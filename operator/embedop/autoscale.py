@@ -4,7 +4,7 @@ history in; a decision and the next history out.
 capacity per replica = median of the ready pods' measured service rates (robust to an outlier
   and to a fresh pod with no samples yet; the last known value when none reports one)
 demand = Σ offered arrival rate (rejected demand included: while shedding, the accepted rate
-  understates need) + backlog / targetDrainTime
+  understates need) + the backlog that spare capacity would not clear within targetDrainTime
 forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready)
 recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
@@ -22,7 +22,9 @@ import statistics
 TREND_SAMPLES = 5
 DEFAULT_STARTUP_S = 60.0
 MAX_STEP_FACTOR, MAX_STEP_ADD = 4, 4
-CANCEL_CONFIRMATIONS = 2  # consecutive recommendations that must agree before starting pods go
+LOOKAHEAD_CAP = 0.25  # the trend may add at most this fraction of current demand
+TOLERANCE = 0.1  # recommendations within ±10% of the current size keep it
+CANCEL_CONFIRMATIONS = 1  # consecutive low recommendations before starting pods go
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +102,19 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     capacity = statistics.median(rates) if rates else history.capacity
     startups = [s.startup_s for s in samples if s.startup_s is not None]
     startup_s = statistics.median(startups) if startups else history.startup_s
-    demand = sum(s.arrival_rate + s.queued_tokens / policy.target_drain_s for s in scraped)
+    # Backlog counts only beyond what a pod's spare capacity (1 - targetUtilization) clears
+    # within targetDrainTime by itself: the ordinary queue of a busy pod is not demand.
+    spare = (1 - policy.target_utilization) * policy.target_drain_s
+    demand = sum(s.arrival_rate + max(0.0, s.queued_tokens - spare * (s.service_rate or capacity or 0.0))
+                 / policy.target_drain_s for s in scraped)
     demand_points = (history.demand + ((now, demand),))[-TREND_SAMPLES:]
-    forecast = demand + max(0.0, trend(demand_points)) * startup_s
+    # Look-ahead is for ramps (a few % per start-up); a step is already in `demand`, and
+    # extrapolating its jump a whole start-up ahead would overshoot: the look-ahead is capped.
+    # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
+    # later: until then, what we decide now has to carry the load.
+    interval = now - history.demand[-1][0] if history.demand else 0.0
+    rising = max(0.0, trend(demand_points))
+    forecast = demand + min(rising * (startup_s + interval), LOOKAHEAD_CAP * demand)
     blind = len(scraped) < len(ready)  # some serving pods could not be read: demand is a floor
 
     def keep(recommendation: int) -> History:
@@ -115,7 +127,10 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         return Decision(desired, "no service rate measured yet", desired, None, demand, forecast, False,
                         keep(desired))
 
-    raw = math.ceil(forecast / (capacity * policy.target_utilization) - 1e-9) if forecast > 0 else 0
+    exact = forecast / (capacity * policy.target_utilization)
+    raw = math.ceil(exact - 1e-9) if forecast > 0 else 0
+    if current > 0 and abs(exact / current - 1) <= TOLERANCE:
+        raw = current  # within tolerance of the current size: not worth a change (as the HPA)
     recommendation = min(max(raw, policy.min_replicas), policy.max_replicas)
     limited = raw > policy.max_replicas
     new_history = keep(recommendation)
@@ -136,8 +151,8 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
         elif starting > 0 and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current:
-            # Capacity that came too late: cancel starting pods that the latest recommendations
-            # (two in a row, so one noisy sample cannot) no longer need. They never served.
+            # Capacity that came too late: cancel starting pods that the latest recommendation(s)
+            # no longer need. They never served, so this cannot flap serving capacity.
             desired = max(confirmed, len(ready))
             reason = f"cancel {current - desired} starting pod(s) no longer needed"
         else:

@@ -35,8 +35,11 @@ def test_scale_up_is_bounded_per_decision():
 
 
 def test_backlog_counts_as_demand_to_clear_within_the_target_drain_time():
-    d = run(pods(2, 0, queued=1000), 2)  # 2 × 1000 tokens / 1 s = 2000 tok/s → 4
-    assert d.desired == 4
+    # spare capacity clears 1000 × (1 - 0.5) × 1 s = 500 tokens per pod by itself;
+    # the rest, 2 × 1500 tokens within 1 s, is 3000 tok/s of demand → 6
+    d = run(pods(2, 0, queued=2000), 2)
+    assert d.desired == 6
+    assert run(pods(2, 500, queued=400), 2).desired == 2  # an ordinary queue is not demand
 
 
 def test_rejected_demand_counts():
@@ -82,13 +85,14 @@ def test_warming_pods_count_as_capacity_on_its_way():
     assert d.desired == 8
 
 
-def test_starting_pods_no_longer_needed_are_cancelled_once_confirmed():
+def test_starting_pods_no_longer_needed_are_cancelled_at_once():
     history = run(pods(2, 2000), 2).history  # the spike recommended 8
     # pods are starting; the spike is over: 2 ready pods see 400 tok/s each → 2 needed
     d = run(pods(8, 400, ready=2), 8, history, now=1015.0)
-    assert d.desired == 8  # one low sample could be noise
-    d = run(pods(8, 400, ready=2), 8, d.history, now=1030.0)
     assert d.desired == 2 and d.reason.startswith("cancel 6 starting")
+    # while ready pods are never cut inside the window
+    d = run(pods(8, 400), 8, history, now=1015.0)
+    assert d.desired == 8 and "window" in d.reason
 
 
 def test_failed_scrapes_hold_and_never_scale_down():
@@ -126,9 +130,11 @@ def test_nothing_measured_yet_holds():
 
 def test_upward_trend_is_forecast_one_startup_ahead():
     history = History(capacity=CAP, startup_s=60.0, demand=((940.0, 1000.0), (955.0, 1500.0), (970.0, 2000.0), (985.0, 2500.0)))
-    d = run(pods(6, 500), 6, history)  # demand 3000 now, rising 33 tok/s per s → 5000 in 60 s
-    assert d.forecast == pytest.approx(5000, rel=0.01)
-    assert d.desired == 10
+    d = run(pods(6, 500), 6, history)  # demand 3000 now, rising 33 tok/s per s → 5000 in 60 s,
+    assert d.forecast == pytest.approx(3750, rel=0.01)  # but look-ahead adds at most 25%
+    assert d.desired == 8
+    gentle = History(capacity=CAP, startup_s=60.0, demand=((940.0, 2850.0), (955.0, 2900.0), (970.0, 2950.0)))
+    assert run(pods(6, 500), 6, gentle).forecast == pytest.approx(3000 + 60 * 50 / 15, rel=0.01)
     falling = History(capacity=CAP, demand=((940.0, 5000.0), (955.0, 4500.0), (970.0, 4000.0)))
     assert run(pods(6, 500), 6, falling).forecast == pytest.approx(3000)  # upward only
 
