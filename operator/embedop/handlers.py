@@ -34,6 +34,8 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
+    settings.scanning.disabled = True
     # Timers run in threads and cannot be interrupted: check often whether they have ended,
     # so deletion (finalizer release) does not wait kopf's default minute.
     settings.background.cancellation_polling = 1

@@ -29,7 +29,8 @@ PATHS = {  # kind → (collection path, RBAC group, resource)
 # Every (group, resource, verb) this module can call; tests check the chart's RBAC against it.
 CALLS = {
     *((PATHS[k][1], PATHS[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
-      for v in ("get", "create", "patch", "delete")),
+      for v in ("get", "create", "patch")),
+    ("autoscaling", "horizontalpodautoscalers", "delete"),  # when a service leaves hpa mode
     ("", "pods", "list"),
     ("apps", "deployments", "list"),  # kopf watches the Deployments to follow their status
     ("apps", "deployments", "watch"),

@@ -9,6 +9,7 @@ from embedop import crd
 GRPC_PORT, HTTP_PORT = 50051, 8001
 MANAGED_BY = {"app.kubernetes.io/managed-by": "embedop"}
 SERVICE_LABEL = "embedfleet.dev/service"
+METRICS_LABEL = "embedfleet.dev/metrics"
 MODEL_CACHE = "/models"
 # The metric an HPA scales on (served by prometheus-adapter from the servers' own gauges):
 # offered tokens/s over capacity tokens/s, per pod. The target is spec.autoscaling.targetUtilization.
@@ -154,7 +155,9 @@ def _ports(http_port: int) -> list[dict]:
 
 
 def service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner),
+    meta = _meta(owner)
+    meta["labels"][METRICS_LABEL] = "true"  # the one Service a ServiceMonitor scrapes (not the headless)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
             "spec": {"type": "ClusterIP", "selector": selector(owner.name), "ports": _ports(http_port)}}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,7 +104,7 @@ class Server:
             plan, load, self.estimator,
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
-            on_batch=self.metrics.batch_ran,
+            on_batch=self.metrics.batch_ran, on_failing=self._failing,
         )
         await self.engine.start()
         self.service = EmbeddingService(
@@ -111,6 +112,15 @@ class Server:
             Limits(s.max_texts_per_request, buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics,
         )
+
+    def _failing(self, failing: bool) -> None:
+        log.error("model worker %s", "failing: reporting NOT_SERVING" if failing else "recovered")
+        self._health_task = asyncio.ensure_future(grpc_server.set_serving(self.grpc_health, not failing))
+
+    @property
+    def healthy(self) -> bool:
+        """What probes see: ready, not draining, and the model not failing batch after batch."""
+        return self.ready and not self.draining and not (self.engine and self.engine.failing)
 
     def health_fields(self) -> dict:
         snap = self.estimator.snapshot()
@@ -130,6 +140,8 @@ class Server:
             "uptime_seconds": time.monotonic() - self.started_at,
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",
+            "threads": threading.active_count(),
+            "asyncio_tasks": len(asyncio.all_tasks()),
         }
 
     @property

@@ -20,6 +20,10 @@ from embedserve.worker import ModelWorker, Runner, WarmupPlan
 
 log = logging.getLogger(__name__)
 
+# Consecutive failed batches after which the server reports itself unhealthy (a wedged device
+# should be restarted by its liveness probe); one good batch clears it.
+FAILING_AFTER = 3
+
 
 
 class Engine:
@@ -33,9 +37,11 @@ class Engine:
         lookahead: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
+        on_failing: Callable[[bool], None] = lambda failing: None,
     ):
         self.plan = plan
         self.on_batch = on_batch
+        self.on_failing = on_failing  # called when consecutive failures cross FAILING_AFTER, and back
         self.estimator = estimator
         self.deadline_s = deadline_s
         self.clock = clock
@@ -51,6 +57,10 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+
+    @property
+    def failing(self) -> bool:
+        return self.failed_batches >= FAILING_AFTER
 
     @property
     def ready(self) -> bool:
@@ -140,10 +150,14 @@ class Engine:
         self.on_batch(batch, busy_s)
         if isinstance(out, BaseException):
             self.failed_batches += 1
+            if self.failed_batches == FAILING_AFTER:
+                self.on_failing(True)
             for request, _, _ in batch.routes:
                 request.fail(ModelFailure(f"model failed on this request's batch: {out}"))
                 self.drop(request)
         else:
+            if self.failed_batches >= FAILING_AFTER:
+                self.on_failing(False)
             self.failed_batches = 0
             for request, positions, rows in batch.routes:
                 request.deliver(positions, out[rows])

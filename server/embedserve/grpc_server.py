@@ -16,6 +16,7 @@ from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_METADATA = ("embedfleet-attempt", "grpc-previous-rpc-attempts")
+_HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
 
 
 def is_retry(metadata) -> bool:
@@ -53,7 +54,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
     async def HealthCheck(self, request, context):
-        return pb.HealthCheckResponse(**self._health_fields())
+        fields = self._health_fields()
+        return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
     async def _call(self, rpc: str, context, run):
         t0 = time.perf_counter()

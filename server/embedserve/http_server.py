@@ -22,10 +22,8 @@ def build_app(server: "Server") -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """The shared signal and readiness; 503 while starting or shutting down."""
-        fields = server.health_fields()
-        ok = server.ready and not server.draining
-        return JSONResponse(fields, status_code=200 if ok else 503)
+        """The shared signal and readiness; 503 while starting, draining, or failing batches."""
+        return JSONResponse(server.health_fields(), status_code=200 if server.healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

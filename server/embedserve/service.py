@@ -69,7 +69,7 @@ class EmbeddingService:
     def status(self) -> str:
         snap = self.estimator.snapshot()
         rejecting = self.estimator.clock() - self._last_rejection < OVERLOADED_HOLD_S
-        if self.engine.failed_batches >= 3:
+        if self.engine.failing:
             return "degraded"
         return admission.status(snap, self.policy, self.ready, rejecting)
 

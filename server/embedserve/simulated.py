@@ -2,6 +2,7 @@
 simulator only, never a default. A batch "runs" by sleeping a fixed launch cost plus
 padded_tokens / rate, so N server processes on a small CPU behave like N devices with a known
 capacity. Its vectors are deterministic (a seeded projection of the row's token ids), unit-length.
+A batch containing FAIL_TOKEN raises, so tests can exercise device faults on a real process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from embedserve.queues import Batch
 
 PREFIX = "sim:"
 LAUNCH_S = 0.001  # per-batch cost, so bigger batches pay as on a real device
+FAIL_TOKEN = 1  # a batch holding this token id ([unused0] in BERT vocabularies) fails, as a broken device would
 
 
 def parse(model_path: str) -> float | None:
@@ -37,6 +39,8 @@ class SimulatedAccelerator:
     def run(self, batch: Batch) -> np.ndarray:
         time.sleep(LAUNCH_S + batch.padded_tokens / self.rate)
         ids = batch.input_ids[: batch.rows].numpy()
+        if (ids[batch.attention_mask[: batch.rows].numpy() == 1] == FAIL_TOKEN).any():
+            raise RuntimeError(f"simulated device fault (token {FAIL_TOKEN} in the batch)")
         mask = batch.attention_mask[: batch.rows].numpy().astype(np.float32)
         out = np.einsum("bl,bld->bd", mask, self._projection[ids])
         return out / np.linalg.norm(out, axis=1, keepdims=True)

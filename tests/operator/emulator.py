@@ -20,6 +20,21 @@ from embedop import crd
 
 
 _versions = itertools.count(100)
+# Every Kubernetes API call the operator made to the emulators of this process, as RBAC sees it:
+# (API group, resource[/subresource], verb). The RBAC tests compare it with the chart.
+recorded: set[tuple] = set()
+
+
+# Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses to answer
+# with, one per call, in order. The tests' own calls are never faulted.
+faults: dict[tuple[str, str], list[int]] = {}
+
+
+@attrs.frozen
+class InjectedFault(kmock.KubernetesError):
+    status: int = 500
+    reason: str = "Injected"
+    message: str = "injected fault"
 
 
 @attrs.frozen
@@ -35,6 +50,19 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     (kopf relies on resourceVersions to tell its own writes' echoes from news.)"""
 
     async def _handle(self, request):
+        agent = request.headers.get("User-Agent", "")
+        is_object_call = request.resource is not None and request.resource.plural is not None
+        if is_object_call and not agent.startswith("Python-urllib"):
+            key = (request.method.value, request.resource.plural)
+            if faults.get(key):
+                status = faults[key].pop(0)
+                raise InjectedFault(status=status, reason="Injected", message=f"injected {status} for {key}")
+        if is_object_call and request.action is not None and not agent.startswith("Python-urllib"):
+            # Not the tests' own kubectl stand-in (urllib): the operator's kopf or client calls.
+            verb = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete",
+                    "UPDATE": "update" if request.method == kmock.method.PUT else "patch"}[request.action.value]
+            resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            recorded.add((request.resource.group or "", resource, verb))
         data = request.data
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_versions))

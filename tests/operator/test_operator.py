@@ -126,3 +126,13 @@ def test_delete_releases_the_finalizer(emulator, operator, svc, p):
     errors = [line for line in operator.log().splitlines()
               if (" ERROR " in line and "failed temporarily" not in line) or "failed permanently" in line]
     assert errors == []
+
+
+def test_every_api_call_made_is_declared_for_rbac(emulator, operator, svc, p):
+    """The calls recorded while the scenarios above ran are all in kube.CALLS, which the chart's
+    RBAC is checked against (tests/charts)."""
+    from embedop.kube import CALLS
+    from tests.operator.emulator import recorded
+
+    assert recorded, "nothing recorded"
+    assert recorded <= CALLS, recorded - CALLS

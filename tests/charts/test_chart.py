@@ -1,0 +1,147 @@
+"""The Helm chart, rendered and linted by the real Helm SDK; every object validated against real
+Kubernetes schemas; its RBAC equal to the calls the operator makes; the images' Dockerfiles linted."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+import embedop
+import embedserve
+from embedop import kube
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "embedfleet"
+K8S_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
+CUSTOM_KINDS = {"ServiceMonitor", "EmbeddingService"}  # validated by their own CRDs, not here
+
+MATRIX = {
+    "defaults": {},
+    "namespaced": {"watchNamespace": "search"},
+    "all-on": {"example": {"enabled": True}, "serviceMonitor": {"enabled": True},
+               "prometheusAdapter": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+               "nodeSelector": {"pool": "system"}, "imagePullSecrets": [{"name": "regcred"}],
+               "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
+}
+
+
+def render(values, namespace="embedfleet-system"):
+    chart = helm.Chart.load(str(CHART))
+    files = chart.render(values, name="ef", namespace=namespace, is_install=True)
+    objects = []
+    for path, text in files.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_lint_is_clean(case):
+    result = helm.lint(str(CHART), MATRIX[case], strict=True, kube_version="v1.31.0")
+    # Helm's severities: 1 info, 2 warning, 3 error. (Info: "icon is recommended".)
+    assert result["errors"] == [] and [m for m in result["messages"] if m["severity"] >= 2] == [], result
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_rendered_objects_validate_strictly(case, version):
+    objects = render(MATRIX[case])
+    assert {o["kind"] for o in objects} >= {"Deployment", "ServiceAccount"}
+    for obj in objects:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_all_options_render_what_they_promise():
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in render(MATRIX["all-on"])}
+    assert ("EmbeddingService", "minilm") in kinds and ("ServiceMonitor", "ef-operator-servers") in kinds
+    assert ("ConfigMap", "ef-operator-adapter-rules") in kinds and ("ConfigMap", "ef-operator-dashboard") in kinds
+    dashboard = next(o for o in render(MATRIX["all-on"]) if o["metadata"]["name"] == "ef-operator-dashboard")
+    import json
+
+    titles = [p["title"] for p in json.loads(dashboard["data"]["embedfleet.json"])["panels"]]
+    for word in ("Service rate", "drain", "Queued", "Replicas", "Rejections", "latency", "Padding"):
+        assert any(word.lower() in t.lower() for t in titles), word
+
+
+def test_operator_pod_is_locked_down():
+    d = next(o for o in render({}) if o["kind"] == "Deployment")
+    pod = d["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"] and not c["securityContext"]["allowPrivilegeEscalation"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["resources"]["limits"]
+
+
+def rbac_calls(objects):
+    calls = set()
+    for o in objects:
+        if o["kind"] in ("ClusterRole", "Role"):
+            for rule in o["rules"]:
+                calls |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return calls
+
+
+@pytest.mark.parametrize("case", ["defaults", "namespaced"])
+def test_rbac_is_exactly_what_the_operator_calls(case):
+    objects = render(MATRIX[case])
+    assert rbac_calls(objects) == kube.CALLS
+    roles = {o["kind"] for o in objects if "Role" in o["kind"]}
+    assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
+    assert not any("*" in str(rule) for o in objects if "Role" in o["kind"] for rule in o.get("rules", []))
+    assert not any(r == "secrets" for _, r, _ in rbac_calls(objects))
+
+
+def test_namespaced_install_watches_only_its_namespace():
+    d = next(o for o in render(MATRIX["namespaced"]) if o["kind"] == "Deployment")
+    assert "--namespace=search" in d["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"watchNamespace": "Not_A_Namespace"}, "watchNamespace"),
+    ({"resyncSeconds": 0}, "resyncSeconds"),
+    ({"image": {"repository": ""}}, "repository"),
+    ({"unknownKey": 1}, "unknownKey"),
+    ({"serviceMonitor": {"enabled": "yes"}}, "enabled"),
+])
+def test_values_schema_rejects_bad_values(values, message):
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)
+
+
+def test_chart_crd_is_the_repository_crd_byte_for_byte():
+    assert (CHART / "crds" / "embeddingservice.yaml").read_bytes() == (ROOT / "crds" / "embeddingservice.yaml").read_bytes()
+
+
+def test_versions_agree():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    from embedop.config import OperatorSettings
+
+    assert OperatorSettings().server_image.endswith(":" + chart["appVersion"])
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["serverImage"]["repository"] in OperatorSettings().server_image
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.server", "Dockerfile.operator"])
+def test_hadolint_passes(dockerfile):
+    hadolint = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
+    out = subprocess.run([hadolint, str(ROOT / dockerfile)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_images_run_as_non_root_and_the_operator_image_has_no_torch():
+    server = (ROOT / "Dockerfile.server").read_text()
+    operator = (ROOT / "Dockerfile.operator").read_text()
+    assert "USER 10001" in server and "USER 10001" in operator
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not any(d.startswith(("torch", "transformers", "embedserve")) for d in deps)
+    assert "./server" not in operator and "pip install -c constraints.txt ./operator" in operator
+    assert 'ENTRYPOINT ["python", "-m", "embedserve"]' in server and "grpc_tools.protoc" in server

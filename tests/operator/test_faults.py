@@ -1,0 +1,53 @@
+"""The operator under API faults: conflicts, server errors and a restart mid-reconcile."""
+
+import signal
+
+from tests.operator import emulator as em
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS = "default"
+
+
+def objects(emulator, name):
+    return [emulator.get(path) for path in (
+        f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", f"/api/v1/namespaces/{NS}/services/{name}",
+        f"/api/v1/namespaces/{NS}/services/{name}-headless", f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/{name}")]
+
+
+def count(emulator, collection, name):
+    return sum(1 for o in emulator.get(collection)["items"] if o["metadata"]["name"] == name)
+
+
+def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
+    em.faults.update({
+        ("POST", "deployments"): [500, 503],
+        ("PATCH", "services"): [409, 500],
+        ("POST", "poddisruptionbudgets"): [429],
+        ("PATCH", "embeddingservices"): [500],  # the status write, too
+    })
+    emulator.request("POST", service_path(NS), new_service("flaky", {"model": "m", "resources": {"gpu": 0}}))
+    eventually(lambda: all(objects(emulator, "flaky")), timeout=60)
+    assert not any(em.faults.values())  # every fault was hit, and got past
+    assert count(emulator, f"/apis/apps/v1/namespaces/{NS}/deployments", "flaky") == 1
+    assert count(emulator, f"/api/v1/namespaces/{NS}/services", "flaky") == 1
+    eventually(lambda: emulator.get(service_path(NS, "flaky")).get("status", {}).get("selector"), timeout=30)
+    assert "failed temporarily" in operator.log()
+
+
+def test_a_restart_mid_reconcile_converges(emulator, operator, tmp_path):
+    # Service creation keeps failing: the reconcile stops half-way (Deployment only) ...
+    em.faults[("POST", "services")] = [500] * 1000
+    emulator.request("POST", service_path(NS), new_service("halfway", {"model": "m", "resources": {"gpu": 0}}))
+    eventually(lambda: objects(emulator, "halfway")[0], timeout=30)
+    assert objects(emulator, "halfway")[1] is None
+    # ... the operator dies without a goodbye, the API heals, a new operator starts.
+    operator.proc.send_signal(signal.SIGKILL)
+    operator.proc.wait(10)
+    em.faults.clear()
+    fresh = OperatorProcess(emulator.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator2.log")
+    try:
+        eventually(lambda: all(objects(emulator, "halfway")), timeout=60)
+        eventually(lambda: all(objects(emulator, "flaky")), timeout=30)
+    finally:
+        fresh.stop()

@@ -1,0 +1,156 @@
+"""Faults and overload on real server processes (simulated device, so timings are known):
+oversized messages, device faults, cancellation storms, SIGTERM, and a bounded soak."""
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.loadgen import call, open_loop
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.simulated import FAIL_TOKEN
+from tests.conftest import ServerProcess, make_text
+from tests.server.test_client import counter
+
+CAPS = "16:8,32:8,64:8,128:4,256:2,512:1"
+
+
+def infer_request(ids):
+    ids = np.asarray([ids], "<i4")
+    return pb.InferRequest(input_ids=ids.tobytes(), attention_mask=np.ones_like(ids).tobytes(), shape=list(ids.shape))
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def serving(target) -> int:
+    channel = grpc.insecure_channel(target)
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
+    finally:
+        channel.close()
+
+
+def test_oversized_message_is_refused_by_grpc_and_the_server_keeps_serving():
+    server = ServerProcess({"MODEL_PATH": "sim:50000", "BATCH_CAPS": CAPS, "GRPC_MAX_MESSAGE_BYTES": str(1 << 20)}).wait_ready()
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 8 << 20)]))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Embed(pb.EmbedRequest(texts=["x" * (2 << 20)]))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stub.Embed(pb.EmbedRequest(texts=["still serving"])).shape == [1, 384]
+    finally:
+        assert server.stop() == 0
+
+
+def test_device_faults_fail_only_their_batch_then_probes_report_unhealthy_until_recovery():
+    server = ServerProcess({"MODEL_PATH": "sim:50000", "BATCH_CAPS": CAPS}).wait_ready()
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
+        for i in range(3):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Infer(infer_request([101, FAIL_TOKEN, 102]))
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated device fault" in e.value.details()
+            if i < 2:
+                assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
+        code, fields = server.health()
+        assert code == 503 and fields["status"] == "degraded"
+        assert serving(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        # still accepting: the next good batch succeeds and clears the failure state
+        assert stub.Infer(infer_request([101, 2000, 102])).shape == [1, 384]
+        assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert server.stop() == 0
+
+
+async def test_a_storm_of_cancelled_requests_leaves_the_queue_and_never_reaches_the_device():
+    # 200 tokens/s: 60 requests of ~60 tokens would keep the device busy for ~18 s.
+    server = ServerProcess({"MODEL_PATH": "sim:200", "BATCH_CAPS": "16:1,32:1,64:1,128:1,256:1,512:1",
+                            "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    try:
+        channel = grpc.aio.insecure_channel(server.target)
+        stub = pb_grpc.InferenceStub(channel)
+        text = make_text(np.random.default_rng(0), 45)
+        outcomes = await asyncio.gather(*(call(stub.Embed, pb.EmbedRequest(texts=[text]), 60, timeout_s=0.5)
+                                          for _ in range(60)))
+        assert {o.code for o in outcomes} <= {"OK", "DEADLINE_EXCEEDED"}
+        assert sum(o.code == "DEADLINE_EXCEEDED" for o in outcomes) >= 55
+        t0 = time.monotonic()
+        while server.health()[1]["queued_tokens"] and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert server.health()[1]["queued_tokens"] == 0
+        assert time.monotonic() - t0 < 3  # far sooner than computing them would take
+        real = counter(server.http, "embedfleet_tokens_total", kind="real")
+        assert real < 10 * 60  # at most the few batches already on the device ran
+        assert (await stub.Embed(pb.EmbedRequest(texts=["after the storm"]), timeout=30)).shape == [1, 384]
+        await channel.close()
+    finally:
+        server.stop()
+
+
+async def test_sigterm_drains_in_flight_requests_and_exits_zero():
+    server = ServerProcess({"MODEL_PATH": "sim:400", "BATCH_CAPS": "16:4,32:4,64:4,128:4,256:2,512:1",
+                            "MAX_DRAIN_TIME_MS": "600000", "SHUTDOWN_GRACE_S": "20"}).wait_ready()
+    channel = grpc.aio.insecure_channel(server.target)
+    stub = pb_grpc.InferenceStub(channel)
+    text = make_text(np.random.default_rng(1), 40)
+    in_flight = [asyncio.ensure_future(call(stub.Embed, pb.EmbedRequest(texts=[text]), 50, timeout_s=30)) for _ in range(12)]
+    while server.health()[1]["queued_tokens"] < 300:  # most of them admitted (~2 s of work queued)
+        await asyncio.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.3)
+    assert server.health()[0] == 503
+    try:  # the listener is closed at once (new connections refused), or health says NOT_SERVING
+        assert serving(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+    late = await call(stub.Embed, pb.EmbedRequest(texts=["too late"]), 3, timeout_s=5)
+    assert late.code == "UNAVAILABLE"
+    results = await asyncio.gather(*in_flight)
+    assert [o.code for o in results] == ["OK"] * 12  # everything admitted before SIGTERM finished
+    assert server.proc.wait(30) == 0
+    await channel.close()
+    server.stop()
+
+
+async def test_bounded_soak_at_three_times_capacity():
+    rate = 3000
+    server = ServerProcess({"MODEL_PATH": f"sim:{rate}", "BATCH_CAPS": CAPS, "MAX_DRAIN_TIME_MS": "300"}).wait_ready()
+    try:
+        channel = grpc.aio.insecure_channel(server.target)
+        stub = pb_grpc.InferenceStub(channel)
+        rng = np.random.default_rng(4)
+        texts = [make_text(rng, int(n)) for n in rng.integers(10, 40, size=100)]
+        await call(stub.Embed, pb.EmbedRequest(texts=texts[:8]), 0, timeout_s=30)  # warm the paths
+        _, before = server.health()
+        rss_before = rss_kib(server.proc.pid)
+        picks = iter(rng.integers(0, len(texts), size=1_000_000))
+
+        async def send():
+            return await call(stub.Embed, pb.EmbedRequest(texts=[texts[next(picks)]]), 25, timeout_s=30)
+
+        outcomes, _ = await open_loop(send, 3 * rate / 25, 30, seed=9)
+        assert {o.code for o in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}
+        t0 = time.monotonic()
+        while server.health()[1]["queued_tokens"] and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        _, after = server.health()
+        growth_mib = (rss_kib(server.proc.pid) - rss_before) / 1024
+        print(f"\nsoak: {len(outcomes)} requests, {sum(o.code == 'OK' for o in outcomes)} OK, "
+              f"RSS growth {growth_mib:.1f} MiB, threads {before['threads']}→{after['threads']}, "
+              f"tasks {before['asyncio_tasks']}→{after['asyncio_tasks']}")
+        assert after["queued_tokens"] == 0
+        assert growth_mib < 64
+        assert after["threads"] <= before["threads"] + 1  # the tokenizer pool may have grown to its cap
+        assert after["asyncio_tasks"] <= before["asyncio_tasks"] + 2
+        await channel.close()
+    finally:
+        assert server.stop() == 0
