@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from embedserve import admission, grpc_server, http_server, simulated
-from embedserve.config import Settings
-from embedserve.encoder import Encoder, Placement, choose_placement
+from embedserve.config import PACKAGED_MODEL, Settings
+from embedserve.encoder import Encoder, Placement, choose_placement, task_of
 from embedserve.engine import Engine
 from embedserve.estimator import Estimator
 from embedserve.metrics import Metrics
@@ -44,6 +44,16 @@ def usable_buckets(buckets: tuple[int, ...], max_positions: int | None) -> tuple
     return kept or (max_positions,)
 
 
+def served_model_name(settings: Settings) -> str:
+    """The model id HTTP clients name (OpenAI `model`): SERVED_MODEL_NAME, else from MODEL_PATH."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    path = settings.model_path
+    if path == PACKAGED_MODEL:
+        return path.split(":", 1)[1]
+    return path.rstrip("/").split("/")[-1] if path.startswith(("/", ".", "s3://")) else path
+
+
 class Server:
     """One serving process. Transports come up first (reporting "starting"), then the model."""
 
@@ -55,6 +65,9 @@ class Server:
         self.engine: Engine | None = None
         self.placement: Placement | None = None
         self.model_name = settings.model_path
+        self.served_name = served_model_name(settings)
+        self.task = "embed"
+        self.labels: list[str] = []
         self.started_at = time.monotonic()
         self.draining = False
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -70,6 +83,7 @@ class Server:
         await self.http.start()
         log.info("gRPC on :%d, HTTP on :%d; loading %s", self.grpc_port, self.http.port, self.model_name)
         await self._load()
+        self.http.install_api(self)
         await grpc_server.set_serving(self.grpc_health, True)
         log.info("ready: dimension %d on %s", self.engine.dim, self.placement.device)
 
@@ -82,6 +96,9 @@ class Server:
         model_dir = str(await asyncio.to_thread(resolve, source, s.model_cache_dir))
         config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
         hf_tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
+        self.task = "embed" if sim_rate else task_of(config, s.task)
+        if self.task == "classify":
+            self.labels = [config.id2label[i] for i in range(config.num_labels)]
         buckets = usable_buckets(s.buckets, getattr(config, "max_position_embeddings", None))
         tokenizer = TextTokenizer(hf_tok, buckets[-1], s.truncate)
         exclude = tokenizer.token_ids(s.exclude_tokens)
@@ -98,7 +115,7 @@ class Server:
         def load():
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
-            return Encoder(model_dir, s, placement, exclude)
+            return Encoder(model_dir, s, placement, exclude, self.task)
 
         self.engine = Engine(
             plan, load, self.estimator,
@@ -110,7 +127,7 @@ class Server:
         self.service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.caps),
             Limits(s.max_texts_per_request, buckets[-1], s.truncate),
-            executor=self._executor, observer=self.metrics,
+            executor=self._executor, observer=self.metrics, task=self.task,
         )
 
     def _failing(self, failing: bool) -> None:

@@ -79,6 +79,8 @@ class Settings:
     """MAX_TEXTS_PER_REQUEST: most texts (or rows) in one request."""
     max_message_bytes: int = 64 * 1024 * 1024
     """GRPC_MAX_MESSAGE_BYTES: gRPC send and receive limit."""
+    served_model_name: str = ""
+    """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
     """TASK: auto, embed or classify."""
     trust_remote_code: bool = False
@@ -120,6 +122,7 @@ class Settings:
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes, low=1024),
+            served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
             task=s.choice("TASK", d.task, ("auto", "embed", "classify")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),

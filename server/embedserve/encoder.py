@@ -41,18 +41,21 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
 
 
 class Encoder:
-    """An AutoModel encoder plus pooling; `run(batch)` → float32 [rows, dim] numpy."""
+    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify);
+    `run(batch)` → float32 [rows, dim] numpy."""
 
-    def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int]):
-        from transformers import AutoModel
+    def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
+                 task: str = "embed"):
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
         self.placement = placement
         self.settings = settings
-        model = AutoModel.from_pretrained(
-            model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code
-        )
+        self.task = task
+        loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
+        model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code)
         self.model = model.to(placement.device).eval()
-        self.dim = int(self.model.config.hidden_size)
+        # Output width: the embedding dimension, or one logit per label.
+        self.dim = int(self.model.config.num_labels if task == "classify" else self.model.config.hidden_size)
         self.exclude = torch.tensor(exclude_ids, dtype=torch.int64, device=placement.device)
         self._forward = self._eager
         if placement.compile:
@@ -60,6 +63,8 @@ class Encoder:
             self._forward = torch.compile(self._eager, mode=mode, dynamic=False)
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.task == "classify":
+            return self.model(input_ids=ids, attention_mask=mask).logits.float()
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         s = self.settings
         return pool(hidden, ids, mask, s.pooling, s.normalize, self.exclude)
@@ -84,3 +89,11 @@ class Encoder:
             "allocated": torch.cuda.memory_allocated(self.placement.device),
             "reserved": torch.cuda.memory_reserved(self.placement.device),
         }
+
+
+def task_of(config, requested: str) -> str:
+    """TASK auto → classify for *ForSequenceClassification checkpoints, else embed."""
+    if requested != "auto":
+        return requested
+    architectures = getattr(config, "architectures", None) or []
+    return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"

@@ -20,3 +20,7 @@ class NotReady(RuntimeError):
 
 class ModelFailure(RuntimeError):
     """The forward pass of the batch holding this request failed (INTERNAL / HTTP 500)."""
+
+
+class WrongTask(RuntimeError):
+    """The request needs the other task (embed vs classify) (FAILED_PRECONDITION / HTTP 400)."""

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_METADATA = ("embedfleet-attempt", "grpc-previous-rpc-attempts")
@@ -35,6 +35,7 @@ _STATUS = (
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
     (ModelFailure, grpc.StatusCode.INTERNAL),
+    (WrongTask, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -64,7 +65,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             service = self._service()
             if service is None:
                 raise NotReady("server is warming up")
-            out = await run(service, is_retry(context.invocation_metadata()))
+            service.require_task("embed")
+            out = (await run(service, is_retry(context.invocation_metadata()))).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
         except tuple(e for e, _ in _STATUS) as e:

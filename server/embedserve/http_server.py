@@ -1,4 +1,5 @@
-"""HTTP transport on HTTP_HEALTH_PORT: GET /health and GET /metrics (uvicorn in our event loop)."""
+"""HTTP transport on HTTP_HEALTH_PORT: GET /health, GET /metrics, and the JSON API of http_api
+(uvicorn in our event loop; OpenAPI at /openapi.json)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from embedserve import http_api
 from embedserve.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ def build_app(server: "Server") -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    http_api.register(app, server)
     return app
 
 
@@ -48,7 +51,11 @@ class HttpServer:
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off")
         self._uvicorn = _EmbeddedServer(config)
+        self.app = config.app
         self._task: asyncio.Task | None = None
+
+    def install_api(self, server: "Server") -> None:
+        http_api.install_routes(self.app, server)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._uvicorn.serve(sockets=[self._socket]))

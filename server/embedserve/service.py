@@ -8,14 +8,14 @@ import dataclasses
 import time
 import warnings
 from concurrent.futures import Executor
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from embedserve import admission
 from embedserve.engine import Engine
-from embedserve.errors import InvalidInput, NotReady, Overloaded
+from embedserve.errors import InvalidInput, NotReady, Overloaded, WrongTask
 from embedserve.estimator import Estimator
 from embedserve.infer_decode import decode
 from embedserve.tokenization import TextTokenizer, validate_texts
@@ -33,6 +33,11 @@ class Observer(Protocol):
 class _NoObserver:
     def rejected(self, reason: str) -> None:
         pass
+
+
+class Result(NamedTuple):
+    rows: np.ndarray  # [n, dim] float32: embeddings, or logits when the task is classify
+    tokens: int  # real tokens computed (usage)
 
 
 @dataclasses.dataclass
@@ -53,11 +58,13 @@ class EmbeddingService:
         executor: Executor | None = None,
         observer: Observer | None = None,
         draw: Callable[[], float] = admission.uniform,
+        task: str = "embed",
     ):
         self.engine, self.tokenizer, self.estimator = engine, tokenizer, estimator
         self.policy, self.limits, self.executor = policy, limits, executor
         self.observer = observer or _NoObserver()
         self.draw = draw
+        self.task = task
         self.draining = False
         self._last_rejection = -float("inf")
         self.started_at = time.monotonic()
@@ -73,9 +80,11 @@ class EmbeddingService:
             return "degraded"
         return admission.status(snap, self.policy, self.ready, rejecting)
 
-    async def embed_texts(self, texts, retry: bool = False) -> np.ndarray:
+    async def embed_texts(self, texts, retry: bool = False, truncate: bool | None = None) -> Result:
+        """Texts → one output row per text, in order. `truncate` overrides TRUNCATE."""
         t0 = self.estimator.clock()
         self._check_ready()
+        truncate = self.limits.truncate if truncate is None else truncate
         texts = validate_texts(texts, self.limits.max_texts)
         # Admission is decided on an estimate (characters / learned characters-per-token), so a
         # refused request costs no tokenization.
@@ -88,17 +97,37 @@ class EmbeddingService:
         self.estimator.enqueued(round(estimate))
         try:
             loop = asyncio.get_running_loop()
-            ids, lengths = await loop.run_in_executor(self.executor, self.tokenizer.encode, texts)
+            ids, lengths = await loop.run_in_executor(self.executor, self.tokenizer.encode, texts, truncate)
             request = self.engine.submit(torch.from_numpy(ids), lengths)
         finally:
             self.estimator.dequeued(round(estimate))
         self.estimator.learn_chars_per_token(sum(map(len, texts)), int(lengths.sum()))
-        return await self._wait(request, t0)
+        return Result(await self._wait(request, t0), int(lengths.sum()))
 
-    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> np.ndarray:
+    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> Result:
+        """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
         t0 = self.estimator.clock()
         self._check_ready()
         ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
+        return await self._infer_rows(ids, lengths, retry, t0)
+
+    async def infer_ids(self, rows: list[list[int]], retry: bool = False) -> Result:
+        """Token id lists (HTTP input) → the same path as Infer."""
+        t0 = self.estimator.clock()
+        self._check_ready()
+        if not rows or len(rows) > self.limits.max_texts:
+            raise InvalidInput(f"send 1 to {self.limits.max_texts} token lists, got {len(rows)}")
+        if any(len(r) == 0 for r in rows):
+            raise InvalidInput("token lists must not be empty")
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        if ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size:
+            raise InvalidInput(f"token ids must be in [0, {self.tokenizer.vocab_size})")
+        return await self._infer_rows(ids, lengths, retry, t0)
+
+    async def _infer_rows(self, ids: np.ndarray, lengths: np.ndarray, retry: bool, t0: float) -> Result:
         top = self.limits.max_length
         if ids.shape[1] > top:
             if not self.limits.truncate and (lengths > top).any():
@@ -110,7 +139,12 @@ class EmbeddingService:
             # The request's bytes are read-only; nothing downstream writes to them.
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(ids)
-        return await self._wait(self.engine.submit(tensor, lengths), t0)
+        return Result(await self._wait(self.engine.submit(tensor, lengths), t0), int(lengths.sum()))
+
+    def require_task(self, task: str) -> None:
+        if task != self.task:
+            other = "POST /classify" if self.task == "classify" else "Embed or /v1/embeddings"
+            raise WrongTask(f"this server's model does {self.task} (TASK={self.task}), not {task}: use {other}")
 
     def _check_ready(self) -> None:
         if not self.ready:

@@ -13,28 +13,34 @@ from embedserve.errors import InvalidInput
 
 class TextTokenizer:
     def __init__(self, hf_tokenizer, max_length: int, truncate: bool):
-        # A private copy of the Rust tokenizer: the model repo's padding/truncation settings
-        # are replaced by ours (no padding; cut at the largest bucket, or one past it to detect).
-        self._tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
-        self._tok.no_padding()
-        self._tok.enable_truncation(max_length if truncate else max_length + 1)
+        # Private copies of the Rust tokenizer with our settings instead of the model repo's: no
+        # padding; one cuts at the largest bucket, the other one past it, to detect over-long input.
+        def copy(limit: int) -> Tokenizer:
+            tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+            tok.no_padding()
+            tok.enable_truncation(limit)
+            return tok
+
+        self._cutting, self._checking = copy(max_length), copy(max_length + 1)
         self.max_length = max_length
         self.truncate = truncate
         self.pad_id = int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0)
         self.vocab_size = len(hf_tokenizer)
         self._hf = hf_tokenizer
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """→ ids [n, longest] int32 (pad id after each row), lengths [n]."""
-        encodings = self._tok.encode_batch(texts)
+    def encode(self, texts: list[str], truncate: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """→ ids [n, longest] int32 (pad id after each row), lengths [n]. Over-long texts are cut
+        (truncate, default TRUNCATE) or refused."""
+        truncate = self.truncate if truncate is None else truncate
+        encodings = (self._cutting if truncate else self._checking).encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-        if not self.truncate:
+        if not truncate:
             too_long = np.flatnonzero(lengths > self.max_length)
             if too_long.size:
                 i = int(too_long[0])
                 raise InvalidInput(
                     f"texts[{i}] is longer than {self.max_length} tokens (the largest bucket) "
-                    "and TRUNCATE is off"
+                    "and truncation is off"
                 )
         ids = np.full((len(texts), int(lengths.max())), self.pad_id, dtype=np.int32)
         for row, e in zip(ids, encodings):

@@ -154,3 +154,33 @@ async def test_bounded_soak_at_three_times_capacity():
         await channel.close()
     finally:
         assert server.stop() == 0
+
+
+def test_model_code_from_the_repository_never_runs_unless_trusted(tmp_path, model_dir):
+    """A model directory that asks for its own Python code (auto_map): by default the code is not
+    imported (its marker file never appears) and the built-in architecture serves; with
+    TRUST_REMOTE_CODE=true it is."""
+    import json
+    import shutil
+
+    repo = tmp_path / "untrusted"
+    shutil.copytree(model_dir, repo)
+    marker = tmp_path / "code-ran"
+    (repo / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                  "from transformers import BertConfig as EvilConfig, BertModel as EvilModel\n")
+    config = json.loads((repo / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}
+    (repo / "config.json").write_text(json.dumps(config))
+    server = ServerProcess({"MODEL_PATH": str(repo)}).wait_ready()
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
+    assert stub.Embed(pb.EmbedRequest(texts=["served by the built-in BertModel"])).shape == [1, 384]
+    assert server.stop() == 0
+    assert not marker.exists()
+    trusted = ServerProcess({"MODEL_PATH": str(repo), "TRUST_REMOTE_CODE": "true"})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and trusted.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists()  # the switch really is the only thing between the repo's code and us
+    finally:
+        trusted.stop()

@@ -1,0 +1,225 @@
+"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed, and /classify.
+Same service, same admission as gRPC; errors as JSON bodies with the right status codes."""
+
+from __future__ import annotations
+
+import base64
+import math
+import time
+from typing import TYPE_CHECKING, Annotated, Literal, Union
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, StringConstraints, create_model
+
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+
+if TYPE_CHECKING:
+    from embedserve.app import Server
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503)}
+_STATUS = (  # error → (HTTP status, OpenAI-style type)
+    (InvalidInput, 400, "invalid_request_error"),
+    (WrongTask, 400, "invalid_request_error"),
+    (Overloaded, 429, "rate_limit_error"),
+    (NotReady, 503, "service_unavailable"),
+    (ModelFailure, 500, "server_error"),
+)
+
+
+class EmbeddingsRequest(BaseModel):
+    input: Union[Text, Texts, TokenIds, Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_ITEMS)]] = Field(
+        description="A text, a list of texts, a list of token ids, or a list of token id lists.")
+    model: str = Field(description="The served model's id (GET /v1/models).")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "embedfleet"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+# What the service accepts, said in the schema: non-blank texts, 1..MAX_ITEMS of them.
+MAX_ITEMS = 2048  # a hard ceiling; MAX_TEXTS_PER_REQUEST (default 512) applies below it (400)
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class TeiEmbedRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    normalize: bool = True
+    truncate: bool | None = Field(None, description="Cut over-long inputs (default: the server's TRUNCATE).")
+
+
+class ClassifyRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    all_scores: bool = Field(False, description="Also return every label's probability.")
+    truncate: bool | None = None
+
+
+class Classification(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float] | None = None
+
+
+def _retry(request: Request) -> bool:
+    return request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
+
+
+def _texts(inputs) -> list[str]:
+    return [inputs] if isinstance(inputs, str) else list(inputs)
+
+
+def _l2(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows / np.where(norms == 0, 1, norms)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def register(app: FastAPI, server: "Server") -> None:
+    """Error handlers and request metrics: installed before the app serves its first request."""
+    for error, status, kind in _STATUS:
+        def handler(request: Request, exc: Exception, status=status, kind=kind):
+            headers = {}
+            if isinstance(exc, Overloaded):
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
+            return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
+
+        app.add_exception_handler(error, handler)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        if request.url.path in ("/v1/embeddings", "/embed", "/classify"):
+            server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
+        return response
+
+
+def install_routes(app: FastAPI, server: "Server") -> None:
+    """The API for the loaded model's task (known once it has loaded): embedding routes or the
+    classification route, so the OpenAPI document says exactly what this server does."""
+    router = APIRouter()
+
+    def service():
+        if server.service is None:
+            raise NotReady("server is warming up")
+        return server.service
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[Model(id=server.served_name, created=int(time.time() - (time.monotonic() - server.started_at)))])
+
+    if server.task == "classify":
+        _classify_routes(router, server, service)
+    else:
+        _embed_routes(router, server, service)
+    app.include_router(router)
+    app.openapi_schema = None  # regenerate with the new routes
+
+
+def _embed_routes(router: APIRouter, server: "Server", service) -> None:
+    @router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)
+    async def embeddings(body: EmbeddingsRequest, request: Request):
+        """OpenAI-compatible embeddings."""
+        svc = service()
+        if body.model != server.served_name:
+            return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
+                          f"this server serves {server.served_name!r}", "model_not_found")
+        inp = body.input
+        if isinstance(inp, list) and inp and isinstance(inp[0], int):
+            result = await svc.infer_ids([inp], _retry(request))
+        elif isinstance(inp, list) and inp and isinstance(inp[0], list):
+            result = await svc.infer_ids(inp, _retry(request))
+        else:
+            result = await svc.embed_texts(_texts(inp), _retry(request))
+        rows = result.rows
+        if body.dimensions is not None:
+            if body.dimensions > rows.shape[1]:
+                raise InvalidInput(f"dimensions={body.dimensions} exceeds the model's {rows.shape[1]}")
+            rows = _l2(rows[:, : body.dimensions])
+        data = [
+            Embedding(index=i, embedding=base64.b64encode(row.astype("<f4").tobytes()).decode()
+                      if body.encoding_format == "base64" else row.tolist())
+            for i, row in enumerate(rows)
+        ]
+        return EmbeddingsResponse(data=data, model=server.served_name,
+                                  usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
+
+    normalized = server.settings.normalize
+    # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
+    tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
+        (Literal[True], Field(True, description="This server normalizes (NORMALIZE=true).")) if normalized else (bool, True)))
+
+    async def embed(body, request: Request):
+        """TEI-style embeddings: one vector per input."""
+        svc = service()
+        rows = (await svc.embed_texts(_texts(body.inputs), _retry(request), body.truncate)).rows
+        return (_l2(rows) if body.normalize and not normalized else rows).tolist()
+
+    embed.__annotations__.update(body=tei_request, request=Request)  # a class made here, not a name
+    router.post("/embed", response_model=list[list[float]], responses=ERRORS)(embed)
+
+
+def _classify_routes(router: APIRouter, server: "Server", service) -> None:
+    @router.post("/classify", response_model=list[Classification], responses=ERRORS)
+    async def classify(body: ClassifyRequest, request: Request):
+        """Sequence classification (TASK=classify): the top label and its probability per input."""
+        svc = service()
+        probs = softmax((await svc.embed_texts(_texts(body.inputs), _retry(request), body.truncate)).rows)
+        out = []
+        for row in probs:
+            top = int(row.argmax())
+            scores = {label: float(p) for label, p in zip(server.labels, row)} if body.all_scores else None
+            out.append(Classification(label=server.labels[top], score=float(row[top]), scores=scores))
+        return out
+
+
+def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, code=code)).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
