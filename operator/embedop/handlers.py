@@ -23,7 +23,7 @@ def kube() -> Kube:
     global _kube
     if _kube is None:
         connect()
-        _kube = Kube()
+        _kube = Kube(timeout_s=SETTINGS.api_timeout_s)
     return _kube
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import urllib3
+
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -80,7 +82,7 @@ class Kube:
             if e.status in RETRYABLE:
                 raise Retryable(f"{method} {path}: {e.status} {e.reason}") from e
             raise
-        except OSError as e:  # connection refused / reset / timed out
+        except (OSError, urllib3.exceptions.HTTPError) as e:  # refused, reset, timed out
             raise Retryable(f"{method} {path}: {e}") from e
         raw = data.data if hasattr(data, "data") else data
         return json.loads(raw) if raw else {}

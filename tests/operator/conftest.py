@@ -49,7 +49,8 @@ class OperatorProcess:
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedop", "--verbose", *(["--namespace", namespace] if namespace else [])],
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "EMBEDOP_RESYNC_SECONDS": "2", **(env or {})},
+            env={**os.environ, "KUBECONFIG": str(kubeconfig), "EMBEDOP_RESYNC_SECONDS": "2",
+                 "EMBEDOP_API_TIMEOUT_S": "1", **(env or {})},
             stdout=self._log, stderr=subprocess.STDOUT,
         )
 

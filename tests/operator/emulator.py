@@ -28,6 +28,7 @@ recorded: set[tuple] = set()
 # Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses to answer
 # with, one per call, in order. The tests' own calls are never faulted.
 faults: dict[tuple[str, str], list[int]] = {}
+TIMEOUT = 0  # a fault that is a slow answer instead of an error status
 
 
 @attrs.frozen
@@ -56,7 +57,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             key = (request.method.value, request.resource.plural)
             if faults.get(key):
                 status = faults[key].pop(0)
-                raise InjectedFault(status=status, reason="Injected", message=f"injected {status} for {key}")
+                if status == TIMEOUT:  # answer too late: the caller's timeout fires first
+                    await asyncio.sleep(3)
+                else:
+                    raise InjectedFault(status=status, reason="Injected", message=f"injected {status} for {key}")
         if is_object_call and request.action is not None and not agent.startswith("Python-urllib"):
             # Not the tests' own kubectl stand-in (urllib): the operator's kopf or client calls.
             verb = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete",

@@ -25,6 +25,7 @@ def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
         ("PATCH", "services"): [409, 500],
         ("POST", "poddisruptionbudgets"): [429],
         ("PATCH", "embeddingservices"): [500],  # the status write, too
+        ("GET", "poddisruptionbudgets"): [em.TIMEOUT],  # and a call that times out
     })
     emulator.request("POST", service_path(NS), new_service("flaky", {"model": "m", "resources": {"gpu": 0}}))
     eventually(lambda: all(objects(emulator, "flaky")), timeout=60)
