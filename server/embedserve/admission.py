@@ -55,8 +55,13 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float) -> D
         reorder = min(policy.reorder_tokens, 0.5 * policy.max_drain_s * rate)
         after = snap.queued_tokens + cost_tokens + reorder
         if rate <= 0 or after / rate > policy.max_drain_s:
-            excess_s = (after - policy.max_drain_s * rate) / rate if rate > 0 else policy.max_drain_s
-            return Decision(False, "drain_time", _ms(excess_s))
+            if rate <= 0:
+                return Decision(False, "drain_time", _ms(policy.max_drain_s))
+            # Come back when today's backlog is gone, not the moment one request fits: refused
+            # clients then return spread over a drain period instead of all at once, and a busy
+            # server does not spend its CPU refusing the same requests again and again.
+            excess_s = (after - policy.max_drain_s * rate) / rate
+            return Decision(False, "drain_time", _ms(max(excess_s, snap.drain_s)))
     if policy.latency and snap.p95_latency_s > policy.latency_hard_s:
         return Decision(False, "latency_hard", _ms(max(snap.drain_s, policy.latency_soft_s)))
     if policy.latency and snap.p95_latency_s > policy.latency_soft_s and draw < SOFT_SHED_FRACTION:
