@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -138,7 +139,7 @@ def start_infinity(model_dir: str):
         return None, None
     port = free_port()
     proc = subprocess.Popen(
-        [python, "-m", "infinity_emb.cli", "v2", "--model-id", model_dir, "--served-model-name", "minilm",
+        [str(Path(python).parent / "infinity_emb"), "v2", "--model-id", model_dir, "--served-model-name", "minilm",
          "--engine", "torch", "--device", "cpu", "--port", str(port)],
         env={**os.environ, "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request

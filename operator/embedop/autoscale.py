@@ -9,8 +9,8 @@ forecast = demand + upward trend × pod start-up time (a new pod helps only once
 recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window; pods still starting count as capacity on its way,
-and those the latest recommendation no longer needs are cancelled at once (they never served,
-so this cannot flap); a failed scrape never lets the fleet shrink.
+and those the last two recommendations no longer need are cancelled without waiting for the
+window (they never served); a failed scrape never lets the fleet shrink.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DEFAULT_STARTUP_S = 60.0
 MAX_STEP_FACTOR, MAX_STEP_ADD = 4, 4
 LOOKAHEAD_CAP = 0.25  # the trend may add at most this fraction of current demand
 TOLERANCE = 0.1  # recommendations within ±10% of the current size keep it
-CANCEL_CONFIRMATIONS = 1  # consecutive low recommendations before starting pods go
+CANCEL_CONFIRMATIONS = 2  # consecutive low recommendations before starting pods go (one sample can be noise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +151,9 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
         elif starting > 0 and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current:
-            # Capacity that came too late: cancel starting pods that the latest recommendation(s)
-            # no longer need. They never served, so this cannot flap serving capacity.
+            # Capacity that came too late: cancel starting pods that the latest recommendations
+            # no longer need. They never served; two agreeing decisions keep one noisy sample
+            # (or a load generator's hiccup) from cancelling pods that are about to be needed.
             desired = max(confirmed, len(ready))
             reason = f"cancel {current - desired} starting pod(s) no longer needed"
         else:
