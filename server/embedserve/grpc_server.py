@@ -15,7 +15,6 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-RETRY_METADATA = ("embedfleet-attempt", "grpc-previous-rpc-attempts")
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
 
 
