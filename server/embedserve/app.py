@@ -153,6 +153,7 @@ class Server:
             "estimated_drain_time_ms": min(snap.drain_s, 1e9) * 1000,
             "p95_server_side_latency_ms": snap.p95_latency_s * 1000,
             "gpu_queue_depth": self.engine.in_worker if self.engine else 0,
+            "in_flight_requests": self.service.in_flight if self.service else 0,
             "embedding_dimension": self.engine.dim if self.engine else 0,
             "uptime_seconds": time.monotonic() - self.started_at,
             "model": self.model_name,
@@ -173,7 +174,16 @@ class Server:
         if self.service:
             self.service.draining = True
         await grpc_server.set_serving(self.grpc_health, False)
-        await self.grpc.stop(grace)
+        # The listeners stay open while in-flight requests finish: a request that arrives now
+        # (endpoints lag SIGTERM in Kubernetes) gets a retryable UNAVAILABLE from the service
+        # rather than a transport-level CANCELLED from a closing server.
+        deadline = time.monotonic() + grace
+        if self.service:
+            try:
+                await asyncio.wait_for(self.service.drained(), grace)
+            except asyncio.TimeoutError:
+                log.warning("grace period over: %d requests still in flight are cancelled", self.service.in_flight)
+        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await self.http.stop()
         if self.engine:
             await self.engine.stop()

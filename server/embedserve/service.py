@@ -4,6 +4,7 @@ translate wire formats and map the errors of embedserve.errors to their status c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -66,6 +67,9 @@ class EmbeddingService:
         self.draw = draw
         self.task = task
         self.draining = False
+        self.in_flight = 0  # admitted requests not yet answered: what a graceful stop waits for
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._last_rejection = -float("inf")
         self.started_at = time.monotonic()
 
@@ -80,10 +84,31 @@ class EmbeddingService:
             return "degraded"
         return admission.status(snap, self.policy, self.ready, rejecting)
 
+    async def drained(self) -> None:
+        """Returns once no admitted request is left unanswered (new ones are refused while
+        draining, so this only waits for the ones already inside)."""
+        await self._idle.wait()
+
+    @contextlib.contextmanager
+    def _tracked(self):
+        if not self.ready:
+            raise NotReady("server is shutting down" if self.draining else "server is warming up")
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
     async def embed_texts(self, texts, retry: bool = False, truncate: bool | None = None) -> Result:
         """Texts → one output row per text, in order. `truncate` overrides TRUNCATE."""
+        with self._tracked():
+            return await self._embed_texts(texts, retry, truncate)
+
+    async def _embed_texts(self, texts, retry: bool, truncate: bool | None) -> Result:
         t0 = self.estimator.clock()
-        self._check_ready()
         truncate = self.limits.truncate if truncate is None else truncate
         texts = validate_texts(texts, self.limits.max_texts)
         # Admission is decided on an estimate (characters / learned characters-per-token), so a
@@ -107,14 +132,17 @@ class EmbeddingService:
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> Result:
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
         t0 = self.estimator.clock()
-        self._check_ready()
-        ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
-        return await self._infer_rows(ids, lengths, retry, t0)
+        with self._tracked():
+            ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
+            return await self._infer_rows(ids, lengths, retry, t0)
 
     async def infer_ids(self, rows: list[list[int]], retry: bool = False) -> Result:
         """Token id lists (HTTP input) → the same path as Infer."""
         t0 = self.estimator.clock()
-        self._check_ready()
+        with self._tracked():
+            return await self._infer_rows(*self._id_lists(rows), retry, t0)
+
+    def _id_lists(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         if not rows or len(rows) > self.limits.max_texts:
             raise InvalidInput(f"send 1 to {self.limits.max_texts} token lists, got {len(rows)}")
         if any(len(r) == 0 for r in rows):
@@ -125,7 +153,7 @@ class EmbeddingService:
             ids[i, : len(r)] = r
         if ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.tokenizer.vocab_size})")
-        return await self._infer_rows(ids, lengths, retry, t0)
+        return ids, lengths
 
     async def _infer_rows(self, ids: np.ndarray, lengths: np.ndarray, retry: bool, t0: float) -> Result:
         top = self.limits.max_length
@@ -145,10 +173,6 @@ class EmbeddingService:
         if task != self.task:
             other = "POST /classify" if self.task == "classify" else "Embed or /v1/embeddings"
             raise WrongTask(f"this server's model does {self.task} (TASK={self.task}), not {task}: use {other}")
-
-    def _check_ready(self) -> None:
-        if not self.ready:
-            raise NotReady("server is shutting down" if self.draining else "server is warming up")
 
     def _admit(self, cost: float, retry: bool) -> None:
         if not retry:  # a retry is the same demand again, not new demand

@@ -103,8 +103,13 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero():
     stub = pb_grpc.InferenceStub(channel)
     text = make_text(np.random.default_rng(1), 40)
     in_flight = [asyncio.ensure_future(call(stub.Embed, pb.EmbedRequest(texts=[text]), 50, timeout_s=30)) for _ in range(12)]
-    while server.health()[1]["queued_tokens"] < 300:  # most of them admitted (~2 s of work queued)
+    def admitted():  # finished first, then in flight: a request between the two is missed, never doubled
+        finished = counter(server.http, "embedfleet_requests_total", code="OK", rpc="Embed")
+        return finished + server.health()[1]["in_flight_requests"]
+
+    while admitted() < 12:
         await asyncio.sleep(0.02)
+    assert server.health()[1]["queued_tokens"] > 0  # work is still queued when SIGTERM arrives
     server.proc.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.3)
     assert server.health()[0] == 503
@@ -147,7 +152,7 @@ async def test_bounded_soak_at_three_times_capacity():
         print(f"\nsoak: {len(outcomes)} requests, {sum(o.code == 'OK' for o in outcomes)} OK, "
               f"RSS growth {growth_mib:.1f} MiB, threads {before['threads']}→{after['threads']}, "
               f"tasks {before['asyncio_tasks']}→{after['asyncio_tasks']}")
-        assert after["queued_tokens"] == 0
+        assert after["queued_tokens"] == 0 and after["in_flight_requests"] == 0  # every request answered
         assert growth_mib < 64
         assert after["threads"] <= before["threads"] + 1  # the tokenizer pool may have grown to its cap
         assert after["asyncio_tasks"] <= before["asyncio_tasks"] + 2
