@@ -64,6 +64,7 @@ class Metrics:
         self.batch_size = Histogram(P + "batch_size", "Rows per forward pass", buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram(P + "batch_padded_tokens", "Padded tokens per forward pass", buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter(P + "tokens", "Tokens computed (real vs padded: padding efficiency)", ["kind"], registry=r)
+        self.busy = Counter(P + "model_busy_seconds", "Time the model worker spent running batches (rate = utilization)", registry=r)
         r.register(_SignalCollector(server))
 
     def request_finished(self, rpc: str, code: str, seconds: float) -> None:
@@ -78,6 +79,7 @@ class Metrics:
         self.batch_tokens.observe(batch.padded_tokens)
         self.tokens.labels("real").inc(batch.real_tokens)
         self.tokens.labels("padded").inc(batch.padded_tokens)
+        self.busy.inc(busy_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """HTTP /health and /metrics on a real process, scraped by a real Prometheus server."""
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -31,6 +32,7 @@ METRICS = {
     "embedfleet_batch_size": "histogram",
     "embedfleet_batch_padded_tokens": "histogram",
     "embedfleet_tokens_total": "counter",
+    "embedfleet_model_busy_seconds_total": "counter",
     "embedfleet_gpu_memory_bytes": "gauge",
     "embedfleet_model_info": "gauge",
 }
@@ -94,6 +96,8 @@ def test_metrics_expose_every_contract_metric_with_labels(default_server):
     assert 'embedfleet_requests_total{code="OK",rpc="Embed"}' in text
     assert 'embedfleet_tokens_total{kind="real"}' in text and 'embedfleet_tokens_total{kind="padded"}' in text
     assert 'embedfleet_model_info{device="cpu",dimension="384",dtype="float32"' in text
+    busy = float(re.search(r"^embedfleet_model_busy_seconds_total (\S+)$", text, re.M).group(1))
+    assert 0 < busy < default_server.health()[1]["uptime_seconds"]  # some model time, less than the uptime
 
 
 @pytest.mark.skipif(not shutil.which("promtool"), reason="Debian's prometheus package is not installed")
