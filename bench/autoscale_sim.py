@@ -4,7 +4,7 @@ use today. Seconds of simulated time; runs in well under a minute.
 Each replica is a FIFO device of fixed capacity (tokens/s) that becomes ready STARTUP_S after it
 is created. Every request goes to a random ready replica, whose admission is the server's real
 `embedserve.admission.decide` (throughput strategy, MAX_DRAIN_TIME_MS budget); the replica's
-offered-load rate is the server's real `DecayingRate`. Policies:
+offered-load rate is the server's real `DecayingRate`, beside its offered-tokens counter. Policies:
   ours       embedop.autoscale.decide (the operator's real function), every 15 s
   hpa-util   Kubernetes HPA on busy fraction, target 70%: 15 s sync, 10% tolerance, scale-up
              max(100%, 4 pods) per 15 s, 300 s scale-down stabilization
@@ -46,6 +46,7 @@ class Replica:
     work_added_s: float = 0.0  # seconds of work admitted so far
     completions: list = dataclasses.field(default_factory=list)  # heap of completion times
     arrival: DecayingRate = dataclasses.field(default_factory=lambda: DecayingRate(5.0))
+    offered_total: float = 0.0  # the server's offered-tokens counter
 
     def ready(self, t: float) -> bool:
         return t >= self.created + STARTUP_S
@@ -80,9 +81,9 @@ class Ours:
         self.policy = autoscale.Policy(MIN_R, MAX_R, 0.7, 1.0, 0, 120)
 
     def __call__(self, fleet, t):
-        samples = [autoscale.PodSample(str(i), r.ready(t), r.ready(t), CAPACITY if r.ready(t) else 0.0,
-                                       r.arrival.read(t), r.queued(t),
-                                       STARTUP_S if r.ready(t) else None) for i, r in enumerate(fleet)]
+        samples = [autoscale.PodSample(str(id(r)), r.ready(t), r.ready(t), CAPACITY if r.ready(t) else 0.0,
+                                       r.arrival.read(t), r.queued(t), r.offered_total,
+                                       STARTUP_S if r.ready(t) else None) for r in fleet]
         d = autoscale.decide(samples, len(fleet), self.policy, self.history, t)
         self.history = d.history
         return d.desired
@@ -196,6 +197,7 @@ def simulate(trace: str, policy_name: str, seed: int = 0, rejections_at: list | 
                     continue
                 r = ready[int(rng.integers(len(ready)))]
                 r.arrival.add(size, at)
+                r.offered_total += size
                 snap = Snapshot(CAPACITY, 0.0, int(r.queued(at)), 0.0)
                 if not admission.decide(snap, size, POLICY, 1.0).admit:
                     if rejections_at is not None:

@@ -3,13 +3,16 @@ history in; a decision and the next history out.
 
 capacity per replica = median of the ready pods' measured service rates (robust to an outlier
   and to a fresh pod with no samples yet; the last known value when none reports one)
-demand = Σ offered arrival rate (rejected demand included: while shedding, the accepted rate
-  understates need) + the backlog that spare capacity would not clear within targetDrainTime
+demand = Σ offered rate (rejected demand included: while shedding, the accepted rate understates
+  need), each pod's measured as its offered-tokens counter's increase over the interval (the
+  interval's exact mean; the arrival-rate gauge, an EMA seen at one instant, only for a pod
+  seen for the first time) + the backlog, present at two reads in a row, that spare capacity
+  would not clear within targetDrainTime
 forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready)
 recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window; pods still starting count as capacity on its way,
-and those the last two recommendations no longer need are cancelled without waiting for the
+and those the latest recommendation no longer needs are cancelled without waiting for the
 window (they never served); a failed scrape never lets the fleet shrink.
 """
 
@@ -24,7 +27,9 @@ DEFAULT_STARTUP_S = 60.0
 MAX_STEP_FACTOR, MAX_STEP_ADD = 4, 4
 LOOKAHEAD_CAP = 0.25  # the trend may add at most this fraction of current demand
 TOLERANCE = 0.1  # recommendations within ±10% of the current size keep it
-CANCEL_CONFIRMATIONS = 2  # consecutive low recommendations before starting pods go (one sample can be noise)
+# Consecutive low recommendations before starting pods go. One: demand is an interval's mean, so
+# a low one is a real dip, and pods that would have come too late cost more than a restart.
+CANCEL_CONFIRMATIONS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +40,7 @@ class PodSample:
     service_rate: float = 0.0  # padded tokens/s of model time (capacity)
     arrival_rate: float = 0.0  # offered tokens/s
     queued_tokens: float = 0.0
+    offered_total: float | None = None  # the offered-tokens counter (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
 
 
@@ -62,6 +68,17 @@ class History:
     demand: tuple[tuple[float, float], ...] = ()  # (time, demand tokens/s)
     capacity: float | None = None  # last known tokens/s per replica
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
+    pods: tuple["Seen", ...] = ()  # each pod as last scraped
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What the previous decision read from one pod."""
+
+    name: str
+    at: float
+    offered_total: float | None
+    queued_tokens: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +91,22 @@ class Decision:
     forecast: float
     limited: bool  # demand needs more than maxReplicas
     history: History
+    offered: float = 0.0  # Σ offered tokens/s of the scraped pods
+
+
+def offered_rate(sample: PodSample, previous: Seen | None, now: float) -> float:
+    """A pod's offered tokens/s: its counter's increase since the last decision when there is
+    one (a restarted server's counter starts again from 0: then, and for a new pod, the gauge)."""
+    if (sample.offered_total is None or previous is None or previous.offered_total is None
+            or now <= previous.at or sample.offered_total < previous.offered_total):
+        return sample.arrival_rate
+    return (sample.offered_total - previous.offered_total) / (now - previous.at)
+
+
+def persistent_backlog(sample: PodSample, previous: Seen | None) -> float:
+    """Queued tokens that were there at the last decision too: a busy pod's queue comes and goes
+    between two reads; a backlog that needs more capacity stays."""
+    return min(sample.queued_tokens, previous.queued_tokens) if previous else sample.queued_tokens
 
 
 def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> float:
@@ -105,8 +138,14 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     # Backlog counts only beyond what a pod's spare capacity (1 - targetUtilization) clears
     # within targetDrainTime by itself: the ordinary queue of a busy pod is not demand.
     spare = (1 - policy.target_utilization) * policy.target_drain_s
-    demand = sum(s.arrival_rate + max(0.0, s.queued_tokens - spare * (s.service_rate or capacity or 0.0))
-                 / policy.target_drain_s for s in scraped)
+    seen = {p.name: p for p in history.pods}
+    offered = {s.name: offered_rate(s, seen.get(s.name), now) for s in scraped}
+    demand = sum(offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name))
+                                       - spare * (s.service_rate or capacity or 0.0)) / policy.target_drain_s
+                 for s in scraped)
+    # A pod not scraped this time keeps its last reading, so the next rate spans both intervals.
+    pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(
+        p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
     demand_points = (history.demand + ((now, demand),))[-TREND_SAMPLES:]
     # Look-ahead is for ramps (a few % per start-up); a step is already in `demand`, and
     # extrapolating its jump a whole start-up ahead would overshoot: the look-ahead is capped.
@@ -120,12 +159,12 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     def keep(recommendation: int) -> History:
         horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
         recs = tuple(r for r in history.recommendations if r[0] >= horizon) + ((now, recommendation),)
-        return History(recs, demand_points, capacity, startup_s)
+        return History(recs, demand_points, capacity, startup_s, pods)
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
         return Decision(desired, "no service rate measured yet", desired, None, demand, forecast, False,
-                        keep(desired))
+                        keep(desired), sum(offered.values()))
 
     exact = forecast / (capacity * policy.target_utilization)
     raw = math.ceil(exact - 1e-9) if forecast > 0 else 0
@@ -150,10 +189,10 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         elif windowed < current:
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
-        elif starting > 0 and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current:
-            # Capacity that came too late: cancel starting pods that the latest recommendations
-            # no longer need. They never served; two agreeing decisions keep one noisy sample
-            # (or a load generator's hiccup) from cancelling pods that are about to be needed.
+        elif (starting > 0 and trend(demand_points, min_fit=0.0) <= 0
+              and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current):
+            # Capacity that came too late: cancel starting pods that the latest recommendation(s)
+            # no longer need. They never served, so this cannot flap the serving fleet.
             desired = max(confirmed, len(ready))
             reason = f"cancel {current - desired} starting pod(s) no longer needed"
         else:
@@ -161,4 +200,5 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     else:
         desired, reason = current, "steady"
     desired = min(max(desired, policy.min_replicas), policy.max_replicas)
-    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited, new_history)
+    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited, new_history,
+                    sum(offered.values()))

@@ -17,12 +17,13 @@ GAUGES = {
     "embedfleet_service_rate_tokens_per_second": "service_rate",
     "embedfleet_arrival_rate_tokens_per_second": "arrival_rate",
     "embedfleet_queued_tokens": "queued_tokens",
+    "embedfleet_offered_tokens_total": "offered_total",
 }
 _LINE = re.compile(r"^(embedfleet_[a-z_]+)(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)$", re.M)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The shared-signal gauges from a Prometheus text exposition."""
+    """The shared-signal gauges (and the offered-tokens counter) from a Prometheus text exposition."""
     return {GAUGES[m.group(1)]: float(m.group(2)) for m in _LINE.finditer(text) if m.group(1) in GAUGES}
 
 
@@ -85,7 +86,7 @@ async def step(kube: Kube, settings: OperatorSettings, body: dict, history: auto
     new = {
         "desiredReplicas": decision.desired,
         "serviceRateTokensPerSecond": round(decision.capacity or 0.0, 1),
-        "arrivalRateTokensPerSecond": round(sum(s.arrival_rate for s in scraped), 1),
+        "arrivalRateTokensPerSecond": round(decision.offered, 1),
         "estimatedDrainMs": round(max((s.queued_tokens / s.service_rate * 1000 for s in scraped if s.service_rate > 0), default=0.0), 1),
     }
     if decision.desired != current:

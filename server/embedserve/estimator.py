@@ -109,6 +109,7 @@ class Estimator:
         self._arrival = DecayingRate(arrival_tau_s)
         self._latency = LatencyWindow(latency_window_s)
         self._queued = 0
+        self._offered_total = 0.0  # monotonic: a scraper's rate over its own interval is exact
         # Padded tokens a batch runs per token its rows counted in the backlog (>= 1 when rows
         # pad to the batch's longest): converts the backlog to the service rate's units.
         self._padding = 1.0
@@ -121,6 +122,13 @@ class Estimator:
     def offered(self, tokens: float) -> None:
         with self._lock:
             self._arrival.add(tokens, self.clock())
+            self._offered_total += tokens
+
+    @property
+    def offered_total(self) -> float:
+        """Tokens offered since start, admitted and rejected (the arrival rate's counter)."""
+        with self._lock:
+            return self._offered_total
 
     def enqueued(self, tokens: int) -> None:
         with self._lock:

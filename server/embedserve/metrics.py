@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -37,6 +37,10 @@ class _SignalCollector(Collector):
             ("estimated_drain_seconds", "queued_tokens / service_rate", min(snap.drain_s, 1e9)),
         ):
             yield GaugeMetricFamily(P + name, doc, value=value)
+        # The autoscaler's demand: its rate over any interval is that interval's exact mean, where
+        # the arrival-rate gauge is an EMA seen at one instant.
+        yield CounterMetricFamily(P + "offered_tokens", "Tokens offered, admitted and rejected (estimated before tokenization)",
+                                  value=self.server.estimator.offered_total)
         memory = GaugeMetricFamily(P + "gpu_memory_bytes", "Device memory held by the model worker", labels=["type"])
         runner = self.server.engine.worker.runner if self.server.engine else None
         for kind, value in (runner.memory() if runner else {}).items():

@@ -89,12 +89,42 @@ def test_starting_pods_no_longer_needed_are_cancelled_without_waiting_for_the_wi
     history = run(pods(2, 2000), 2).history  # the spike recommended 8
     # pods are starting; the spike is over: 2 ready pods see 400 tok/s each → 2 needed
     d = run(pods(8, 400, ready=2), 8, history, now=1015.0)
-    assert d.desired == 8  # one low sample could be noise
-    d = run(pods(8, 400, ready=2), 8, d.history, now=1030.0)
     assert d.desired == 2 and d.reason.startswith("cancel 6 starting")
     # while ready pods are never cut inside the window
     d = run(pods(8, 400), 8, history, now=1015.0)
     assert d.desired == 8 and "window" in d.reason
+
+
+def test_a_queue_counts_as_demand_only_when_it_persists_between_two_reads():
+    calm = run(pods(2, 500, queued=0.0), 2, now=1000.0)
+    burst = run(pods(2, 500, queued=2000), 2, calm.history, now=1015.0)
+    assert burst.demand == pytest.approx(1000) and burst.desired == 2  # came and went: a busy pod's queue
+    stuck = run(pods(2, 500, queued=2000), 2, burst.history, now=1030.0)
+    assert stuck.demand == pytest.approx(1000 + 2 * 1500) and stuck.desired == 8  # still there: clear it
+
+
+def counted(n, totals, rate_gauge=0.0):
+    return [PodSample(f"p{i}", True, True, CAP, rate_gauge, 0.0, offered_total=t) for i, t in zip(range(n), totals)]
+
+
+def test_offered_rate_is_the_counter_increase_over_the_interval_not_the_gauge():
+    # The gauge (an EMA read at one instant) says 5000 tok/s per pod; the counters say 15 s at 500.
+    first = run(counted(2, [0.0, 0.0], rate_gauge=5000), 2, now=1000.0)
+    assert first.offered == 10_000  # nothing to difference yet: the gauge
+    d = run(counted(2, [7500.0, 7500.0], rate_gauge=5000), 2, first.history, now=1015.0)
+    assert d.offered == pytest.approx(1000) and d.desired == 2  # 1000 / (1000 × 0.5) = 2
+
+
+def test_a_restarted_or_unscraped_pod_never_yields_a_negative_or_stale_rate():
+    h = run(counted(2, [9000.0, 9000.0], rate_gauge=100), 2, now=1000.0).history
+    restarted = counted(2, [9000.0 + 3000, 50.0], rate_gauge=100)  # p1's counter started again
+    d = run(restarted, 2, h, now=1015.0)
+    assert d.offered == pytest.approx(200 + 100)  # p0: 3000 over 15 s; p1: its gauge
+    # p1 not scraped at 1030: its counter from 1015 is kept, so at 1045 the rate spans 30 s
+    missing = [counted(1, [15_000.0])[0], PodSample("p1", True, False)]
+    h2 = run(missing, 2, d.history, now=1030.0).history
+    d = run(counted(2, [18_000.0, 50.0 + 30 * 40]), 2, h2, now=1045.0)
+    assert d.offered == pytest.approx(200 + 40)
 
 
 def test_failed_scrapes_hold_and_never_scale_down():

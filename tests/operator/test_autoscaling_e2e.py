@@ -64,29 +64,28 @@ class Kubelet(threading.Thread):
                 p["server"].stop()
 
     def _sync(self) -> None:
-        if True:
-            d = self.emulator.get(DEPLOY)
-            want = int(d["spec"].get("replicas", 0)) if d else 0
-            with self._lock:
-                self.replica_history.append((time.monotonic(), want))
-                while len(self.pods) < want:
-                    self._start()
-                while len(self.pods) > want:
-                    victim = next((p for p in reversed(self.pods) if not p["ready"]), self.pods[-1])
-                    self.pods.remove(victim)
-                    self.emulator.request("DELETE", f"{PODS}/{victim['name']}")
-                    victim["server"].proc.terminate()
-                for p in self.pods:
-                    if not p["ready"] and p["server"].proc.poll() is None:
-                        try:
-                            ok = p["server"].health()[0] == 200
-                        except OSError:
-                            ok = False
-                        if ok:
-                            p["ready"] = True
-                            self.emulator.merge_patch(f"{PODS}/{p['name']}/status", {"status": {
-                                "phase": "Running", "podIP": p["ip"],
-                                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]}})
+        d = self.emulator.get(DEPLOY)
+        want = int(d["spec"].get("replicas", 0)) if d else 0
+        with self._lock:
+            self.replica_history.append((time.monotonic(), want))
+            while len(self.pods) < want:
+                self._start()
+            while len(self.pods) > want:
+                victim = next((p for p in reversed(self.pods) if not p["ready"]), self.pods[-1])
+                self.pods.remove(victim)
+                self.emulator.request("DELETE", f"{PODS}/{victim['name']}")
+                victim["server"].proc.terminate()
+            for p in self.pods:
+                if not p["ready"] and p["server"].proc.poll() is None:
+                    try:
+                        ok = p["server"].health()[0] == 200
+                    except OSError:
+                        ok = False
+                    if ok:
+                        p["ready"] = True
+                        self.emulator.merge_patch(f"{PODS}/{p['name']}/status", {"status": {
+                            "phase": "Running", "podIP": p["ip"],
+                            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]}})
 
     def _start(self) -> None:
         self._next += 1
@@ -164,7 +163,9 @@ async def test_replicas_follow_offered_load(emulator, fleet, reference):
     # Long texts: the load is in tokens, and fewer requests leave this small CPU to the servers.
     texts = [make_text(rng, int(n)) for n in rng.integers(150, 250, size=100)]
     counts = [reference.tokens(t) for t in texts]
+    load_start = time.monotonic()
     outcomes = await offer_load(kubelet, 3 * SIM_RATE, LOAD_S, texts, counts)
+    load_end = time.monotonic()
 
     t0 = kubelet.replica_history[0][0]
     changes = [(round(t - t0, 1), n) for i, (t, n) in enumerate(kubelet.replica_history)
@@ -182,6 +183,11 @@ async def test_replicas_follow_offered_load(emulator, fleet, reference):
     late_rejected = sum(c == "RESOURCE_EXHAUSTED" for c in late) / max(1, len(late))
     assert early_rejected > 0.2  # one replica really was overloaded
     assert late_rejected < 0.03, timeline  # the fleet caught up: rejections stopped
+    # No flapping: under steady load the fleet may trim an overshoot once the window has passed,
+    # but never grows again after shrinking (nor cancels pods it then has to start again).
+    during = [n for t, n in kubelet.replica_history if load_start <= t <= load_end]
+    shrunk_at = next((i for i in range(1, len(during)) if during[i] < during[i - 1]), len(during))
+    assert all(b <= a for a, b in zip(during[shrunk_at - 1:], during[shrunk_at:])), timeline
 
     cr = emulator.get(service_path(NS, NAME))
     assert cr["status"]["desiredReplicas"] >= 4 and cr["status"]["lastScaleTime"], timeline

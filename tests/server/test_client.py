@@ -17,7 +17,8 @@ SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1
 def counter(http, name, **labels):
     text = urllib.request.urlopen(http + "/metrics").read().decode()
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    m = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.M)
+    labelled = rf"\{{{re.escape(want)}\}}" if want else ""
+    m = re.search(rf"^{name}{labelled} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

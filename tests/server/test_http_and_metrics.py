@@ -33,6 +33,7 @@ METRICS = {
     "embedfleet_batch_padded_tokens": "histogram",
     "embedfleet_tokens_total": "counter",
     "embedfleet_model_busy_seconds_total": "counter",
+    "embedfleet_offered_tokens_total": "counter",
     "embedfleet_gpu_memory_bytes": "gauge",
     "embedfleet_model_info": "gauge",
 }

@@ -14,6 +14,7 @@ from bench.loadgen import call, open_loop
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, make_text
+from tests.server.test_client import counter
 
 SIM_RATE = 4000  # padded tokens/s of the simulated device
 MAX_DRAIN_MS = 400
@@ -54,7 +55,9 @@ async def test_three_times_capacity(sim_server, reference):
         arrival_rates.append(sim_server.health()[1]["arrival_rate_tokens_per_sec"])
 
     watcher = asyncio.ensure_future(watch_arrival_rate())
+    offered_before = counter(sim_server.http, "embedfleet_offered_tokens_total")
     outcomes, sent_for = await open_loop(send, rate, LOAD_S, seed=5)
+    offered_counted = counter(sim_server.http, "embedfleet_offered_tokens_total") - offered_before
     await watcher
     await channel.close()
 
@@ -74,6 +77,8 @@ async def test_three_times_capacity(sim_server, reference):
     # The exported arrival rate counts offered (admitted + rejected) demand.
     offered = sum(o.tokens for o in outcomes) / sent_for
     assert arrival_rates[0] == pytest.approx(offered, rel=0.25)
+    # ...and so does its counter, which the autoscaler turns into a rate over its own interval.
+    assert offered_counted == pytest.approx(sum(o.tokens for o in outcomes), rel=0.15)
 
     def drained():
         return sim_server.health()[1]["queued_tokens"] == 0
