@@ -1,6 +1,7 @@
 """HTTP /health and /metrics on a real process, scraped by a real Prometheus server."""
 
 import json
+import pathlib
 import re
 import shutil
 import subprocess
@@ -159,3 +160,26 @@ def test_a_real_prometheus_scrapes_the_shared_signal(prometheus, default_server)
     assert sent.shape[0] == 8
     after = wait_for(lambda: (v := query(prometheus, 'embedfleet_tokens_total{kind="real"}')) and v > before and v)
     assert after >= before + 8 * 7
+
+
+def test_the_shipped_autoscaling_promql_reads_offered_load_from_a_real_prometheus(prometheus, default_server):
+    """The chart's prometheus-adapter rule and the README's KEDA query, evaluated for real."""
+    import yaml  # noqa: PLC0415 - only this test reads the chart
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    rule = yaml.safe_load((root / "charts/embedfleet/values.yaml").read_text())["prometheusAdapter"]["rules"][0]
+    adapter = rule["metricsQuery"].replace("<<.LabelMatchers>>", 'job="embedfleet"').replace("<<.GroupBy>>", "job")
+    readme = (root / "README.md").read_text()
+    keda = readme[readme.index("query: |") + len("query: |"):readme.index("threshold:")]
+    keda = " ".join(line.split("#")[0].strip() for line in keda.splitlines()).replace('service="minilm"', 'job="embedfleet"')
+    wait_for(lambda: query(prometheus, "embedfleet_service_rate_tokens_per_second > 0"))
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(default_server.target))
+    deadline = time.monotonic() + 60
+    ratio = None
+    while time.monotonic() < deadline and not ratio:
+        stub.Embed(pb.EmbedRequest(texts=["offered load for the autoscaler"] * 4))
+        ratio = query(prometheus, adapter)
+        time.sleep(0.25)
+    assert ratio and 0 < ratio < 1  # offered / capacity: some load, far below one replica
+    needed = query(prometheus, keda)
+    assert needed and needed == pytest.approx(ratio / 0.7, rel=0.5)  # the same signal, over 0.7
