@@ -10,6 +10,8 @@ offered-load rate is the server's real `DecayingRate`, beside its offered-tokens
              max(100%, 4 pods) per 15 s, 300 s scale-down stabilization
   ray-serve  target ongoing requests per replica, upscale delay 30 s, downscale delay 600 s
   knative    KPA concurrency: 60 s stable window, 6 s panic window (2x), target 70% of limit
+  bound      an oracle of the present (not the future) load, deciding every second: the floor
+             that pod start-up sets for any reactive policy (not a target)
 Usage: python -m bench.autoscale_sim [--json out.json]
 """
 
@@ -162,13 +164,27 @@ class Knative:
         return stable_rec
 
 
-POLICIES = {"ours": Ours, "hpa-util": HpaUtilization, "ray-serve": RayServe, "knative": Knative}
+class ReactiveBound:
+    """Not a policy anyone can run: it knows the offered load of this very second and starts the
+    pods it needs at once. What remains is what pod start-up alone costs any reactive policy."""
+
+    interval = 1.0
+    load = None  # set by simulate(): the trace itself
+
+    def __call__(self, fleet, t):
+        return min(max(math.ceil(self.load(t) / (CAPACITY * 0.7)), MIN_R), MAX_R)
+
+
+POLICIES = {"ours": Ours, "hpa-util": HpaUtilization, "ray-serve": RayServe, "knative": Knative,
+            "bound": ReactiveBound}
 
 
 def simulate(trace: str, policy_name: str, seed: int = 0, rejections_at: list | None = None) -> dict:
     duration, load = TRACES[trace]
     rng = np.random.default_rng(seed)
     policy = POLICIES[policy_name]()
+    if isinstance(policy, ReactiveBound):
+        policy.load = load
     fleet = [Replica(created=-STARTUP_S) for _ in range(2)]
     replica_seconds = 0.0
     sent = rejected = 0
