@@ -55,7 +55,7 @@ class HttpSystem(GrpcSystem):
     """An OpenAI-style POST /embeddings server (infinity-emb)."""
 
     async def __aenter__(self):
-        import aiohttp
+        import aiohttp  # the peer's client only (aiohttp comes with kopf)
 
         self.session = aiohttp.ClientSession()
         return self
@@ -64,6 +64,8 @@ class HttpSystem(GrpcSystem):
         await self.session.close()
 
     async def send(self, i: int, timeout_s: float = 60) -> Outcome:
+        import aiohttp
+
         t0 = time.perf_counter()
         try:
             async with self.session.post(self.target, json={"model": "minilm", "input": [self.texts[i]]},
@@ -72,6 +74,8 @@ class HttpSystem(GrpcSystem):
                 code = "OK" if r.status == 200 else f"HTTP{r.status}"
         except asyncio.TimeoutError:
             code = "DEADLINE_EXCEEDED"
+        except aiohttp.ClientError as e:  # a peer that drops connections under load: count it, go on
+            code = type(e).__name__
         return Outcome(code, time.perf_counter() - t0, self.tokens[i])
 
 
@@ -100,8 +104,10 @@ async def scenarios(system, n: int, rng, yardstick: Yardstick) -> dict:
         await asyncio.sleep(2)  # let the backlog drain between scenarios
     short = system.texts.index(SHORT)
     lone, forward = [], []
-    for _ in range(30):  # alternating: a served lone request, then the bare forward pass
+    for _ in range(30):  # alternating: a served lone request, then the bare forward pass, each
+        await asyncio.sleep(0.1)  # after a pause, so neither runs into the other's spinning threads
         lone.append((await system.send(short)).latency_s * 1000)
+        await asyncio.sleep(0.1)
         forward.append(yardstick.once())
     out["idle ms"] = float(np.median(lone))
     out["idle forward ms"] = float(np.median(forward))
@@ -109,28 +115,37 @@ async def scenarios(system, n: int, rng, yardstick: Yardstick) -> dict:
 
 
 class Yardstick:
-    """The model's own forward time for one text: the idle target's yardstick. Timed one pass at
-    a time between the served requests, so both see the same machine (a shared VM drifts by a
-    third between minutes)."""
+    """The model's own forward time for one text: the idle target's yardstick. A separate clean
+    process (no gRPC threads, no load generator beside it) times one pass whenever asked, so the
+    bench can alternate it with the served lone requests: both see the same minute of this
+    shared machine."""
+
+    SCRIPT = """
+import sys, time, torch
+from transformers import AutoModel, AutoTokenizer
+from embedserve.model_source import packaged_model_dir
+d = str(packaged_model_dir())
+model, enc = AutoModel.from_pretrained(d).eval(), AutoTokenizer.from_pretrained(d)([sys.argv[1]], return_tensors="pt")
+with torch.inference_mode():
+    for _ in range(5):
+        model(**enc)
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        t0 = time.perf_counter(); model(**enc); print((time.perf_counter() - t0) * 1000, flush=True)
+"""
 
     def __init__(self, text: str):
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        from embedserve.model_source import packaged_model_dir
-
-        d = str(packaged_model_dir())
-        self.torch = torch
-        self.model = AutoModel.from_pretrained(d).eval()
-        self.enc = AutoTokenizer.from_pretrained(d)([text], return_tensors="pt")
-        for _ in range(5):
-            self.once()
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, text], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
 
     def once(self) -> float:
-        with self.torch.inference_mode():
-            t0 = time.perf_counter()
-            self.model(**self.enc)
-            return (time.perf_counter() - t0) * 1000
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
 
 
 def start_naive() -> tuple[subprocess.Popen, str]:
@@ -197,6 +212,7 @@ def main(argv=None) -> int:
                 return await scenarios(system, len(texts), np.random.default_rng(7), yardstick)
 
         results[name] = asyncio.run(run())
+    yardstick.close()
     for _, _, stop in systems:
         stop()
     report(results)
