@@ -13,7 +13,7 @@ recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [m
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window; pods still starting count as capacity on its way,
 and those the latest recommendation no longer needs are cancelled without waiting for the
-window (they never served); a failed scrape never lets the fleet shrink.
+window (they never served) unless demand is still rising; a failed scrape never lets the fleet shrink.
 """
 
 from __future__ import annotations

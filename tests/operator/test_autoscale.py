@@ -90,6 +90,11 @@ def test_starting_pods_no_longer_needed_are_cancelled_without_waiting_for_the_wi
     # pods are starting; the spike is over: 2 ready pods see 400 tok/s each → 2 needed
     d = run(pods(8, 400, ready=2), 8, history, now=1015.0)
     assert d.desired == 2 and d.reason.startswith("cancel 6 starting")
+    # but not while demand is still rising: the look-ahead's pods will be needed
+    rising = History(capacity=CAP, recommendations=((1000.0, 8),),
+                     demand=((970.0, 400.0), (985.0, 600.0), (1000.0, 700.0)))
+    d = run(pods(8, 400, ready=2), 8, rising, now=1015.0)  # 800 tok/s now, still up
+    assert d.desired == 8 and "window" in d.reason
     # while ready pods are never cut inside the window
     d = run(pods(8, 400), 8, history, now=1015.0)
     assert d.desired == 8 and "window" in d.reason
