@@ -107,8 +107,10 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero():
         finished = counter(server.http, "embedfleet_requests_total", code="OK", rpc="Embed")
         return finished + server.health()[1]["in_flight_requests"]
 
-    while admitted() < 12:
+    deadline = time.monotonic() + 60
+    while admitted() < 12 and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+    assert admitted() == 12, server.health()[1]
     assert server.health()[1]["queued_tokens"] > 0  # work is still queued when SIGTERM arrives
     server.proc.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.3)
