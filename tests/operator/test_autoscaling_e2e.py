@@ -183,11 +183,12 @@ async def test_replicas_follow_offered_load(emulator, fleet, reference):
     late_rejected = sum(c == "RESOURCE_EXHAUSTED" for c in late) / max(1, len(late))
     assert early_rejected > 0.2  # one replica really was overloaded
     assert late_rejected < 0.03, timeline  # the fleet caught up: rejections stopped
-    # No flapping: under steady load the fleet may trim an overshoot once the window has passed,
-    # but never grows again after shrinking (nor cancels pods it then has to start again).
+    # No flapping under steady load: once the fleet has caught up it may trim an overshoot after
+    # the window, but never drops below what the load needs (starting pods cancelled on a dip,
+    # the failure this guards against, went 6 → 2 → 6).
     during = [n for t, n in kubelet.replica_history if load_start <= t <= load_end]
-    shrunk_at = next((i for i in range(1, len(during)) if during[i] < during[i - 1]), len(during))
-    assert all(b <= a for a, b in zip(during[shrunk_at - 1:], during[shrunk_at:])), timeline
+    caught_up = next(i for i, n in enumerate(during) if n >= 4)
+    assert min(during[caught_up:]) >= 4, timeline
 
     cr = emulator.get(service_path(NS, NAME))
     assert cr["status"]["desiredReplicas"] >= 4 and cr["status"]["lastScaleTime"], timeline
