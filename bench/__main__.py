@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp  # the peer's HTTP client (installed with kopf, pinned in constraints.txt)
 import grpc
 import numpy as np
 
@@ -55,8 +56,6 @@ class HttpSystem(GrpcSystem):
     """An OpenAI-style POST /embeddings server (infinity-emb)."""
 
     async def __aenter__(self):
-        import aiohttp  # the peer's client only (aiohttp comes with kopf)
-
         self.session = aiohttp.ClientSession()
         return self
 
@@ -64,8 +63,6 @@ class HttpSystem(GrpcSystem):
         await self.session.close()
 
     async def send(self, i: int, timeout_s: float = 60) -> Outcome:
-        import aiohttp
-
         t0 = time.perf_counter()
         try:
             async with self.session.post(self.target, json={"model": "minilm", "input": [self.texts[i]]},

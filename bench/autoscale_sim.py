@@ -18,7 +18,6 @@ Usage: python -m bench.autoscale_sim [--json out.json]
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import heapq
 import json

@@ -2,7 +2,6 @@
 oversized messages, device faults, cancellation storms, SIGTERM, and a bounded soak."""
 
 import asyncio
-import os
 import signal
 import time
 
