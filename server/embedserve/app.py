@@ -70,7 +70,7 @@ class Server:
         self.labels: list[str] = []
         self.started_at = time.monotonic()
         self.draining = False
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
         servicer = grpc_server.InferenceServicer(lambda: self.service, self.health_fields, self.metrics.request_finished)
         self.grpc, self.grpc_health, self.grpc_port = grpc_server.build_server(
             servicer, settings.host, settings.grpc_port, settings.max_message_bytes

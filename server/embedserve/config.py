@@ -26,11 +26,12 @@ class Settings:
     dtype: str = "auto"
     """DTYPE: auto (bfloat16/float16 on GPU, float32 on CPU), float32, float16, bfloat16."""
     compile: str = "auto"
-    """COMPILE: auto (on for CUDA), true, false. On CUDA, torch.compile(mode=reduce-overhead)
-    captures CUDA graphs, so shapes come from a fixed ladder."""
+    """COMPILE: auto (graphs on CUDA, false on CPU), graphs, true, false. `graphs` captures one
+    CUDA graph of the eager model per shape (warm-up in seconds); `true` also torch.compiles
+    each shape with inductor first (fused kernels; warm-up in minutes); `false` runs eagerly."""
     static_shapes: str = "auto"
-    """STATIC_SHAPES: auto (on when compiling), true, false. Pad rows to the bucket length and
-    batches to the batch-size ladder so captured graphs are reused."""
+    """STATIC_SHAPES: auto (on with graphs or compile), true, false. Pad rows to the bucket
+    length and batches to the batch-size ladder so captured graphs are reused."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
@@ -85,6 +86,10 @@ class Settings:
     """TASK: auto, embed or classify."""
     trust_remote_code: bool = False
     """TRUST_REMOTE_CODE: let model repos run their own code."""
+    tokenization_workers: int = 2
+    """TOKENIZATION_WORKERS: threads that tokenize. More is not faster by default: on a 16-core
+    GPU host 2 threads served 20% more single-text requests than 8 (bench/RESULTS.md), since
+    every thread also needs the GIL the event loop runs on."""
     shutdown_grace_s: float = 20.0
     """SHUTDOWN_GRACE_S: how long SIGTERM waits for in-flight requests."""
 
@@ -98,7 +103,7 @@ class Settings:
             model_cache_dir=s.str("MODEL_CACHE_DIR", d.model_cache_dir),
             device=s.str("DEVICE", d.device),
             dtype=s.choice("DTYPE", d.dtype, ("auto", "float32", "float16", "bfloat16")),
-            compile=s.choice("COMPILE", d.compile, ("auto", "true", "false")),
+            compile=s.choice("COMPILE", d.compile, ("auto", "graphs", "true", "false")),
             static_shapes=s.choice("STATIC_SHAPES", d.static_shapes, ("auto", "true", "false")),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
@@ -125,6 +130,7 @@ class Settings:
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
             task=s.choice("TASK", d.task, ("auto", "embed", "classify")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
+            tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:

@@ -1,5 +1,5 @@
-"""The model on its device: loading, dtype, torch.compile, and one forward pass + pooling per
-batch. Constructed and used only on the model-worker thread (compiled graphs live there)."""
+"""The model on its device: loading, dtype, torch.compile / CUDA graphs, and one forward pass +
+pooling per batch. Constructed and used only on the model-worker thread (compiled graphs live there)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from embedserve.config import Settings
+from embedserve.cuda_graphs import CudaGraphs
 from embedserve.pooling import pool
 from embedserve.queues import Batch
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 class Placement:
     device: torch.device
     dtype: torch.dtype
-    compile: bool
+    compile: bool  # torch.compile (inductor) each shape
     static_shapes: bool
+    cuda_graphs: bool = False  # replay one captured CUDA graph per shape
 
 
 def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: bool) -> Placement:
@@ -35,9 +37,12 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
         dtype = (torch.bfloat16 if bf16_supported else torch.float16) if on_gpu else torch.float32
     else:
         dtype = getattr(torch, settings.dtype)
-    compile_ = on_gpu if settings.compile == "auto" else settings.compile == "true"
-    static = (compile_ and on_gpu) if settings.static_shapes == "auto" else settings.static_shapes == "true"
-    return Placement(device, dtype, compile_, static)
+    mode = ("graphs" if on_gpu else "false") if settings.compile == "auto" else settings.compile
+    compile_ = mode == "true"
+    graphs = on_gpu and mode in ("graphs", "true")
+    static = (graphs or compile_) if settings.static_shapes == "auto" else settings.static_shapes == "true"
+    # Without static shapes every new batch shape would capture (or compile) another graph.
+    return Placement(device, dtype, compile_, static, graphs and static)
 
 
 class Encoder:
@@ -59,8 +64,12 @@ class Encoder:
         self.exclude = torch.tensor(exclude_ids, dtype=torch.int64, device=placement.device)
         self._forward = self._eager
         if placement.compile:
-            mode = "reduce-overhead" if placement.device.type == "cuda" else None
-            self._forward = torch.compile(self._eager, mode=mode, dynamic=False)
+            # One graph per static shape: let dynamo keep them all rather than fall back to
+            # eager after its default 8 recompilations.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            self._forward = torch.compile(self._eager, dynamic=False)
+        if placement.cuda_graphs:
+            self._forward = CudaGraphs(self._forward, placement.device)
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.task == "classify":
@@ -72,15 +81,13 @@ class Encoder:
     def run(self, batch: Batch) -> np.ndarray:
         dev = self.placement.device
         with torch.inference_mode():
-            if dev.type == "cuda":
-                ids = batch.input_ids.pin_memory().to(dev, non_blocking=True)
-                mask = batch.attention_mask.pin_memory().to(dev, non_blocking=True)
-            else:
-                ids, mask = batch.input_ids, batch.attention_mask
-            out = self._forward(ids, mask)
-            if dev.type == "cuda":
-                out = out.clone()  # CUDA-graph outputs are overwritten by the next replay
-            return out[: batch.rows].cpu().numpy()
+            ids, mask = batch.input_ids, batch.attention_mask
+            if dev.type == "cuda":  # pinned host memory: the copies to the device run async
+                ids, mask = ids.pin_memory(), mask.pin_memory()
+                if not self.placement.cuda_graphs:  # graphs copy into their static inputs
+                    ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+            # .cpu() waits for the result, so a graph's static output is read before its next replay.
+            return self._forward(ids, mask)[: batch.rows].cpu().numpy()
 
     def memory(self) -> dict[str, int]:
         if self.placement.device.type != "cuda":

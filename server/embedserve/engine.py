@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from embedserve.batching import ladder_size, next_drain, select_rows
+from embedserve.batching import fit_length, ladder_size, length_ladder, next_drain, select_rows
 from embedserve.errors import ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
@@ -46,6 +46,7 @@ class Engine:
         self.deadline_s = deadline_s
         self.clock = clock
         self.queues = BucketQueues(plan.buckets, plan.static)
+        self.lengths = length_ladder(plan.buckets)  # static shapes' padded lengths
         # Batches formed ahead of the running one. A GPU wants two (the host prepares while the
         # device computes); a CPU has nothing to overlap, and a batch formed later is fuller.
         self.lookahead = lookahead
@@ -138,8 +139,10 @@ class Engine:
         lengths = [r.length for r in self.queues.rows[bucket]]
         chosen = select_rows(lengths, self.caps[bucket], self.plan.max_tokens_per_batch, bucket if static else None)
         taken = self.queues.take(bucket, chosen)
-        batch_to = ladder_size(len(taken)) if static else None
-        return assemble(taken, self.plan.pad_id, bucket if static else None, batch_to)
+        if not static:
+            return assemble(taken, self.plan.pad_id, None, None)
+        width = fit_length(max(r.length for r in taken), self.lengths)
+        return assemble(taken, self.plan.pad_id, width, ladder_size(len(taken)))
 
     def _report_from_worker(self, batch: Batch, out, busy_s: float) -> None:
         self._loop.call_soon_threadsafe(self._deliver, batch, out, busy_s)
@@ -167,4 +170,6 @@ class Engine:
 def split_by_bucket(lengths: np.ndarray, buckets) -> list[tuple[int, np.ndarray]]:
     """Group a request's rows by the smallest bucket that holds each (positions ascending)."""
     index = np.minimum(np.searchsorted(buckets, lengths, side="left"), len(buckets) - 1)
+    if index.min() == index.max():  # the usual case (one text, or texts of one size): no grouping
+        return [(buckets[int(index[0])], np.arange(len(lengths)))]
     return [(buckets[k], np.flatnonzero(index == k)) for k in np.unique(index)]

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from embedserve.batching import bucket_row_limit, choose_cap, ladder_size, ladder_upto, sweep_should_stop
+from embedserve.batching import bucket_row_limit, choose_cap, ladder_size, ladder_upto, length_ladder, sweep_should_stop
 from embedserve.queues import Batch
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,13 @@ def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.
         rates[b] = dict(sweep).get(caps[b], sweep[-1][1])
         log.info("bucket %d: batch cap %d rows (sweep %s)", b, caps[b],
                  ", ".join(f"{s}:{r:.0f} tok/s" for s, r in sweep))
+    if plan.static:  # the shorter static lengths within each bucket, at every size up to its cap
+        below = 0
+        for b in plan.buckets:
+            for length in (n for n in length_ladder(plan.buckets) if below < n < b):
+                for rows in ladder_upto(caps[b]):
+                    runner.run(dummy_batch(length, rows, plan, rng))
+            below = b
     return WarmupResult(caps, rates)
 
 

@@ -7,7 +7,9 @@ from embedserve.batching import (
     bucket_row_limit,
     choose_bucket,
     choose_cap,
+    fit_length,
     ladder_size,
+    length_ladder,
     next_drain,
     select_rows,
     sweep_should_stop,
@@ -29,6 +31,16 @@ def test_ladder_size(rows, size):
     assert ladder_size(rows) == size
 
 
+def test_length_ladder_adds_the_midpoint_below_each_bucket():
+    assert length_ladder((16, 32, 64, 128, 256, 512)) == (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    assert length_ladder((4, 5, 16)) == (2, 4, 5, 10, 16)  # no midpoint between 4 and 5
+
+
+@pytest.mark.parametrize("longest, length", [(1, 8), (8, 8), (9, 16), (17, 24), (25, 32), (100, 128), (500, 512)])
+def test_fit_length_is_the_smallest_static_length_that_holds_the_batch(longest, length):
+    assert fit_length(longest, length_ladder((16, 32, 64, 128, 256, 512))) == length
+
+
 def test_ladder_size_rejects_more_than_largest():
     with pytest.raises(ValueError, match="exceed"):
         ladder_size(513)
@@ -41,7 +53,7 @@ def test_ladder_size_rejects_more_than_largest():
         (512, 512, 32768, False, 64),
         (512, 512, 32768, True, 64),
         (256, 512, 30000, False, 117),
-        (256, 512, 30000, True, 64),  # rounded down to a captured size
+        (256, 512, 30000, True, 96),  # rounded down to a captured size
         (512, 512, 100, False, 1),  # a single row always fits
     ],
 )

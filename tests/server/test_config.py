@@ -36,6 +36,8 @@ def test_values_are_parsed():
         ({"BUCKETS": "64,32"}, "BUCKETS"),
         ({"NORMALIZE": "maybe"}, "NORMALIZE='maybe'"),
         ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE=0: must be >= 1"),
+        ({"TOKENIZATION_WORKERS": "0"}, "TOKENIZATION_WORKERS=0: must be >= 1"),
+        ({"COMPILE": "reduce-overhead"}, "COMPILE='reduce-overhead': expected one of auto, graphs, true, false"),
         ({"BATCH_CAPS": "16"}, "BATCH_CAPS"),
         ({"LATENCY_SOFT_MS": "900", "LATENCY_HARD_MS": "100"}, "LATENCY_SOFT_MS"),
     ],
