@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, prepared for a CUDA machine (one call, about 6 minutes):
+# The GPU check, prepared for a CUDA machine (one call, about 7 minutes, at most 7.7):
 #   bench/gpu.sh OUT_DIR [TOKENIZER_DIR]
 # 1. the CUDA tests of the encoder (graph replays vs eager, torch.compile + graphs);
 # 2. bench/gpu_bench.py on a BERT-base-sized encoder built from a config (random weights, no hub):
@@ -21,5 +21,5 @@ AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.arg
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 "$py" -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
-timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py 2>&1 | tail -30 | tee "$out/pytest.txt"
-timeout 420 "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --phases "${PHASES:-kernels,served,inductor}" 2>&1 | tee "$out/log.txt"
+timeout 60 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py 2>&1 | tail -30 | tee "$out/pytest.txt"
+timeout 400 "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --phases "${PHASES:-kernels,served,inductor}" 2>&1 | tee "$out/log.txt"
