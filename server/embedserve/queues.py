@@ -123,12 +123,14 @@ class Batch:
 def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: int | None) -> Batch:
     """Concatenate the taken rows into one padded batch; rows of one chunk are copied with one
     indexed slice. `pad_to`/`batch_to` fix the shape for captured graphs; otherwise the batch
-    pads to its own longest row and has no dummy rows."""
+    pads to its own longest row and has no dummy rows. Runs on the event loop, once per chunk:
+    numpy here, since a torch op costs ~10x a numpy one on tensors this small (a batch of 256
+    single-text requests took 18 ms with torch ops, bench in the commit that changed it)."""
     width = pad_to or max(r.length for r in taken)
     n = len(taken)
     total = batch_to or n
-    ids = torch.full((total, width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((total, width), dtype=torch.int64)
+    ids = np.full((total, width), pad_id, dtype=np.int64)
+    lengths = np.ones(total, dtype=np.int64)  # dummy rows attend to one token: none fully masked
     routes = []
     groups: dict[int, tuple[Chunk, list[int]]] = {}
     for r in taken:
@@ -137,12 +139,12 @@ def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: 
     for chunk, idx in groups.values():
         k = len(idx)
         w = min(width, chunk.ids.shape[1])
-        ids[pos : pos + k, :w] = chunk.ids[idx, :w]
-        lengths = torch.from_numpy(chunk.lengths[idx])
-        mask[pos : pos + k] = torch.arange(width) < lengths[:, None]
+        source = chunk.ids.numpy()
+        ids[pos : pos + k, :w] = source[idx[0], :w] if k == 1 else source[idx, :w]
+        lengths[pos : pos + k] = chunk.lengths[idx]
         routes.append((chunk.request, chunk.positions[idx], slice(pos, pos + k)))
         pos += k
-    if total > n:
-        mask[n:, 0] = 1  # dummy rows attend to one token so no row is fully masked
-    ids.masked_fill_(mask == 0, pad_id)
-    return Batch(ids, mask, n, sum(r.length for r in taken), routes, sum(r.cost for r in taken))
+    mask = np.arange(width) < lengths[:, None]
+    ids[~mask] = pad_id
+    return Batch(torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), n, sum(r.length for r in taken),
+                 routes, sum(r.cost for r in taken))

@@ -1,0 +1,47 @@
+import asyncio
+
+import numpy as np
+import torch
+
+from embedserve.queues import Chunk, PendingRequest, QueuedRow, assemble
+
+PAD = 0
+LOOP = asyncio.new_event_loop()  # only makes the requests' futures; never run
+
+
+def chunk(rows: list[list[int]], positions: list[int]) -> Chunk:
+    width = max(map(len, rows))
+    ids = np.full((len(rows), width), 7, dtype=np.int32)  # 7: junk past each row's end
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    request = PendingRequest(len(rows), 2, LOOP.create_future())
+    return Chunk(request, torch.from_numpy(ids), np.array([len(r) for r in rows]), np.array(positions))
+
+
+def queued(c: Chunk, index: int) -> QueuedRow:
+    return QueuedRow(c, index, int(c.lengths[index]), int(c.lengths[index]), 0.0)
+
+
+def test_assemble_copies_rows_masks_padding_and_routes_each_chunk():
+    a = chunk([[11, 12, 13], [21], [31, 32]], positions=[0, 2, 5])
+    b = chunk([[41, 42, 43, 44]], positions=[1])
+    taken = [queued(a, 0), queued(b, 0), queued(a, 2)]
+    batch = assemble(taken, PAD, pad_to=6, batch_to=8)
+    assert batch.input_ids.shape == batch.attention_mask.shape == (8, 6)
+    assert batch.input_ids.dtype == batch.attention_mask.dtype == torch.int64
+    # rows of one chunk are adjacent; junk past a row's end and dummy rows are the pad id
+    assert batch.input_ids[:3].tolist() == [[11, 12, 13, 0, 0, 0], [31, 32, 0, 0, 0, 0], [41, 42, 43, 44, 0, 0]]
+    assert batch.attention_mask[:3].sum(1).tolist() == [3, 2, 4]
+    assert (batch.input_ids[3:] == PAD).all()
+    assert batch.attention_mask[3:].tolist() == [[1, 0, 0, 0, 0, 0]] * 5  # dummy rows: one token each
+    assert (batch.rows, batch.real_tokens, batch.padded_tokens) == (3, 9, 48)
+    (ra, pa, sa), (rb, pb, sb) = batch.routes
+    assert (ra, pa.tolist(), sa) == (a.request, [0, 5], slice(0, 2))
+    assert (rb, pb.tolist(), sb) == (b.request, [1], slice(2, 3))
+
+
+def test_assemble_without_a_fixed_shape_pads_to_the_longest_row_only():
+    a = chunk([[1, 2], [3, 4, 5]], positions=[0, 1])
+    batch = assemble([queued(a, 0), queued(a, 1)], PAD, pad_to=None, batch_to=None)
+    assert batch.input_ids.tolist() == [[1, 2, 0], [3, 4, 5]]
+    assert batch.attention_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
