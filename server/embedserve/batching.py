@@ -7,6 +7,8 @@ import bisect
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 # Batch sizes CUDA graphs are captured for; a batch of n rows runs at the smallest size >= n.
 # Steps of at most 1.5x: a partial batch pads at most a third of its rows.
 LADDER = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -111,22 +113,23 @@ def next_drain(views: Sequence[BucketView], now: float, deadline_s: float, worke
 
 def select_rows(lengths: Sequence[int], cap: int, max_tokens: int, pad_to: int | None = None) -> list[int]:
     """Pick a batch from one bucket's rows, given oldest first. The oldest row always goes (so
-    every row is served in bounded time); the rest are the rows nearest to it in length, which
-    keeps padding low without a sort of the whole queue by length. `pad_to` is the fixed padded
-    length (static shapes); otherwise a batch pads to its own longest row. Returns indices,
-    ascending."""
+    every row is served in bounded time); the rest are the rows nearest to it in length (ties:
+    the older), which keeps padding low without a sort of the whole queue by length. `pad_to`
+    is the fixed padded length (static shapes); otherwise a batch pads to its own longest row.
+    Returns indices, ascending. One C-speed argsort: a GPU's queue holds thousands of rows."""
     if not lengths:
         return []
-    anchor = lengths[0]
-    order = sorted(range(1, len(lengths)), key=lambda i: (abs(lengths[i] - anchor), i))
-    chosen = [0]
-    longest = anchor
+    rest = np.asarray(lengths[1:])
+    order = (np.argsort(np.abs(rest - lengths[0]), kind="stable") + 1).tolist()
+    if pad_to:  # every row costs the same width: the nearest ones, as many as fit
+        return [0] + sorted(order[: max(0, min(cap, max_tokens // pad_to) - 1)])
+    chosen, longest = [0], lengths[0]
     for i in order:
         if len(chosen) >= cap:
             break
-        width = pad_to or max(longest, lengths[i])
+        width = max(longest, lengths[i])
         if (len(chosen) + 1) * width > max_tokens:
             continue
         chosen.append(i)
-        longest = max(longest, lengths[i])
+        longest = width
     return sorted(chosen)

@@ -1,5 +1,6 @@
 """Table tests of the pure batching decisions, on an injected clock (plain numbers)."""
 
+import numpy as np
 import pytest
 
 from embedserve.batching import (
@@ -118,6 +119,31 @@ def test_select_rows_skips_a_row_that_would_break_the_budget_but_keeps_smaller_o
 
 def test_select_rows_oldest_row_goes_even_alone_over_budget():
     assert select_rows([500], cap=4, max_tokens=100) == [0]
+    assert select_rows([500, 20], cap=4, max_tokens=100, pad_to=512) == [0]
+
+
+def spec_select_rows(lengths, cap, max_tokens, pad_to=None):
+    """The rule in plain Python, one row at a time: oldest, then nearest in length (ties: the
+    older), each row added while the batch stays within cap and the token budget."""
+    order = sorted(range(1, len(lengths)), key=lambda i: (abs(lengths[i] - lengths[0]), i))
+    chosen, longest = [0], lengths[0]
+    for i in order:
+        if len(chosen) >= cap:
+            break
+        width = pad_to or max(longest, lengths[i])
+        if (len(chosen) + 1) * width <= max_tokens:
+            chosen.append(i)
+            longest = max(longest, lengths[i])
+    return sorted(chosen)
+
+
+def test_select_rows_agrees_with_the_plain_rule_on_random_queues():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        lengths = rng.integers(1, 65, int(rng.integers(1, 200))).tolist()
+        cap, budget = int(rng.integers(1, 80)), int(rng.integers(50, 3000))
+        pad_to = int(rng.choice([0, 64])) or None
+        assert select_rows(lengths, cap, budget, pad_to) == spec_select_rows(lengths, cap, budget, pad_to)
 
 
 @pytest.mark.parametrize(
