@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from embedserve.batching import fit_length, ladder_size, length_ladder, next_drain, select_rows
+from embedserve.batching import choose_bucket, fit_length, ladder_size, length_ladder, next_drain, select_rows
 from embedserve.errors import ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
@@ -169,7 +169,9 @@ class Engine:
 
 def split_by_bucket(lengths: np.ndarray, buckets) -> list[tuple[int, np.ndarray]]:
     """Group a request's rows by the smallest bucket that holds each (positions ascending)."""
+    if len(lengths) == 1:  # the usual request: numpy's per-call cost is most of the work
+        return [(choose_bucket(int(lengths[0]), buckets), np.zeros(1, dtype=np.int64))]
     index = np.minimum(np.searchsorted(buckets, lengths, side="left"), len(buckets) - 1)
-    if index.min() == index.max():  # the usual case (one text, or texts of one size): no grouping
+    if index.min() == index.max():  # texts of one size class: no grouping
         return [(buckets[int(index[0])], np.arange(len(lengths)))]
     return [(buckets[k], np.flatnonzero(index == k)) for k in np.unique(index)]
