@@ -30,8 +30,9 @@ class Settings:
     CUDA graph of the eager model per shape (warm-up in seconds); `true` also torch.compiles
     each shape with inductor first (fused kernels; warm-up in minutes); `false` runs eagerly."""
     static_shapes: str = "auto"
-    """STATIC_SHAPES: auto (on with graphs or compile), true, false. Pad rows to the bucket
-    length and batches to the batch-size ladder so captured graphs are reused."""
+    """STATIC_SHAPES: auto (on with graphs or compile), true, false. Pad rows to a fixed length
+    ladder (each bucket and the midpoint below it) and batches to the batch-size ladder, so
+    captured graphs are reused."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001

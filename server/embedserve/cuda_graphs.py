@@ -39,7 +39,6 @@ class CudaGraphs:
         self._device = device
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self.capture_s = 0.0  # total time spent capturing (warm-up runs included)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -68,6 +67,5 @@ class CudaGraphs:
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(ids, mask)
         g = self._graphs[shape] = _Graph(graph, ids, mask, out)
-        self.capture_s += time.perf_counter() - t0
         log.debug("captured a CUDA graph for %s in %.0f ms", shape, (time.perf_counter() - t0) * 1000)
         return g
