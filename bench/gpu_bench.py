@@ -16,6 +16,7 @@ tiny model (no graphs there): a check of this script, not a measurement."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ def save_model(path: str, tokenizer_dir: str, dry: bool) -> None:
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128) if dry else {}
+    size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128} if dry else {}
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(tok), **size)).save_pretrained(path)
     tok.save_pretrained(path)
@@ -259,8 +260,9 @@ def served_phases(results: dict, model_dir: str, cuda: bool, save) -> None:
         ("1 text/request, 2 tokenizer threads", 1, 128, {"TOKENIZATION_WORKERS": "2"}),
     ):
         # The corpus three times over: the clients stop at the deadline, in steady state.
-        phase(results["served"], name, lambda: served(model_dir, texts * 3, counts * 3, {"DTYPE": dtype, **env}, procs,
-                                                      per_request, conc, 10 if cuda else 4), save)
+        run = functools.partial(served, model_dir, texts * 3, counts * 3, {"DTYPE": dtype, **env}, procs,
+                                per_request, conc, 10 if cuda else 4)
+        phase(results["served"], name, run, save)
 
 def phase(store: dict, name: str, fn, save) -> None:
     t0 = time.monotonic()
