@@ -97,6 +97,46 @@ class ServerProcess:
         return self.proc.returncode
 
 
+class LoopbackDNS:
+    """A real DNS server on loopback (dnslib) answering A records with a 1 s TTL: the stand-in for
+    a headless Service, whose name resolves to every ready pod. gRPC targets it as
+    `dns://127.0.0.1:PORT/NAME:GRPC_PORT`."""
+
+    def __init__(self):
+        from dnslib import QTYPE, RR, A
+        from dnslib.server import BaseResolver, DNSLogger, DNSServer
+
+        self.records: dict[str, list[str]] = {}
+        records = self.records
+
+        class Resolver(BaseResolver):
+            def resolve(self, request, handler):
+                reply = request.reply()
+                name = str(request.q.qname).rstrip(".")
+                if request.q.qtype == QTYPE.A:  # AAAA and the rest: an empty answer
+                    for ip in records.get(name, []):
+                        reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(ip), ttl=1))
+                return reply
+
+        self.port = free_port()
+        self._server = DNSServer(Resolver(), address="127.0.0.1", port=self.port,
+                                 logger=DNSLogger("-request,-reply,-truncated,-error,-recv,-send,-data"))
+        self._server.start_thread()
+
+    def target(self, name: str, port: int) -> str:
+        return f"dns://127.0.0.1:{self.port}/{name}:{port}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+@pytest.fixture
+def dns():
+    server = LoopbackDNS()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from embedserve.model_source import packaged_model_dir

@@ -1,10 +1,15 @@
 """Admission control: pure decisions on an estimator snapshot.
 
-Throughput strategy (predictive): refuse a request when admitting it would make the backlog take
-longer than MAX_DRAIN_TIME_MS to compute at the measured service rate, so latency never gets the
-chance to climb. Latency strategy (reactive): shed 25% of requests while the windowed P95 is
-above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so it empties and
-admission resumes by itself.
+Throughput strategy (predictive): a request joins the queue at once when the backlog, with it,
+still computes within MAX_DRAIN_TIME_MS at the measured service rate, so accepted latency stays
+bounded. A request that does not fit is not dropped but scheduled: it is told when its tokens
+will fit (`retry_after_ms`) and that room is booked for its retry (reservations.py), provided
+the moment lies within RESERVATION_HORIZON_MS; beyond it the request is refused outright (a
+flood cannot book the future). Latency strategy (reactive): shed 25% of requests while the
+windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
+it empties and admission resumes by itself.
+
+Every quantity is in real tokens, as the estimator's.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ class Policy:
     max_drain_s: float
     latency_soft_s: float
     latency_hard_s: float
-    # Padded tokens of the largest batch the batcher forms. A batch takes a bucket's rows
-    # together, so a row can be overtaken by one batch of rows admitted after it: that much
-    # is held back from the drain budget, so accepted requests finish within MAX_DRAIN_TIME_MS.
-    reorder_tokens: float = 0.0
+    # How long the longest batch the batcher forms runs. A batch takes a bucket's rows together,
+    # so a row can be overtaken by one batch of rows admitted after it: that much time is held
+    # back from the drain budget, so accepted requests finish within MAX_DRAIN_TIME_MS.
+    reorder_s: float = 0.0
+    horizon_s: float = 10.0  # furthest future a refused request may book (RESERVATION_HORIZON_MS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,31 +43,36 @@ class Decision:
     admit: bool
     reason: str = ""  # drain_time | latency_soft | latency_hard
     retry_after_ms: int = 0
+    book: bool = False  # keep room for the retry at retry_after_ms
 
 
 ADMIT = Decision(True)
 
 
-def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float) -> Decision:
-    """Admit or refuse a request costing `cost_tokens` padded tokens. `draw` is uniform in
-    [0, 1) (injected so tests control the soft-shedding lottery)."""
+def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0) -> Decision:
+    """Admit, schedule or refuse a request of `cost_tokens` real tokens. `reserved_tokens` are
+    booked for earlier refused requests' retries: they wait ahead of this one. `draw` is uniform
+    in [0, 1) (injected so tests control the soft-shedding lottery)."""
     if policy.throughput and snap.queued_tokens > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
         rate = snap.service_rate
+        if rate <= 0:
+            return Decision(False, "drain_time", _ms(policy.max_drain_s))
         # Never hold back more than half the budget: with batches that long (a slow device, a
         # tiny budget) the bound cannot hold anyway, and admission must not degenerate into
         # "only when idle".
-        reorder = min(policy.reorder_tokens, 0.5 * policy.max_drain_s * rate)
-        after = snap.queued_tokens + cost_tokens + reorder
-        if rate <= 0 or after / rate > policy.max_drain_s:
-            if rate <= 0:
-                return Decision(False, "drain_time", _ms(policy.max_drain_s))
-            # Come back when today's backlog is gone, not the moment one request fits: refused
-            # clients then return spread over a drain period instead of all at once, and a busy
-            # server does not spend its CPU refusing the same requests again and again.
-            excess_s = (after - policy.max_drain_s * rate) / rate
-            return Decision(False, "drain_time", _ms(max(excess_s, snap.drain_s)))
+        hold = min(policy.reorder_s, 0.5 * policy.max_drain_s) * rate
+        budget = policy.max_drain_s * rate
+        if snap.queued_tokens + cost_tokens + hold > budget:
+            # Admission is work-conserving: the present queue alone decides, so booked room that
+            # its owner never claims cannot idle the device. The moment this request fits is
+            # behind the queue and everything already booked.
+            wait_s = (snap.queued_tokens + reserved_tokens + cost_tokens + hold - budget) / rate
+            if wait_s <= policy.horizon_s:
+                return Decision(False, "drain_time", _ms(wait_s), book=True)
+            # Beyond the horizon: come back when booking is possible again.
+            return Decision(False, "drain_time", _ms(wait_s - policy.horizon_s))
     if policy.latency and snap.p95_latency_s > policy.latency_hard_s:
         return Decision(False, "latency_hard", _ms(max(snap.drain_s, policy.latency_soft_s)))
     if policy.latency and snap.p95_latency_s > policy.latency_soft_s and draw < SOFT_SHED_FRACTION:

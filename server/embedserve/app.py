@@ -25,9 +25,10 @@ from embedserve.worker import WarmupPlan
 log = logging.getLogger(__name__)
 
 
-def policy_from(settings: Settings, caps: dict[int, int]) -> admission.Policy:
+def policy_from(settings: Settings, largest_batch_s: float) -> admission.Policy:
     return admission.Policy(
-        reorder_tokens=max(bucket * rows for bucket, rows in caps.items()),
+        reorder_s=largest_batch_s,
+        horizon_s=settings.reservation_horizon_ms / 1000,
         throughput=settings.backpressure_throughput,
         latency=settings.backpressure_latency,
         max_drain_s=settings.max_drain_time_ms / 1000,
@@ -73,9 +74,10 @@ class Server:
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
         servicer = grpc_server.InferenceServicer(lambda: self.service, self.health_fields, self.metrics.request_finished)
         self.grpc, self.grpc_health, self.grpc_port = grpc_server.build_server(
-            servicer, settings.host, settings.grpc_port, settings.max_message_bytes
+            servicer, settings.host, settings.grpc_port, settings.max_message_bytes,
+            settings.max_connection_age_s, settings.max_connection_age_grace_s,
         )
-        self.http = http_server.HttpServer(self, settings.host, settings.http_port)
+        self.http = http_server.HttpServer(self, settings.host, settings.http_port, settings.max_connection_age_s)
 
     async def start(self) -> None:
         await grpc_server.set_serving(self.grpc_health, False)  # grpc's default is SERVING
@@ -105,7 +107,8 @@ class Server:
         cuda = torch.cuda.is_available() and not sim_rate
         self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
         if sim_rate:
-            self.placement = Placement(torch.device("cpu"), torch.float32, False, False)
+            # STATIC_SHAPES=true pads as on a GPU: tests see padding cost simulated device time.
+            self.placement = Placement(torch.device("cpu"), torch.float32, False, s.static_shapes == "true")
         plan = WarmupPlan(
             buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
             s.batch_caps, tokenizer.pad_id, tokenizer.vocab_size,
@@ -125,7 +128,7 @@ class Server:
         )
         await self.engine.start()
         self.service = EmbeddingService(
-            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.caps),
+            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.warmup.largest_batch_s),
             Limits(s.max_texts_per_request, buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics, task=self.task,
         )
@@ -148,6 +151,7 @@ class Server:
             "status": status,
             "accepting_requests": bool(self.service and self.service.ready and status != "overloaded"),
             "queued_tokens": int(snap.queued_tokens),
+            "reserved_tokens": int(self.service.book.reserved_tokens) if self.service else 0,
             "service_rate_tokens_per_sec": snap.service_rate,
             "arrival_rate_tokens_per_sec": snap.arrival_rate,
             "estimated_drain_time_ms": min(snap.drain_s, 1e9) * 1000,

@@ -1,9 +1,13 @@
 """Python client for embedfleet servers, and `python -m embedserve.client TEXT...`.
 
 In a cluster, target the headless Service as `dns:///NAME:50051`: the channel resolves every pod
-and balances round-robin. Overload (RESOURCE_EXHAUSTED) is retried after the server's
-retry-after-ms, with jitter, a bounded number of times; retries are marked so the servers do not
-count them as new demand.
+and balances round-robin; servers close connections after MAX_CONNECTION_AGE_S, and each close
+makes the channel resolve again, so pods added by a scale-up take their share.
+
+Each call retries within its deadline (`timeout_s`): RESOURCE_EXHAUSTED after the server's
+retry-after-ms, the moment the server has booked room for it (so coming back on time is coming
+back once), and UNAVAILABLE or CANCELLED (a pod draining or gone) at once on the next pod, with
+a short backoff if every pod says so. Retries are marked so servers do not count them as new demand.
 """
 
 from __future__ import annotations
@@ -25,17 +29,27 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.enable_retries", 0),  # we retry ourselves, honouring retry-after-ms
+    # A channel asks DNS again when a connection closes (servers age them out), but by default
+    # not within 30 s of the last answer: new pods would wait that long for a share.
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
 ]
+UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
+# Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
+# cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
+# a caller's cancellation arrives as asyncio.CancelledError, never as a status).
+ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
-def retry_after_s(error: grpc.RpcError, default_s: float = 0.1) -> float:
+def retry_after_s(error: grpc.RpcError) -> float | None:
+    """The server's retry-after-ms, in seconds; None when it sent none (the refusal is not
+    admission's, e.g. a message over the size limit: retrying cannot help)."""
     for key, value in error.trailing_metadata() or ():
         if key == "retry-after-ms":
             try:
                 return max(0.0, float(value) / 1000)
             except ValueError:
-                break
-    return default_s
+                return None
+    return None
 
 
 def decode_embeddings(response: pb.EmbedResponse) -> np.ndarray:
@@ -43,12 +57,15 @@ def decode_embeddings(response: pb.EmbedResponse) -> np.ndarray:
 
 
 class Client:
-    """Async client. `max_attempts` bounds tries per call (1 = no retries)."""
+    """Async client. `timeout_s` is each call's deadline, retries included (None: no deadline);
+    `max_attempts` optionally bounds the tries too (None: as many as the deadline allows)."""
 
-    def __init__(self, target: str, max_attempts: int = 4, max_backoff_s: float = 2.0, timeout_s: float | None = 30.0):
+    def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None):
+        if timeout_s is None and max_attempts is None:
+            raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.InferenceStub(self.channel)
-        self.max_attempts, self.max_backoff_s, self.timeout_s = max_attempts, max_backoff_s, timeout_s
+        self.timeout_s, self.max_attempts = timeout_s, max_attempts
 
     async def __aenter__(self) -> "Client":
         return self
@@ -72,14 +89,36 @@ class Client:
         return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s)
 
     async def _call(self, method, request):
-        for attempt in range(1, self.max_attempts + 1):
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        unavailable = 0
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = None if deadline is None else deadline - time.monotonic()
             try:
-                return await method(request, timeout=self.timeout_s, metadata=(("embedfleet-attempt", str(attempt)),))
+                return await method(request, timeout=remaining, metadata=(("embedfleet-attempt", str(attempt)),))
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == self.max_attempts:
+                wait = self._wait_before_retry(e, unavailable)
+                if e.code() in ELSEWHERE:
+                    unavailable += 1
+                out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
+                if wait is None or out_of_time or attempt == self.max_attempts:
                     raise
-                wait = min(self.max_backoff_s, retry_after_s(e))
-                await asyncio.sleep(wait * random.uniform(1.0, 1.5))  # jitter spreads the retries
+                await asyncio.sleep(wait)
+
+    @staticmethod
+    def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int) -> float | None:
+        """Seconds to wait before the next try; None: do not retry."""
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            booked = retry_after_s(error)
+            # Back on time: the room is booked for a grace after the moment, not before it.
+            return None if booked is None else booked * random.uniform(1.0, 1.05)
+        if error.code() in ELSEWHERE:
+            # round_robin sends the next try to the next pod: at once the first time; backing off
+            # only when every pod keeps saying no (all draining, warming up, or gone).
+            first, most = UNAVAILABLE_BACKOFF_S
+            return 0.0 if unavailable == 0 else min(most, first * 2 ** unavailable) * random.uniform(0.5, 1.0)
+        return None
 
 
 async def _cli(args) -> int:

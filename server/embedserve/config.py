@@ -62,7 +62,19 @@ class Settings:
     backpressure_latency: bool = False
     """BACKPRESSURE_LATENCY_ENABLED: shed by windowed P95 latency (25% at soft, all at hard)."""
     max_drain_time_ms: float = 500.0
-    """MAX_DRAIN_TIME_MS: the backlog, in seconds of model time, the server accepts."""
+    """MAX_DRAIN_TIME_MS: the backlog, in milliseconds of model time, a request may join at once."""
+    reservation_horizon_ms: float = 10_000.0
+    """RESERVATION_HORIZON_MS: how far ahead a refused request may book room for its retry
+    (retry-after-ms is then the moment its tokens fit the drain budget). A burst up to this
+    much model time is scheduled; past it requests are refused outright, so a flood cannot
+    book the future. 0 books nothing."""
+    max_connection_age_s: float = 30.0
+    """MAX_CONNECTION_AGE_S: gRPC and HTTP keep-alive connections are closed gracefully after
+    about this long (gRPC adds ±10% jitter), so long-lived clients re-resolve and reach pods
+    added since they connected. 0 keeps connections forever."""
+    max_connection_age_grace_s: float = 10.0
+    """MAX_CONNECTION_AGE_GRACE_S: how long calls in flight on an aged gRPC connection may
+    still run before it is closed."""
     latency_soft_ms: float = 500.0
     """LATENCY_SOFT_MS: P95 above this sheds 25% of requests."""
     latency_hard_ms: float = 2000.0
@@ -119,6 +131,9 @@ class Settings:
             backpressure_throughput=s.bool("BACKPRESSURE_THROUGHPUT_ENABLED", d.backpressure_throughput),
             backpressure_latency=s.bool("BACKPRESSURE_LATENCY_ENABLED", d.backpressure_latency),
             max_drain_time_ms=s.float("MAX_DRAIN_TIME_MS", d.max_drain_time_ms),
+            reservation_horizon_ms=s.float("RESERVATION_HORIZON_MS", d.reservation_horizon_ms),
+            max_connection_age_s=s.float("MAX_CONNECTION_AGE_S", d.max_connection_age_s),
+            max_connection_age_grace_s=s.float("MAX_CONNECTION_AGE_GRACE_S", d.max_connection_age_grace_s),
             latency_soft_ms=s.float("LATENCY_SOFT_MS", d.latency_soft_ms),
             latency_hard_ms=s.float("LATENCY_HARD_MS", d.latency_hard_ms),
             latency_window_s=s.float("LATENCY_WINDOW_S", d.latency_window_s),

@@ -16,7 +16,7 @@ from embedserve.batching import choose_bucket, fit_length, ladder_size, length_l
 from embedserve.errors import ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
-from embedserve.worker import ModelWorker, Runner, WarmupPlan
+from embedserve.worker import ModelWorker, Runner, WarmupPlan, WarmupResult
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,14 @@ class Engine:
         self.estimator = estimator
         self.deadline_s = deadline_s
         self.clock = clock
-        self.queues = BucketQueues(plan.buckets, plan.static)
+        self.queues = BucketQueues(plan.buckets)
         self.lengths = length_ladder(plan.buckets)  # static shapes' padded lengths
         # Batches formed ahead of the running one. A GPU wants two (the host prepares while the
         # device computes); a CPU has nothing to overlap, and a batch formed later is fuller.
         self.lookahead = lookahead
         self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, lookahead + 1))
         self.caps: dict[int, int] = {}
+        self.warmup: WarmupResult | None = None
         self.dim = 0
         self.in_worker = 0  # batches submitted and not yet reported
         self.failed_batches = 0  # consecutive; reset by a good batch
@@ -75,9 +76,10 @@ class Engine:
         await self._loop.run_in_executor(None, self.worker.started.wait)
         if self.worker.failure is not None:
             raise self.worker.failure
-        self.caps = self.worker.warmup.caps
+        self.warmup = self.worker.warmup
+        self.caps = self.warmup.caps
         self.dim = self.worker.runner.dim
-        self.estimator.seed_service_rate(self.worker.warmup.service_rate)
+        self.estimator.seed_service_rate(self.warmup.service_rate)
         log.info("batch caps per bucket: %s", self.caps)
         self._task = asyncio.create_task(self._batcher(), name="batcher")
 
@@ -149,7 +151,7 @@ class Engine:
 
     def _deliver(self, batch: Batch, out, busy_s: float) -> None:
         self.in_worker -= 1
-        self.estimator.computed(batch.queued_cost, batch.padded_tokens, busy_s)
+        self.estimator.computed(batch.real_tokens, busy_s)
         self.on_batch(batch, busy_s)
         if isinstance(out, BaseException):
             self.failed_batches += 1

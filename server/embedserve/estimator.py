@@ -42,8 +42,9 @@ class BusyTimeRate:
         self._tokens = 0.0
         self._busy = 0.0
 
-    def seed(self, tokens_per_s: float) -> None:
-        self._tokens, self._busy = tokens_per_s * self.tau, self.tau
+    def seed(self, tokens_per_s: float, weight_s: float) -> None:
+        """Start from a rate measured elsewhere, worth `weight_s` of busy time."""
+        self._tokens, self._busy = tokens_per_s * weight_s, weight_s
 
     def add(self, tokens: float, busy_s: float) -> None:
         keep = math.exp(-busy_s / self.tau)
@@ -81,9 +82,9 @@ class LatencyWindow:
 class Snapshot:
     """One consistent reading of the estimator."""
 
-    service_rate: float  # padded tokens / s of model time
-    arrival_rate: float  # offered tokens / s, admitted + rejected
-    queued_tokens: int  # admitted, not yet computed, in padded tokens
+    service_rate: float  # real tokens computed / s of model-busy time (padding lowers it)
+    arrival_rate: float  # offered real tokens / s, admitted + rejected
+    queued_tokens: int  # real tokens admitted, not yet computed
     p95_latency_s: float
 
     @property
@@ -94,7 +95,11 @@ class Snapshot:
 
 
 class Estimator:
-    """Thread-safe: the worker thread reports batches, the event loop everything else."""
+    """Thread-safe: the worker thread reports batches, the event loop everything else.
+
+    One unit throughout: real (unpadded) tokens. Capacity is real tokens per second of
+    model-busy time, so padding shows as lower capacity, never as a second unit: the arrival
+    rate over the service rate is then the busy fraction, for admission and autoscaler alike."""
 
     def __init__(
         self,
@@ -110,14 +115,15 @@ class Estimator:
         self._latency = LatencyWindow(latency_window_s)
         self._queued = 0
         self._offered_total = 0.0  # monotonic: a scraper's rate over its own interval is exact
-        # Padded tokens a batch runs per token its rows counted in the backlog (>= 1 when rows
-        # pad to the batch's longest): converts the backlog to the service rate's units.
-        self._padding = 1.0
         self.chars_per_token = 4.0  # learned: estimates a text's tokens before tokenizing it
+        self._cpt_samples = 0
 
     def seed_service_rate(self, tokens_per_s: float) -> None:
+        """The warm-up's measurement: full rows at each bucket's cap, an upper bound that real
+        traffic (shorter rows, padding, smaller batches) seldom reaches. It counts as a quarter
+        of the EMA's horizon of busy time, so served batches take over within a second or two."""
         with self._lock:
-            self._service.seed(tokens_per_s)
+            self._service.seed(tokens_per_s, self._service.tau / 4)
 
     def offered(self, tokens: float) -> None:
         with self._lock:
@@ -139,28 +145,29 @@ class Estimator:
         with self._lock:
             self._queued -= tokens
 
-    def computed(self, queued_tokens: int, padded_tokens: int, busy_s: float) -> None:
-        """The worker finished a batch: `queued_tokens` leave the backlog; the padded tokens it
-        actually ran, over its busy time, update the service rate."""
+    def computed(self, real_tokens: int, busy_s: float) -> None:
+        """The worker finished a batch: its real tokens leave the backlog and, over the batch's
+        busy time, update the service rate."""
         with self._lock:
-            self._queued -= queued_tokens
+            self._queued -= real_tokens
             if busy_s > 0:
-                self._service.add(padded_tokens, busy_s)
-            if queued_tokens > 0:
-                self._padding += 0.1 * (padded_tokens / queued_tokens - self._padding)
+                self._service.add(real_tokens, busy_s)
 
     def latency(self, seconds: float) -> None:
         with self._lock:
             self._latency.add(seconds, self.clock())
 
     def learn_chars_per_token(self, chars: int, tokens: int) -> None:
+        """The running mean at first (the prior of 4 is quickly forgotten), then an EMA: offered
+        load is counted from this estimate, so it must match the tokens later computed."""
         if tokens > 0 and chars > 0:
-            self.chars_per_token += 0.05 * (chars / tokens - self.chars_per_token)
+            self._cpt_samples += 1
+            self.chars_per_token += max(0.05, 1 / self._cpt_samples) * (chars / tokens - self.chars_per_token)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
             now = self.clock()
             return Snapshot(
-                self._service.read(), self._arrival.read(now), round(self._queued * self._padding),
+                self._service.read(), self._arrival.read(now), self._queued,
                 self._latency.p95(now),
             )

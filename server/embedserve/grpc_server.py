@@ -45,12 +45,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._observe = observe
 
     async def Embed(self, request, context):
-        return await self._call("Embed", context, lambda s, retry: s.embed_texts(request.texts, retry))
+        return await self._call(
+            "Embed", context,
+            lambda s, retry: s.embed_texts(request.texts, retry, deadline_s=context.time_remaining()),
+        )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
-            lambda s, retry: s.infer(request.input_ids, request.attention_mask, request.shape, retry),
+            lambda s, retry: s.infer(request.input_ids, request.attention_mask, request.shape, retry,
+                                     deadline_s=context.time_remaining()),
         )
 
     async def HealthCheck(self, request, context):
@@ -71,7 +75,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))
             if isinstance(e, Overloaded):
-                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+                # Ours, and gRPC's standard server pushback: a channel whose retry policy covers
+                # RESOURCE_EXHAUSTED retries by itself at the booked moment.
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),
+                                               ("grpc-retry-pushback-ms", str(e.retry_after_ms))))
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -83,15 +90,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._observe(rpc, code.name, time.perf_counter() - t0)
 
 
-def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int):
+def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
+                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 10.0):
     """→ (server, health servicer, bound port). Health starts NOT_SERVING."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    if max_connection_age_s > 0:
+        # A client keeps its HTTP/2 connections and only re-resolves when one closes: without an
+        # age, pods added by a scale-up never see traffic from clients already connected. The
+        # close is a GOAWAY: calls in flight finish within the grace, new ones go elsewhere.
+        options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

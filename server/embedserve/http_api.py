@@ -104,7 +104,9 @@ class Classification(BaseModel):
 
 
 def _retry(request: Request) -> bool:
-    return request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
+    """Marked as a retry by our header or by the openai client's retry counter."""
+    return (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
+            or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
 
 
 def _texts(inputs) -> list[str]:
@@ -127,7 +129,10 @@ def register(app: FastAPI, server: "Server") -> None:
         def handler(request: Request, exc: Exception, status=status, kind=kind):
             headers = {}
             if isinstance(exc, Overloaded):
+                # Seconds for every HTTP client; milliseconds for those that read them (the
+                # openai client prefers retry-after-ms, and waits exactly that long).
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
+                headers["retry-after-ms"] = str(exc.retry_after_ms)
             return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
 
         app.add_exception_handler(error, handler)

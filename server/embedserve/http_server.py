@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,6 +36,36 @@ def build_app(server: "Server") -> FastAPI:
     return app
 
 
+class ConnectionAge:
+    """ASGI middleware: the first response after a keep-alive connection is `max_age_s` old says
+    `Connection: close`. HTTP clients (the openai client's pool, say) keep connections for
+    ever, and behind a ClusterIP Service a connection is one pod: without an age, pods added by
+    a scale-up never see those clients. A connection is known by its peer address and port."""
+
+    def __init__(self, app, max_age_s: float, clock: Callable[[], float] = time.monotonic):
+        self.app, self.max_age_s, self.clock = app, max_age_s, clock
+        self._born: dict[tuple, float] = {}
+
+    async def __call__(self, scope, receive, send):
+        peer = scope.get("client")
+        if scope["type"] != "http" or not peer or self.max_age_s <= 0:
+            return await self.app(scope, receive, send)
+        now = self.clock()
+        born = self._born.setdefault(tuple(peer), now)
+        if born > now - self.max_age_s:
+            if len(self._born) > 4096:  # forget connections long gone
+                self._born = {k: t for k, t in self._born.items() if t > now - 2 * self.max_age_s}
+            return await self.app(scope, receive, send)
+        del self._born[tuple(peer)]
+
+        async def closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, closing)
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn as a task of our loop: the process's signals are ours, not uvicorn's."""
 
@@ -44,14 +75,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, server: "Server", host: str, port: int):
+    def __init__(self, server: "Server", host: str, port: int, max_connection_age_s: float = 0.0):
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))  # bound now, so port 0 resolves before start
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off")
+        self.app = build_app(server)
+        config = uvicorn.Config(ConnectionAge(self.app, max_connection_age_s), log_level="warning",
+                                access_log=False, lifespan="off")
         self._uvicorn = _EmbeddedServer(config)
-        self.app = config.app
         self._task: asyncio.Task | None = None
 
     def install_api(self, server: "Server") -> None:

@@ -30,17 +30,24 @@ class _SignalCollector(Collector):
 
     def collect(self):
         snap = self.server.estimator.snapshot()
+        service = self.server.service
+        # One unit: real (unpadded) tokens. Padding is the server's own cost and shows as a lower
+        # service rate, so offered / service rate is the busy fraction.
         for name, doc, value in (
-            ("service_rate_tokens_per_second", "EMA of padded tokens processed per second of model-busy time (capacity)", snap.service_rate),
-            ("arrival_rate_tokens_per_second", "EMA of offered tokens per second, admitted and rejected", snap.arrival_rate),
-            ("queued_tokens", "Padded tokens admitted and not yet computed", snap.queued_tokens),
-            ("estimated_drain_seconds", "queued_tokens / service_rate", min(snap.drain_s, 1e9)),
+            ("service_rate_tokens_per_second", "Capacity: real (unpadded) tokens computed per second of "
+             "model-busy time (EMA); arrival / service rate = utilization", snap.service_rate),
+            ("arrival_rate_tokens_per_second", "EMA of offered real tokens per second, admitted and rejected "
+             "(retries not counted again)", snap.arrival_rate),
+            ("queued_tokens", "Real tokens admitted and not yet computed", snap.queued_tokens),
+            ("reserved_tokens", "Real tokens of refused requests whose retries have room booked (retry-after-ms)",
+             service.book.reserved_tokens if service else 0.0),
+            ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate", min(snap.drain_s, 1e9)),
         ):
             yield GaugeMetricFamily(P + name, doc, value=value)
         # The autoscaler's demand: its rate over any interval is that interval's exact mean, where
         # the arrival-rate gauge is an EMA seen at one instant.
-        yield CounterMetricFamily(P + "offered_tokens", "Tokens offered, admitted and rejected (estimated before tokenization)",
-                                  value=self.server.estimator.offered_total)
+        yield CounterMetricFamily(P + "offered_tokens", "Real tokens offered, admitted and rejected, each request once "
+                                  "(estimated before tokenization)", value=self.server.estimator.offered_total)
         memory = GaugeMetricFamily(P + "gpu_memory_bytes", "Device memory held by the model worker", labels=["type"])
         runner = self.server.engine.worker.runner if self.server.engine else None
         for kind, value in (runner.memory() if runner else {}).items():

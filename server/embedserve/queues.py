@@ -55,28 +55,25 @@ class Chunk:
 
 
 class QueuedRow:
-    __slots__ = ("chunk", "index", "length", "cost", "enqueued")
+    __slots__ = ("chunk", "index", "length", "enqueued")
 
-    def __init__(self, chunk: Chunk, index: int, length: int, cost: int, enqueued: float):
-        self.chunk, self.index, self.length, self.cost, self.enqueued = chunk, index, length, cost, enqueued
+    def __init__(self, chunk: Chunk, index: int, length: int, enqueued: float):
+        self.chunk, self.index, self.length, self.enqueued = chunk, index, length, enqueued
 
 
 class BucketQueues:
-    """FIFO row queues per bucket length, with the queued padded-token count kept exact."""
+    """FIFO row queues per bucket length, with the queued (real) token count kept exact."""
 
-    def __init__(self, buckets: Iterable[int], static: bool):
+    def __init__(self, buckets: Iterable[int]):
         self.rows: dict[int, list[QueuedRow]] = {b: [] for b in buckets}
-        self.static = static
         self.queued_tokens = 0
 
     def add(self, bucket: int, chunk: Chunk, now: float) -> int:
-        """Queue a chunk's rows; returns their padded-token cost."""
+        """Queue a chunk's rows; returns their real tokens."""
         q = self.rows[bucket]
-        added = 0
-        for i, n in enumerate(chunk.lengths.tolist()):
-            cost = bucket if self.static else n
-            q.append(QueuedRow(chunk, i, n, cost, now))
-            added += cost
+        lengths = chunk.lengths.tolist()
+        q.extend(QueuedRow(chunk, i, n, now) for i, n in enumerate(lengths))
+        added = sum(lengths)
         self.queued_tokens += added
         return added
 
@@ -90,7 +87,7 @@ class BucketQueues:
         keep = set(indices)
         taken = [q[i] for i in indices]
         self.rows[bucket] = [r for i, r in enumerate(q) if i not in keep]
-        self.queued_tokens -= sum(r.cost for r in taken)
+        self.queued_tokens -= sum(r.length for r in taken)
         return taken
 
     def drop(self, request: PendingRequest) -> int:
@@ -98,7 +95,7 @@ class BucketQueues:
         freed = 0
         for b, q in self.rows.items():
             if any(r.chunk.request is request for r in q):
-                freed += sum(r.cost for r in q if r.chunk.request is request)
+                freed += sum(r.length for r in q if r.chunk.request is request)
                 self.rows[b] = [r for r in q if r.chunk.request is not request]
         self.queued_tokens -= freed
         return freed
@@ -113,7 +110,6 @@ class Batch:
     rows: int
     real_tokens: int
     routes: list[tuple[PendingRequest, np.ndarray, slice]]  # request, its positions, batch rows
-    queued_cost: int = 0  # what these rows counted in the backlog
 
     @property
     def padded_tokens(self) -> int:
@@ -147,4 +143,4 @@ def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: 
     mask = np.arange(width) < lengths[:, None]
     ids[~mask] = pad_id
     return Batch(torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), n, sum(r.length for r in taken),
-                 routes, sum(r.cost for r in taken))
+                 routes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 import warnings
 from concurrent.futures import Executor
@@ -19,6 +20,7 @@ from embedserve.engine import Engine
 from embedserve.errors import InvalidInput, NotReady, Overloaded, WrongTask
 from embedserve.estimator import Estimator
 from embedserve.infer_decode import decode
+from embedserve.reservations import ReservationBook
 from embedserve.tokenization import TextTokenizer, validate_texts
 
 # The latest rejection keeps /health "overloaded" this long.
@@ -67,6 +69,7 @@ class EmbeddingService:
         self.draw = draw
         self.task = task
         self.draining = False
+        self.book = ReservationBook()
         self.in_flight = 0  # admitted requests not yet answered: what a graceful stop waits for
         self._idle = asyncio.Event()
         self._idle.set()
@@ -102,21 +105,23 @@ class EmbeddingService:
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def embed_texts(self, texts, retry: bool = False, truncate: bool | None = None) -> Result:
-        """Texts → one output row per text, in order. `truncate` overrides TRUNCATE."""
+    async def embed_texts(self, texts, retry: bool = False, truncate: bool | None = None,
+                          deadline_s: float | None = None) -> Result:
+        """Texts → one output row per text, in order. `truncate` overrides TRUNCATE;
+        `deadline_s` is the time the caller still waits (None: no deadline)."""
         with self._tracked():
-            return await self._embed_texts(texts, retry, truncate)
+            return await self._embed_texts(texts, retry, truncate, deadline_s)
 
-    async def _embed_texts(self, texts, retry: bool, truncate: bool | None) -> Result:
+    async def _embed_texts(self, texts, retry: bool, truncate: bool | None, deadline_s: float | None) -> Result:
         t0 = self.estimator.clock()
         truncate = self.limits.truncate if truncate is None else truncate
         texts = validate_texts(texts, self.limits.max_texts)
         # Admission is decided on an estimate (characters / learned characters-per-token), so a
         # refused request costs no tokenization.
         per_text_cap = self.limits.max_length
-        cpt = self.estimator.chars_per_token
-        estimate = sum(min(per_text_cap, len(t) / cpt + 2) for t in texts)
-        self._admit(estimate, retry)
+        cpt, specials = self.estimator.chars_per_token, self.tokenizer.specials
+        estimate = sum(min(per_text_cap, len(t) / cpt + specials) for t in texts)
+        self._admit(hash((truncate, *texts)), estimate, retry, deadline_s)
         # The estimate stays in the backlog until the real rows replace it, so requests admitted
         # while this one is being tokenized see it.
         self.estimator.enqueued(round(estimate))
@@ -126,21 +131,24 @@ class EmbeddingService:
             request = self.engine.submit(torch.from_numpy(ids), lengths)
         finally:
             self.estimator.dequeued(round(estimate))
-        self.estimator.learn_chars_per_token(sum(map(len, texts)), int(lengths.sum()))
+        self.estimator.learn_chars_per_token(sum(map(len, texts)), int(lengths.sum()) - specials * len(texts))
         return Result(await self._wait(request, t0), int(lengths.sum()))
 
-    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False) -> Result:
+    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, retry: bool = False,
+                    deadline_s: float | None = None) -> Result:
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
         t0 = self.estimator.clock()
         with self._tracked():
             ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
-            return await self._infer_rows(ids, lengths, retry, t0)
+            key = hash((input_ids, attention_mask, *shape))
+            return await self._infer_rows(ids, lengths, key, retry, deadline_s, t0)
 
     async def infer_ids(self, rows: list[list[int]], retry: bool = False) -> Result:
         """Token id lists (HTTP input) → the same path as Infer."""
         t0 = self.estimator.clock()
         with self._tracked():
-            return await self._infer_rows(*self._id_lists(rows), retry, t0)
+            key = hash(tuple(map(tuple, rows)))
+            return await self._infer_rows(*self._id_lists(rows), key, retry, None, t0)
 
     def _id_lists(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         if not rows or len(rows) > self.limits.max_texts:
@@ -155,14 +163,15 @@ class EmbeddingService:
             raise InvalidInput(f"token ids must be in [0, {self.tokenizer.vocab_size})")
         return ids, lengths
 
-    async def _infer_rows(self, ids: np.ndarray, lengths: np.ndarray, retry: bool, t0: float) -> Result:
+    async def _infer_rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, retry: bool,
+                          deadline_s: float | None, t0: float) -> Result:
         top = self.limits.max_length
         if ids.shape[1] > top:
             if not self.limits.truncate and (lengths > top).any():
                 row = int(np.flatnonzero(lengths > top)[0])
                 raise InvalidInput(f"row {row} has {int(lengths[row])} tokens, more than {top} (the largest bucket), and TRUNCATE is off")
             ids, lengths = ids[:, :top], np.minimum(lengths, top)
-        self._admit(float(lengths.sum()), retry)
+        self._admit(key, float(lengths.sum()), retry, deadline_s)
         with warnings.catch_warnings():
             # The request's bytes are read-only; nothing downstream writes to them.
             warnings.simplefilter("ignore", UserWarning)
@@ -174,14 +183,30 @@ class EmbeddingService:
             other = "POST /classify" if self.task == "classify" else "Embed or /v1/embeddings"
             raise WrongTask(f"this server's model does {self.task} (TASK={self.task}), not {task}: use {other}")
 
-    def _admit(self, cost: float, retry: bool) -> None:
+    def _admit(self, key: int, cost: float, retry: bool, deadline_s: float | None) -> None:
+        """Admit (return) or refuse (raise Overloaded). `key` identifies the request's content:
+        a retry finds the room booked for it by that."""
         if not retry:  # a retry is the same demand again, not new demand
             self.estimator.offered(cost)
-        decision = admission.decide(self.estimator.snapshot(), cost, self.policy, self.draw())
-        if not decision.admit:
-            self._last_rejection = self.estimator.clock()
-            self.observer.rejected(decision.reason)
-            raise Overloaded(decision.reason, decision.retry_after_ms)
+        now = self.estimator.clock()
+        if self.book.claim(key, now):
+            return  # its booked moment has come: the room was kept for it
+        decision = admission.decide(self.estimator.snapshot(), cost, self.policy, self.draw(), self.book.reserved_tokens)
+        if decision.admit:
+            return
+        wait_s = decision.retry_after_ms / 1000
+        if decision.book:
+            done_s = wait_s + self.policy.max_drain_s  # admitted then, computed within the budget
+            if deadline_s is None or deadline_s >= done_s:
+                self.book.book(key, cost, now, wait_s)
+            else:  # the caller will be gone by then: book nothing, and say when it could be done
+                wait_s = done_s
+        self._refuse(decision.reason, wait_s)
+
+    def _refuse(self, reason: str, wait_s: float) -> None:
+        self._last_rejection = self.estimator.clock()
+        self.observer.rejected(reason)
+        raise Overloaded(reason, max(1, math.ceil(wait_s * 1000)))
 
     async def _wait(self, request, t0: float) -> np.ndarray:
         try:

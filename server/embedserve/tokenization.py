@@ -24,6 +24,9 @@ class TextTokenizer:
         self._cutting, self._checking = copy(max_length), copy(max_length + 1)
         self.max_length = max_length
         self.truncate = truncate
+        # Tokens the model adds to every text ([CLS] and [SEP] for BERT): a text's token count
+        # is its characters' share plus these.
+        self.specials = len(self._cutting.encode("").ids)
         self.pad_id = int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0)
         self.vocab_size = len(hf_tokenizer)
         self._hf = hf_tokenizer

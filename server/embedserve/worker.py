@@ -48,11 +48,16 @@ class WarmupPlan:
 @dataclasses.dataclass
 class WarmupResult:
     caps: dict[int, int]
-    rates: dict[int, float]  # padded tokens/s at each bucket's cap
+    rates: dict[int, float]  # tokens/s at each bucket's cap (warm-up rows are full: real = padded)
 
     @property
     def service_rate(self) -> float:
         return float(np.mean(list(self.rates.values()))) if self.rates else 0.0
+
+    @property
+    def largest_batch_s(self) -> float:
+        """How long the longest batch the batcher forms runs (admission holds one back)."""
+        return max((b * self.caps[b] / r for b, r in self.rates.items() if r > 0), default=0.0)
 
 
 def dummy_batch(bucket: int, rows: int, plan: WarmupPlan, rng: np.random.Generator) -> Batch:

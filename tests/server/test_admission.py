@@ -27,20 +27,39 @@ def test_throughput_strategy_predicts_the_drain_time(queued, cost, admit):
     d = decide(snap(queued), cost, POLICY, draw=0.99)
     assert d.admit is admit
     if not admit:
-        assert d.reason == "drain_time"
-        # retry once the present backlog has drained (at least until the excess has)
-        assert d.retry_after_ms == pytest.approx(max(queued + cost - 500, queued) / 1000 * 1000, abs=1)
+        # Scheduled, not dropped: told the moment its tokens fit the 0.5 s budget, room booked.
+        assert d.reason == "drain_time" and d.book
+        assert d.retry_after_ms == pytest.approx(queued + cost - 500, abs=1)
+
+
+def test_booked_room_waits_ahead_of_a_new_request():
+    d = decide(snap(500), 100, POLICY, 0.99, reserved_tokens=1000)
+    assert not d.admit and d.book
+    assert d.retry_after_ms == 1100  # 500 + 1000 + 100 tokens ahead of the budget's end, at 1000/s
+
+
+def test_booked_room_does_not_refuse_what_the_present_queue_can_take():
+    # Work-conserving: bookings whose owners never come back must not idle the device.
+    assert decide(snap(100), 100, POLICY, 0.99, reserved_tokens=1_000_000).admit
+
+
+def test_past_the_horizon_nothing_is_booked():
+    policy = Policy(True, False, 0.5, 0.2, 1.0, horizon_s=10.0)
+    d = decide(snap(500), 100, policy, 0.99, reserved_tokens=20_000)
+    assert not d.admit and not d.book  # a flood cannot book the future
+    assert d.retry_after_ms == pytest.approx(10_100, abs=1)  # wait 20.1 s; back when booking is possible
+    assert decide(snap(500), 100, policy, 0.99, reserved_tokens=9_000).book
 
 
 def test_one_largest_batch_is_held_back_for_reordering():
-    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_tokens=100)
+    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_s=0.1)  # 100 tokens at 1000/s
     assert decide(snap(300), 100, policy, 0.99).admit  # 300 + 100 + 100 = 0.5 s
     d = decide(snap(301), 100, policy, 0.99)
-    assert not d.admit and d.retry_after_ms == 301  # the backlog's drain time
+    assert not d.admit and d.retry_after_ms == 1
 
 
 def test_held_back_share_is_at_most_half_the_budget():
-    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_tokens=10_000)  # batches longer than the budget
+    policy = Policy(True, False, 0.5, 0.2, 1.0, reorder_s=10.0)  # batches longer than the budget
     assert decide(snap(200), 50, policy, 0.99).admit  # 200 + 50 + 250 = 0.5 s
     assert not decide(snap(201), 50, policy, 0.99).admit
 

@@ -1,15 +1,17 @@
-"""The library client: retries that honour retry-after-ms, and round-robin across pods."""
+"""The library client and the openai client against a real server: bursts are scheduled and\ncomplete, deadlines are honoured, calls balance across pods."""
 
 import asyncio
 import re
+import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 
 from embedserve.client import Client, retry_after_s
 from embedserve.grpc_server import is_retry
-from tests.conftest import ServerProcess, free_port
+from tests.conftest import ServerProcess, free_port, make_text
 
 SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 
@@ -31,26 +33,80 @@ def test_retries_are_recognised(metadata, retry):
     assert is_retry(metadata) is retry
 
 
-async def test_overloaded_burst_succeeds_through_retries():
-    server = ServerProcess({**SIM, "MAX_DRAIN_TIME_MS": "150"}).wait_ready()
+def burst_texts(n: int, seed: int = 0) -> list[list[str]]:
+    """n requests of 1-4 texts of 5-30 words."""
+    rng = np.random.default_rng(seed)
+    return [[make_text(rng, int(w)) for w in rng.integers(5, 30, size=int(k))] for k in rng.integers(1, 5, size=n)]
+
+
+async def test_a_burst_through_the_client_with_defaults_is_scheduled_not_dropped():
+    """300 requests at once, far beyond the drain budget: every one is told when it will fit,
+    comes back then and is served; the burst ends close to the server's own compute time."""
+    server = ServerProcess(SIM).wait_ready()
     try:
-        async with Client(server.target, max_attempts=30, max_backoff_s=0.5) as client:
-            results = await asyncio.gather(*(client.embed([f"burst request number {i}"]) for i in range(150)))
-        assert all(r.shape == (1, 384) for r in results)
-        assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") > 0
-        assert counter(server.http, "embedfleet_requests_total", code="OK", rpc="Embed") == 150
+        requests = burst_texts(300)
+        async with Client(server.target) as client:  # a server that has seen traffic has learned
+            for texts in burst_texts(20, seed=9):   # its characters per token (offered tokens are
+                await client.embed(texts)           # estimated before tokenizing)
+        busy0 = counter(server.http, "embedfleet_model_busy_seconds_total")
+        offered0 = counter(server.http, "embedfleet_offered_tokens_total")
+        computed0 = counter(server.http, "embedfleet_tokens_total", kind="real")
+        t0 = time.perf_counter()
+        async with Client(server.target) as client:
+            results = await asyncio.gather(*(client.embed(texts) for texts in requests))
+        elapsed = time.perf_counter() - t0
+        compute_s = counter(server.http, "embedfleet_model_busy_seconds_total") - busy0
+        assert [r.shape for r in results] == [(len(t), 384) for t in requests]
+        assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") > 100  # a real burst
+        assert elapsed <= 1.5 * compute_s, (elapsed, compute_s)
+        # Each request is demand once, however often it came back.
+        offered = counter(server.http, "embedfleet_offered_tokens_total") - offered0
+        computed = counter(server.http, "embedfleet_tokens_total", kind="real") - computed0
+        assert offered == pytest.approx(computed, rel=0.15)
+        assert server.health()[1]["reserved_tokens"] == 0
     finally:
         server.stop()
 
 
-async def test_client_gives_up_after_max_attempts():
-    server = ServerProcess({**SIM, "MAX_DRAIN_TIME_MS": "1"}).wait_ready()
+async def test_a_burst_through_the_openai_client_with_its_defaults_completes():
+    """The openai client retries a 429 twice, waiting exactly retry-after-ms: one wait is enough,
+    since the server books the room for the retry."""
+    from openai import AsyncOpenAI
+
+    server = ServerProcess(SIM).wait_ready()
     try:
-        async with Client(server.target, max_attempts=2, max_backoff_s=0.01) as client:
-            outcomes = await asyncio.gather(*(client.embed(["x " * 40]) for _ in range(40)), return_exceptions=True)
-        errors = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
-        assert errors and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errors)
-        assert all(retry_after_s(e) > 0 for e in errors)
+        requests = burst_texts(100, seed=1)
+        client = AsyncOpenAI(base_url=server.http + "/v1", api_key="unused")
+        results = await asyncio.gather(*(client.embeddings.create(model="sim:2000", input=texts)
+                                         for texts in requests))
+        await client.close()
+        assert [len(r.data) for r in results] == [len(t) for t in requests]
+        assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") > 30
+    finally:
+        server.stop()
+
+
+async def test_the_client_fails_fast_when_its_deadline_cannot_be_met():
+    """A slow device and a short deadline: what cannot be served in time fails at once (no
+    waiting out the deadline), and the server books nothing it would hold for nobody."""
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300"}).wait_ready()
+
+    async def timed(client):
+        t0 = time.perf_counter()
+        try:
+            await client.embed(["x " * 40])
+            return "OK", time.perf_counter() - t0, None
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, time.perf_counter() - t0, e
+
+    try:
+        async with Client(server.target, timeout_s=1.0) as client:
+            outcomes = await asyncio.gather(*(timed(client) for _ in range(40)))
+        refused = [(s, e) for code, s, e in outcomes if code == "RESOURCE_EXHAUSTED"]
+        assert len(refused) > 20, [c for c, _, _ in outcomes]
+        assert all(s < 0.5 and retry_after_s(e) > 0 for s, e in refused)  # told at once
+        assert {c for c, _, _ in outcomes} <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+        assert server.health()[1]["reserved_tokens"] == 0
     finally:
         server.stop()
 

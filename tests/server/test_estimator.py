@@ -40,7 +40,7 @@ def test_arrival_rate_follows_a_step_within_a_few_tau():
 
 def test_service_rate_weighs_batches_by_busy_time_and_forgets_the_seed():
     s = BusyTimeRate(tau=1.0)
-    s.seed(10_000)
+    s.seed(10_000, weight_s=1.0)
     assert s.read() == 10_000
     for _ in range(100):  # 5 s of busy time at 4000 tokens/s, in uneven batches
         s.add(400, 0.1)
@@ -76,15 +76,36 @@ def test_backlog_and_drain_time():
     e.enqueued(1000)
     snap = e.snapshot()
     assert snap.queued_tokens == 1000 and snap.drain_s == pytest.approx(0.5)
-    e.computed(queued_tokens=600, padded_tokens=700, busy_s=0.35)
-    e.dequeued(400)  # a cancelled request's rows
+    e.computed(real_tokens=700, busy_s=0.35)
+    e.dequeued(300)  # a cancelled request's rows
     snap = e.snapshot()
     assert snap.queued_tokens == 0 and snap.drain_s == 0
     assert snap.service_rate == pytest.approx(2000, rel=1e-6)  # 700 / 0.35 = 2000
 
 
+def test_padding_shows_as_lower_capacity_in_one_unit():
+    """Batches that are half padding: capacity is the real tokens per busy second, so offered
+    real tokens over it is the busy fraction (no second unit to convert between)."""
+    clock = Clock()
+    e = Estimator(clock=clock, service_tau_s=1.0)
+    e.seed_service_rate(4000)  # warm-up: full rows, 4000 tokens/s
+    busy = 0.0
+    for _ in range(200):  # 40 s: every 0.2 s a batch of 200 real tokens padded to 400 (0.1 s busy)
+        clock.t += 0.2
+        e.enqueued(200)
+        e.offered(200)
+        e.computed(real_tokens=200, busy_s=0.1)
+        busy += 0.1
+    snap = e.snapshot()
+    assert snap.service_rate == pytest.approx(2000, rel=0.01)  # half of the padded rate
+    assert snap.queued_tokens == 0
+    assert snap.arrival_rate / snap.service_rate == pytest.approx(busy / 40, rel=0.05)  # 0.5
+
+
 def test_chars_per_token_is_learned():
     e = Estimator()
+    e.learn_chars_per_token(600, 100)
+    assert e.chars_per_token == pytest.approx(6.0)  # the prior is forgotten at the first sample
     for _ in range(200):
-        e.learn_chars_per_token(600, 100)
-    assert e.chars_per_token == pytest.approx(6.0, rel=0.01)
+        e.learn_chars_per_token(500, 100)
+    assert e.chars_per_token == pytest.approx(5.0, rel=0.01)

@@ -20,12 +20,13 @@ from tests.conftest import ServerProcess, free_port
 HEALTH_FIELDS = {
     "status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec",
     "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms",
-    "gpu_queue_depth", "embedding_dimension", "uptime_seconds",
+    "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "reserved_tokens",
 }
 METRICS = {
     "embedfleet_service_rate_tokens_per_second": "gauge",
     "embedfleet_arrival_rate_tokens_per_second": "gauge",
     "embedfleet_queued_tokens": "gauge",
+    "embedfleet_reserved_tokens": "gauge",
     "embedfleet_estimated_drain_seconds": "gauge",
     "embedfleet_requests_total": "counter",
     "embedfleet_rejected_requests_total": "counter",

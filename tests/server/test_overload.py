@@ -88,3 +88,50 @@ async def test_three_times_capacity(sim_server, reference):
             break
         await asyncio.sleep(0.1)
     assert drained()
+
+
+async def test_offered_over_service_rate_is_the_busy_fraction_with_static_shapes(reference):
+    """One unit for the signal: static shapes (the CUDA default, forced on here) pad rows to a
+    length ladder and batches to a size ladder, and short and long texts mixed pad a lot. The
+    service rate counts real tokens per busy second, so offered / service rate is the busy
+    fraction (what an HPA on utilization would see). A padded capacity against a real demand
+    reads several times too low."""
+    server = ServerProcess({
+        "MODEL_PATH": f"sim:{4 * SIM_RATE}", "STATIC_SHAPES": "true", "BUCKETS": "16,32,64,128",
+        "BATCH_CAPS": "16:16,32:16,64:8,128:8",
+    }).wait_ready()
+    try:
+        rng = np.random.default_rng(11)
+        texts = [make_text(rng, int(n)) for n in np.concatenate([rng.integers(3, 8, 50), rng.integers(60, 90, 50)])]
+        tokens = {t: reference.tokens(t) for t in texts}
+        channel = grpc.aio.insecure_channel(server.target)
+        stub = pb_grpc.InferenceStub(channel)
+        picks = iter(rng.choice(texts, size=100_000))
+
+        async def send():
+            text = next(picks)
+            return await call(stub.Embed, pb.EmbedRequest(texts=[text]), tokens[text], timeout_s=30)
+
+        rate = 12.0  # requests/s: about half the device's time, padded
+        await open_loop(send, rate, 10, seed=1)  # the service rate forgets the warm-up's full rows
+        busy0 = counter(server.http, "embedfleet_model_busy_seconds_total")
+        offered0 = counter(server.http, "embedfleet_offered_tokens_total")
+        gauge = []  # the service rate as a scraper sees it, once a second (avg_over_time)
+
+        async def sample():
+            while True:
+                await asyncio.sleep(1.0)
+                gauge.append((await asyncio.to_thread(server.health))[1]["service_rate_tokens_per_sec"])
+
+        sampler = asyncio.ensure_future(sample())
+        outcomes, sent_for = await open_loop(send, rate, 15, seed=2)
+        sampler.cancel()
+        busy = (counter(server.http, "embedfleet_model_busy_seconds_total") - busy0) / sent_for
+        offered = (counter(server.http, "embedfleet_offered_tokens_total") - offered0) / sent_for
+        service = float(np.mean(gauge))
+        await channel.close()
+        assert {o.code for o in outcomes} == {"OK"}  # below saturation
+        assert 0.2 < busy < 0.8, busy
+        assert offered / service == pytest.approx(busy, rel=0.15), (offered, service, busy)
+    finally:
+        server.stop()

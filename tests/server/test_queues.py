@@ -19,7 +19,7 @@ def chunk(rows: list[list[int]], positions: list[int]) -> Chunk:
 
 
 def queued(c: Chunk, index: int) -> QueuedRow:
-    return QueuedRow(c, index, int(c.lengths[index]), int(c.lengths[index]), 0.0)
+    return QueuedRow(c, index, int(c.lengths[index]), 0.0)
 
 
 def test_assemble_copies_rows_masks_padding_and_routes_each_chunk():

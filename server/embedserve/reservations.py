@@ -1,0 +1,80 @@
+"""Room booked for refused requests' retries, so a burst is scheduled rather than dropped.
+
+A request that does not fit the drain budget is told when it will (`retry-after-ms`) and its
+tokens are booked for that moment. A retry finds its booking by the request's content (the same
+texts or token ids), so it works for every client that resends the same request after the
+server's delay: ours, the openai client (which honours `retry-after-ms`), gRPC's own retry
+policy (which honours `grpc-retry-pushback-ms`), or a shell loop. A booking not claimed within
+its grace expires, and room nobody claims is never held back from others (admission is
+work-conserving): a client that gives up costs nothing.
+
+Runs on the event loop only; times are the estimator's clock (seconds).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+
+# A retry may arrive this early (clock skew, rounding of retry-after-ms to whole milliseconds).
+EARLY_S = 0.02
+# A booking is kept this long past its moment, plus a quarter of the wait (clients add jitter).
+GRACE_S = 0.5
+
+
+@dataclasses.dataclass(eq=False)
+class Booking:
+    key: int
+    tokens: float
+    at: float  # when the retry is admitted
+    expires: float
+    claimed: bool = False
+
+
+class ReservationBook:
+    def __init__(self):
+        self._by_key: dict[int, collections.deque[Booking]] = {}
+        self._expiry: list[tuple[float, int, Booking]] = []  # heap
+        self._seq = itertools.count()
+        self.reserved_tokens = 0.0
+        self.expired_tokens = 0.0  # booked, never claimed (clients that gave up)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_key.values())
+
+    def book(self, key: int, tokens: float, now: float, wait_s: float) -> Booking:
+        b = Booking(key, tokens, now + wait_s, now + wait_s + GRACE_S + 0.25 * wait_s)
+        self._by_key.setdefault(key, collections.deque()).append(b)
+        heapq.heappush(self._expiry, (b.expires, next(self._seq), b))
+        self.reserved_tokens += tokens
+        return b
+
+    def claim(self, key: int, now: float) -> bool:
+        """A request with this content arrived: True when a booking for it is due (consumed:
+        admit it). One that is not due yet is left alone: what arrives early is most likely
+        another caller with the same texts (ours and the openai client come back on time), and
+        is decided as a new request."""
+        self.expire(now)
+        queue = self._by_key.get(key)
+        if not queue or now < queue[0].at - EARLY_S:
+            return False
+        first = queue.popleft()
+        if not queue:
+            del self._by_key[key]
+        first.claimed = True
+        self.reserved_tokens -= first.tokens
+        return True
+
+    def expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, b = heapq.heappop(self._expiry)
+            if b.claimed:
+                continue
+            queue = self._by_key[b.key]
+            queue.remove(b)
+            if not queue:
+                del self._by_key[b.key]
+            self.reserved_tokens -= b.tokens
+            self.expired_tokens += b.tokens

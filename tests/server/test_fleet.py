@@ -1,0 +1,131 @@
+"""Two server processes behind one name, as pods behind a headless Service: a real DNS server on
+loopback answers the name with each "pod"'s address (127.0.0.2, 127.0.0.3, same port), and the
+library Client, with its defaults, is the in-cluster client. What a cluster does and a single-pod
+test cannot see: long-lived HTTP/2 connections, scale-up, and a pod going away under load."""
+
+import asyncio
+import time
+
+import pytest
+
+from embedserve.client import Client
+from tests.conftest import ServerProcess, free_port
+from tests.server.test_client import counter
+
+SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
+NAME = "pods.test"
+AGE_S = 2.0
+
+
+def served(server) -> float:
+    return counter(server.http, "embedfleet_requests_total", code="OK", rpc="Embed")
+
+
+async def steady_load(client: Client, stop: asyncio.Event, callers: int = 4) -> list:
+    """`callers` loops, each sending its next request when the last ends; → every outcome."""
+    outcomes = []
+
+    async def caller(k):
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                await client.embed([f"caller {k} request {i}"])
+                outcomes.append("OK")
+            except Exception as e:  # noqa: BLE001 - every failure is counted, none hidden
+                outcomes.append(repr(e))
+
+    await asyncio.gather(*(caller(k) for k in range(callers)))
+    return outcomes
+
+
+@pytest.fixture
+def port():
+    return free_port()
+
+
+def pod(host: str, port: int, **env) -> ServerProcess:
+    return ServerProcess({**SIM, "BIND_HOST": host, "GRPC_PORT": str(port),
+                          "MAX_CONNECTION_AGE_S": str(AGE_S), **env})
+
+
+async def test_a_client_connected_before_a_scale_up_sends_the_new_pod_its_share(dns, port):
+    first = pod("127.0.0.2", port).wait_ready()
+    second = None
+    try:
+        dns.records[NAME] = ["127.0.0.2"]
+        async with Client(dns.target(NAME, port)) as client:
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(steady_load(client, stop))
+            await asyncio.sleep(1.0)  # connected, serving through the first pod only
+            second = await asyncio.to_thread(lambda: pod("127.0.0.3", port).wait_ready())
+            dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]  # the headless Service's new endpoint
+            await asyncio.sleep(2 * AGE_S)  # within two connection ages the client has re-resolved
+            before = served(first), served(second)
+            await asyncio.sleep(2.0)
+            after = served(first), served(second)
+            stop.set()
+            outcomes = await load
+        assert set(outcomes) == {"OK"}
+        new_share = (after[1] - before[1]) / (after[0] - before[0] + after[1] - before[1])
+        assert 0.3 <= new_share <= 0.7, (before, after)  # a fair share: about half
+    finally:
+        for server in (first, second):
+            if server:
+                server.stop()
+
+
+async def test_sigterm_to_one_of_two_pods_under_steady_load_loses_no_request(dns, port):
+    pods = [pod(host, port) for host in ("127.0.0.2", "127.0.0.3")]
+    try:
+        for p in pods:
+            p.wait_ready()
+        dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]
+        async with Client(dns.target(NAME, port)) as client:
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(steady_load(client, stop, callers=8))
+            await asyncio.sleep(1.5)
+            before = served(pods[0])
+            assert before > 0  # the victim was taking traffic
+            # Kubernetes: SIGTERM, and the endpoint leaves the Service a little later.
+            code = asyncio.to_thread(pods[0].stop)
+            await asyncio.sleep(0.5)
+            dns.records[NAME] = ["127.0.0.3"]
+            assert await code == 0
+            t0 = time.monotonic()
+            await asyncio.sleep(1.5)  # the survivor serves everything now
+            stop.set()
+            outcomes = await load
+        failures = [o for o in outcomes if o != "OK"]
+        assert failures == [], failures[:5]
+        assert len(outcomes) > 50 and time.monotonic() - t0 >= 1.5
+    finally:
+        for p in pods:
+            p.stop()
+
+
+def test_http_keep_alive_connections_are_closed_after_their_age():
+    """Behind a ClusterIP Service a keep-alive connection is one pod for as long as it lives: the
+    server ends it after MAX_CONNECTION_AGE_S, at a response boundary, so no request is cut."""
+    import http.client
+
+    server = ServerProcess({**SIM, "MAX_CONNECTION_AGE_S": "1"}).wait_ready()
+    try:
+        conn = http.client.HTTPConnection(server.host, server.http_port, timeout=5)
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        conn.request("GET", "/health")  # kept alive: the same socket
+        second = conn.getresponse()
+        second.read()
+        assert conn.sock is sock and second.getheader("connection") != "close"
+        time.sleep(1.1)  # the connection's age passes (the subject of the test, not a wait for it)
+        conn.request("GET", "/health")
+        aged = conn.getresponse()
+        assert aged.status == 200 and aged.getheader("connection") == "close"
+        aged.read()
+        conn.request("GET", "/health")  # http.client reconnects: a new connection, a new pod
+        assert conn.getresponse().status == 200 and conn.sock is not sock
+    finally:
+        server.stop()
