@@ -86,7 +86,7 @@ async def scenarios(system, n: int, rng, yardstick: Yardstick) -> dict:
         i = int(next(order))
         t0 = time.perf_counter()
         while (o := await system.send(i)).code == "RESOURCE_EXHAUSTED":
-            await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.5)))  # jitter, as the client
+            await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.05)))  # as the client
         o.latency_s = time.perf_counter() - t0
         return o
 

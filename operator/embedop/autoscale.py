@@ -6,14 +6,17 @@ capacity per replica = median of the ready pods' measured service rates (robust 
 demand = Σ offered rate (rejected demand included: while shedding, the accepted rate understates
   need), each pod's measured as its offered-tokens counter's increase over the interval (the
   interval's exact mean; the arrival-rate gauge, an EMA seen at one instant, only for a pod
-  seen for the first time) + the backlog, present at two reads in a row, that spare capacity
-  would not clear within targetDrainTime
+  seen for the first time) + the backlog, present at two reads in a row, beyond the queue a pod
+  holds at target utilization, to be cleared within targetDrainTime
 forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready)
 recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
-recommendation of the stabilization window; pods still starting count as capacity on its way,
+recommendation of the stabilization window, which starts out holding the current size (as the
+HPA's: an operator restart does not forget why the fleet is as large as it is); pods still starting count as capacity on its way,
 and those the latest recommendation no longer needs are cancelled without waiting for the
 window (they never served) unless demand is still rising; a failed scrape never lets the fleet shrink.
+All rates and backlogs are in the servers' one unit, real tokens (capacity is real tokens per
+second of model-busy time, so padding shows as lower capacity).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import math
 import statistics
 
-TREND_SAMPLES = 5
+TREND_WINDOW_S = 75.0  # the demand trend is fitted over this much time (5 decisions at 15 s)
 DEFAULT_STARTUP_S = 60.0
 MAX_STEP_FACTOR, MAX_STEP_ADD = 4, 4
 LOOKAHEAD_CAP = 0.25  # the trend may add at most this fraction of current demand
@@ -30,6 +33,8 @@ TOLERANCE = 0.1  # recommendations within ±10% of the current size keep it
 # Consecutive low recommendations before starting pods go. One: demand is an interval's mean, so
 # a low one is a real dip, and pods that would have come too late cost more than a restart.
 CANCEL_CONFIRMATIONS = 1
+# Consecutive recommendations at or below the pre-surge size before a surge's pods go.
+SURGE_CONFIRMATIONS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +42,8 @@ class PodSample:
     name: str
     ready: bool
     scraped: bool  # False: the scrape failed or timed out
-    service_rate: float = 0.0  # padded tokens/s of model time (capacity)
-    arrival_rate: float = 0.0  # offered tokens/s
+    service_rate: float = 0.0  # real tokens/s of model-busy time (capacity)
+    arrival_rate: float = 0.0  # offered real tokens/s
     queued_tokens: float = 0.0
     offered_total: float | None = None  # the offered-tokens counter (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
@@ -52,13 +57,15 @@ class Policy:
     target_drain_s: float
     scale_up_stabilization_s: float
     scale_down_stabilization_s: float
+    max_drain_s: float = 0.5  # the servers' admission budget (spec.admission.maxDrainTimeMs)
 
     @classmethod
-    def from_spec(cls, autoscaling: dict) -> "Policy":
+    def from_spec(cls, autoscaling: dict, admission: dict | None = None) -> "Policy":
         return cls(
             autoscaling["minReplicas"], autoscaling["maxReplicas"], autoscaling["targetUtilization"],
             autoscaling["targetDrainTimeMs"] / 1000, autoscaling["scaleUpStabilizationSeconds"],
             autoscaling["scaleDownStabilizationSeconds"],
+            **({"max_drain_s": admission["maxDrainTimeMs"] / 1000} if admission else {}),
         )
 
 
@@ -69,6 +76,8 @@ class History:
     capacity: float | None = None  # last known tokens/s per replica
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
+    # The scale-up under way: (time of its latest step, the size before its first step).
+    surge: tuple[float, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +122,7 @@ def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> floa
     """Least-squares slope (units per second) of the last few points: 0 with fewer than 3, or
     when the line explains less than `min_fit` of the variance (noise is not a trend, and
     extrapolating it a start-up ahead would turn jitter into replicas)."""
-    pts = points[-TREND_SAMPLES:]
+    pts = points
     if len(pts) < 3:
         return 0.0
     mt = sum(t for t, _ in pts) / len(pts)
@@ -135,18 +144,20 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     capacity = statistics.median(rates) if rates else history.capacity
     startups = [s.startup_s for s in samples if s.startup_s is not None]
     startup_s = statistics.median(startups) if startups else history.startup_s
-    # Backlog counts only beyond what a pod's spare capacity (1 - targetUtilization) clears
-    # within targetDrainTime by itself: the ordinary queue of a busy pod is not demand.
-    spare = (1 - policy.target_utilization) * policy.target_drain_s
+    # Backlog counts only beyond the queue a pod holds at target utilization: admission lets a
+    # queue grow to max_drain_s of work, and a pod busy `target_utilization` of the time holds
+    # its share of that, coming and going. Only a queue above it, at two reads in a row, says
+    # the pod is saturated (its offered rate, rejections included, says by how much).
+    held = policy.target_utilization * policy.max_drain_s
     seen = {p.name: p for p in history.pods}
     offered = {s.name: offered_rate(s, seen.get(s.name), now) for s in scraped}
     demand = sum(offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name))
-                                       - spare * (s.service_rate or capacity or 0.0)) / policy.target_drain_s
+                                       - held * (s.service_rate or capacity or 0.0)) / policy.target_drain_s
                  for s in scraped)
     # A pod not scraped this time keeps its last reading, so the next rate spans both intervals.
     pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(
         p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
-    demand_points = (history.demand + ((now, demand),))[-TREND_SAMPLES:]
+    demand_points = tuple(p for p in history.demand if p[0] > now - TREND_WINDOW_S) + ((now, demand),)
     # Look-ahead is for ramps (a few % per start-up); a step is already in `demand`, and
     # extrapolating its jump a whole start-up ahead would overshoot: the look-ahead is capped.
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
@@ -158,7 +169,10 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
 
     def keep(recommendation: int) -> History:
         horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
-        recs = tuple(r for r in history.recommendations if r[0] >= horizon) + ((now, recommendation),)
+        # No history (a new service, or the operator restarted): the window starts out holding the
+        # current size, as the HPA's does, so the first decision cannot drop 4 pods to 2 at once.
+        past = history.recommendations or (((now, current),) if policy.scale_down_stabilization_s else ())
+        recs = tuple(r for r in past if r[0] >= horizon) + ((now, recommendation),)
         return History(recs, demand_points, capacity, startup_s, pods)
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
@@ -174,6 +188,9 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     limited = raw > policy.max_replicas
     new_history = keep(recommendation)
     in_window = lambda seconds: [r for t, r in new_history.recommendations if t >= now - seconds]  # noqa: E731
+    # Capacity added within the window is a surge until the window has passed over it.
+    surge = history.surge if history.surge and now - history.surge[0] <= policy.scale_down_stabilization_s else None
+    falling = trend(demand_points, min_fit=0.0) <= 0
 
     if recommendation > current:
         # Scale-up stabilization (0 by default): the lowest recommendation of its window.
@@ -181,15 +198,25 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         step = max(current * MAX_STEP_FACTOR, current + MAX_STEP_ADD)
         desired = max(current, min(target, step))
         reason = f"scale up: demand {forecast:.0f} tok/s needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
+        if desired > current:
+            surge = (now, surge[1] if surge else current)
     elif recommendation < current:
         windowed = max(in_window(policy.scale_down_stabilization_s))
         starting = current - len(ready)
         if blind:
             desired, reason = current, "hold: some ready pods could not be scraped"
+        elif surge and falling and all(r <= surge[1] for _, r in new_history.recommendations[-SURGE_CONFIRMATIONS:]):
+            # The demand that called the surge has gone (a spike shorter than the window, or one
+            # that ended before its pods were ready): the window protects the fleet from a noisy
+            # signal, not pods added for load that is no longer there. Two decisions in a row
+            # say so (noise across a size boundary alternates), and demand is falling. Back to
+            # the size before it.
+            desired, surge = surge[1], None
+            reason = f"the surge is over: demand {forecast:.0f} tok/s is back within {desired} replicas"
         elif windowed < current:
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
-        elif (starting > 0 and trend(demand_points, min_fit=0.0) <= 0
+        elif (starting > 0 and falling
               and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current):
             # Capacity that came too late: cancel starting pods that the latest recommendation(s)
             # no longer need. They never served, so this cannot flap the serving fleet.
@@ -200,5 +227,5 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     else:
         desired, reason = current, "steady"
     desired = min(max(desired, policy.min_replicas), policy.max_replicas)
-    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited, new_history,
-                    sum(offered.values()))
+    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited,
+                    dataclasses.replace(new_history, surge=surge), sum(offered.values()))

@@ -35,11 +35,35 @@ def test_scale_up_is_bounded_per_decision():
 
 
 def test_backlog_counts_as_demand_to_clear_within_the_target_drain_time():
-    # spare capacity clears 1000 × (1 - 0.5) × 1 s = 500 tokens per pod by itself;
-    # the rest, 2 × 1500 tokens within 1 s, is 3000 tok/s of demand → 6
+    # A pod at 50% utilization with a 0.5 s admission budget holds 0.5 × 0.5 s × 1000 = 250
+    # tokens of queue in the ordinary way; the rest, 2 × 1750 tokens within 1 s, is 3500 tok/s
+    # of demand → 7
     d = run(pods(2, 0, queued=2000), 2)
-    assert d.desired == 6
-    assert run(pods(2, 500, queued=400), 2).desired == 2  # an ordinary queue is not demand
+    assert d.desired == 7
+    assert run(pods(2, 500, queued=240), 2).desired == 2  # an ordinary queue is not demand
+
+
+def test_the_queue_held_at_target_utilization_scales_with_the_admission_budget():
+    """A pod serving its target load with a 1.5 s budget holds a bigger queue, which is no
+    reason to grow (the end-to-end fleet trimmed 6 → 4 → 5 on it)."""
+    policy = Policy(1, 20, 0.8, 1.0, 0, 60, max_drain_s=1.5)
+    assert run(pods(4, 750, queued=1000), 4, policy=policy).desired == 4  # 0.8 × 1.5 × 1000 = 1200
+    assert run(pods(4, 750, queued=2200), 4, policy=policy).desired == 9  # + 4 × 1000 tok/s
+
+
+def test_policy_from_spec_reads_the_admission_budget():
+    autoscaling = {"minReplicas": 1, "maxReplicas": 4, "targetUtilization": 0.7, "targetDrainTimeMs": 1000,
+                   "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 120}
+    assert Policy.from_spec(autoscaling, {"maxDrainTimeMs": 1500}).max_drain_s == 1.5
+    assert Policy.from_spec(autoscaling).max_drain_s == 0.5
+
+
+def test_after_a_restart_the_window_holds_the_current_size():
+    """An operator restart empties the history: the first decision must not go 4 → 2 at once."""
+    fresh = run(pods(4, 250), 4, History(capacity=CAP), policy=Policy(1, 20, 0.5, 1.0, 0, 60))
+    assert fresh.recommendation == 2 and fresh.desired == 4 and "window" in fresh.reason
+    later = run(pods(4, 250), 4, fresh.history, now=1061.0, policy=Policy(1, 20, 0.5, 1.0, 0, 60))
+    assert later.desired == 2  # the window has passed
 
 
 def test_rejected_demand_counts():
@@ -105,7 +129,7 @@ def test_a_queue_counts_as_demand_only_when_it_persists_between_two_reads():
     burst = run(pods(2, 500, queued=2000), 2, calm.history, now=1015.0)
     assert burst.demand == pytest.approx(1000) and burst.desired == 2  # came and went: a busy pod's queue
     stuck = run(pods(2, 500, queued=2000), 2, burst.history, now=1030.0)
-    assert stuck.demand == pytest.approx(1000 + 2 * 1500) and stuck.desired == 8  # still there: clear it
+    assert stuck.demand == pytest.approx(1000 + 2 * 1750) and stuck.desired == 8  # still there: clear it (×4 step)
 
 
 def counted(n, totals, rate_gauge=0.0):
@@ -180,3 +204,25 @@ def test_trend():
     assert trend(((0, 0), (1, 2), (2, 4))) == pytest.approx(2)
     assert trend(((0, 5), (1, 5))) == 0
     assert trend(((0, 100), (1, 140), (2, 90), (3, 150), (4, 100))) == 0  # jitter is not a trend
+
+
+def test_a_surge_whose_demand_has_gone_is_released_without_waiting_for_the_window():
+    """A spike calls 8 pods; it is over when they are ready (or soon after): two low decisions
+    in a row take the fleet back to its size before the surge, not 60 s later."""
+    d = run(pods(2, 2000), 2, now=1000.0)  # the spike: 2 → 8
+    assert d.desired == 8
+    low = run(pods(8, 125), 8, d.history, now=1015.0)  # all ready, the spike gone: 1000 tok/s
+    assert low.desired == 8 and "window" in low.reason  # one low read is not enough
+    gone = run(pods(8, 125), 8, low.history, now=1030.0)
+    assert gone.desired == 2 and "surge is over" in gone.reason
+    # A partial drop is not the end of the surge: the window applies.
+    partial = run(pods(8, 400), 8, low.history, now=1030.0)  # 3200 tok/s: 7 needed, more than 2
+    assert partial.desired == 8 and "window" in partial.reason
+
+
+def test_capacity_that_has_served_out_the_window_is_no_surge():
+    d = run(pods(2, 2000), 2, now=1000.0)
+    steady = run(pods(8, 500), 8, d.history, now=1070.0)  # 61+ s later: the 8 are established
+    low = run(pods(8, 125), 8, steady.history, now=1085.0)
+    low = run(pods(8, 125), 8, low.history, now=1100.0)
+    assert low.desired == 8 and "window" in low.reason

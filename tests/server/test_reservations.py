@@ -2,7 +2,7 @@
 
 import pytest
 
-from embedserve.reservations import EARLY_S, GRACE_S, ReservationBook
+from embedserve.reservations import EARLY_S, GRACE_OF_WAIT, GRACE_S, ReservationBook
 
 
 def test_a_retry_on_time_claims_its_room_once():
@@ -31,14 +31,14 @@ def test_an_unknown_request_has_no_booking():
 def test_bookings_nobody_claims_expire_and_free_their_room():
     book = ReservationBook()
     book.book(1, 100, 0.0, 1.0)
-    book.book(2, 50, 0.0, 4.0)
-    late = 1.0 + GRACE_S + 0.25 * 1.0
+    book.book(2, 50, 0.0, 8.0)
+    late = 1.0 + GRACE_S + GRACE_OF_WAIT * 1.0
     book.expire(late - 0.01)
     assert book.reserved_tokens == 150
     book.expire(late + 0.01)
     assert book.reserved_tokens == 50 and book.expired_tokens == 100
     assert not book.claim(1, late + 0.01)
-    assert book.claim(2, 4.1)
+    assert book.claim(2, 8.1)
     book.expire(100.0)  # the claimed booking's expiry passes: nothing is freed twice
     assert book.reserved_tokens == 0 and book.expired_tokens == 100 and len(book) == 0
 
