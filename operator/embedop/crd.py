@@ -57,12 +57,32 @@ def quantity(description, default=None) -> dict:
     return s
 
 
+def kubernetes(description: str, type_: str = "object") -> dict:
+    """A field of a Kubernetes type passed through to the pod as written. Its schema is left open
+    here; the operator checks it against the Kubernetes models (spec.problems), and what the API
+    server still refuses shows as the Degraded condition with the API's message."""
+    if type_ == "array":
+        return {"type": "array", "description": description,
+                "items": {"type": "object", "description": "One entry, as Kubernetes defines it.",
+                          "x-kubernetes-preserve-unknown-fields": True}}
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def string_map(description: str) -> dict:
+    return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
+
+
+def int_or_percent(description: str, default) -> dict:
+    return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
+            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
+
+
 SPEC = obj(
     "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
     {
         "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
         "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
-        "replicas": integer("Server replicas when autoscaling.mode is off (also the scale subresource: kubectl scale, external HPA/KEDA).", 1, 0, 1000),
+        "replicas": integer("Server replicas in autoscaling mode off, where kubectl scale (the scale subresource) or an external HPA/KEDA sets it. Mode operator starts a new service with it and then follows the autoscaler; mode hpa leaves the count to its HorizontalPodAutoscaler.", 1, 0, 1000),
         "resources": obj("Resources of each server pod.", {
             "gpu": integer("NVIDIA GPUs per pod (nvidia.com/gpu); 0 runs on CPU.", 1, 0, 16),
             "cpu": quantity("CPU request and limit, e.g. 4 or 3500m.", "4"),
@@ -84,23 +104,35 @@ SPEC = obj(
             "latencyHardMs": integer("P95 server-side latency above which every request is shed.", 2000, 1, 600000),
         }, default={}, **{"x-kubernetes-validations": [
             {"rule": "self.latencySoftMs <= self.latencyHardMs", "message": "latencySoftMs must not exceed latencyHardMs"}]}),
-        "pooling": obj("How token states become one vector.", {
-            "strategy": string("mean, cls or last.", "mean", enum=["mean", "cls", "last"]),
-            "normalize": boolean("L2-normalise the vectors.", True),
-            "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling.",
+        "pooling": obj("How token states become one vector. Unset fields serve the model as its authors declared it "
+                       "(sentence-transformers modules.json, 1_Pooling, Dense, Normalize), as SentenceTransformer(model).encode does.", {
+            "strategy": string("Overrides the model's declared pooling: cls, mean, max, lasttoken, weightedmean or "
+                               "mean_sqrt_len_tokens (several joined by +, concatenated). Unset: as declared.",
+                               pattern=r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"),
+            "normalize": _t("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
+            "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling: "
+                              "a deliberate deviation from sentence-transformers. A token the vocabulary lacks fails the server's start-up, naming it.",
                               "items": {"type": "string", "minLength": 1}, "maxItems": 64},
         }, default={}),
         "autoscaling": obj("How the operator sizes the fleet.", {
             "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; off: spec.replicas.", "operator", enum=["operator", "hpa", "off"]),
-            "minReplicas": integer("Fewest replicas.", 1, 0, 1000),
+            "minReplicas": integer("Fewest replicas. At least 1 in mode operator: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0).", 1, 0, 1000),
             "maxReplicas": integer("Most replicas.", 4, 1, 1000),
             "targetUtilization": number("Offered load per replica as a fraction of its measured capacity.", 0.7, 0.05, 1.0),
             "targetDrainTimeMs": integer("Time in which a backlog should be cleared by the added capacity.", 1000, 1, 600000),
-            "intervalSeconds": integer("Seconds between autoscaling decisions.", 15, 1, 3600),
+            "intervalSeconds": integer("Seconds between autoscaling decisions (demand is each interval's exact mean; its trend spans 75 s whatever the interval).", 5, 1, 3600),
             "scaleUpStabilizationSeconds": integer("Seconds a higher recommendation must persist before scaling up (0: at once).", 0, 0, 3600),
             "scaleDownStabilizationSeconds": integer("The highest recommendation over this window wins when scaling down.", 120, 0, 3600),
         }, default={}, **{"x-kubernetes-validations": [
-            {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"}]}),
+            {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"},
+            {"rule": "self.mode != 'operator' || self.minReplicas >= 1",
+             "message": "minReplicas must be at least 1 in mode operator: demand is read from running pods, so 0 pods never scale up; to stop a service use mode off with replicas 0"}]}),
+        "rollout": obj("How a changed pod template replaces the server pods (the Deployment's rolling update). The default replaces one pod at a time without a spare GPU (maxSurge 0, maxUnavailable 1): it progresses on a full GPU pool, at one pod's capacity less while it runs. With a spare GPU, maxSurge 1 and maxUnavailable 0 keep full capacity. The PodDisruptionBudget allows as many pods down as maxUnavailable (at least 1).", {
+            "maxSurge": int_or_percent("Pods above the replica count during a rollout (each needs a free GPU), a number or a percentage.", 0),
+            "maxUnavailable": int_or_percent("Pods that may be missing during a rollout, a number or a percentage.", 1),
+        }, default={}, **{"x-kubernetes-validations": [
+            {"rule": "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+             "message": "maxSurge and maxUnavailable cannot both be 0: the rollout could never progress"}]}),
         "modelCache": obj("Where servers keep downloaded models.", {
             "sizeLimit": quantity("Size of the emptyDir cache when no claim is given.", "20Gi"),
             "claimName": string("An existing PersistentVolumeClaim to use as the cache instead.", maxLength=253),
@@ -113,11 +145,24 @@ SPEC = obj(
                             "value": string("Taint value."), "effect": string("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                             "tolerationSeconds": integer("How long a NoExecute taint is tolerated."),
                         })},
-        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting).",
-                "items": obj("A name and a literal value.", {
+        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting); an entry named like one the operator sets overrides it. Secrets: valueFrom.secretKeyRef (e.g. HF_TOKEN, AWS_ACCESS_KEY_ID).",
+                "items": obj("A name and either a literal value or valueFrom.", {
                     "name": string("Variable name.", minLength=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
                     "value": string("Variable value."),
-                }, required=["name"])},
+                    "valueFrom": kubernetes("Where the value comes from: a Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."),
+                }, required=["name"], **{"x-kubernetes-validations": [
+                    {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "env: value and valueFrom are exclusive"}]})},
+        "envFrom": kubernetes("Whole Secrets or ConfigMaps as environment variables of the server container (Kubernetes EnvFromSource list).", "array"),
+        "imagePullSecrets": {"type": "array", "description": "Secrets (in the service's namespace) to pull the server image with.",
+                             "items": obj("A Secret of type kubernetes.io/dockerconfigjson.", {
+                                 "name": string("Secret name.", minLength=1, maxLength=253)}, required=["name"])},
+        "serviceAccountName": string("ServiceAccount the server pods run as (e.g. bound to a cloud identity for s3:// models); the namespace's default when unset.", maxLength=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+        "affinity": kubernetes("Scheduling affinity of the server pods (a Kubernetes Affinity: nodeAffinity, podAffinity, podAntiAffinity)."),
+        "topologySpreadConstraints": kubernetes("How server pods spread across zones or nodes (Kubernetes TopologySpreadConstraint list).", "array"),
+        "priorityClassName": string("PriorityClass of the server pods (e.g. to preempt batch work on GPU nodes).", maxLength=253),
+        "runtimeClassName": string("RuntimeClass of the server pods (e.g. nvidia, where the GPU runtime is not the node default).", maxLength=253),
+        "podAnnotations": string_map("Extra annotations on the server pods (they may override the prometheus.io/* scrape annotations)."),
+        "podLabels": string_map("Extra labels on the server pods; the operator's own labels (which its selectors use) win on a clash."),
     },
     required=["model"],
 )
@@ -137,10 +182,10 @@ STATUS = obj("Observed state, written by the operator.", {
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     "replicas": integer("Server pods that exist."),
     "readyReplicas": integer("Server pods ready to serve."),
-    "desiredReplicas": integer("Replicas the operator wants (autoscaler's decision)."),
+    "desiredReplicas": integer("Replicas wanted: the autoscaler's decision (mode operator), spec.replicas (off), the HorizontalPodAutoscaler's (hpa)."),
     "selector": string("Label selector of the server pods (for the scale subresource)."),
-    "serviceRateTokensPerSecond": number("Measured capacity of one replica (padded tokens/s)."),
-    "arrivalRateTokensPerSecond": number("Offered load across the fleet (tokens/s, admitted + rejected)."),
+    "serviceRateTokensPerSecond": number("Measured capacity of one replica: real (unpadded) tokens computed per second of model-busy time, the unit of the arrival rate."),
+    "arrivalRateTokensPerSecond": number("Offered load across the fleet: real tokens/s, admitted + rejected (a retry is not new demand)."),
     "estimatedDrainMs": number("Largest backlog drain time among the replicas."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),

@@ -1,111 +1,121 @@
-"""The only module that registers kopf handlers: events in, reconcile calls out."""
+"""The only module that registers kopf handlers: events in, reconcile calls out.
+
+No handler here needs a finalizer (no timers, daemons or deletion handlers: see fleet.py), so a
+service is never blocked from deletion by the operator, running or not."""
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
-import time
 
 import kopf
 
-from embedop import autoscale, autoscaler, crd, reconcile, spec as specs
+from embedop import autoscale, crd, reconcile
 from embedop.config import OperatorSettings
-from embedop.kube import Kube, Retryable, connect
+from embedop.fleet import Fleet
+from embedop.kube import Kube, Retryable
 from embedop.render import MANAGED_BY
 
 SETTINGS = OperatorSettings.from_env()
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
-_kube: Kube | None = None
+_fleet: Fleet | None = None
+# What was last said in an Event per service, so a periodic check does not repeat it.
+_said: dict[tuple[str, str, str], str] = {}
 
 
-def kube() -> Kube:
-    global _kube
-    if _kube is None:
-        connect()
-        _kube = Kube(timeout_s=SETTINGS.api_timeout_s)
-    return _kube
+def fleet() -> Fleet:
+    assert _fleet is not None, "the operator has not started"
+    return _fleet
+
+
+def _say(body: dict, reason: str, message: str, warning: bool = False) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"], reason)
+    if _said.get(key) != message:
+        _said[key] = message
+        (kopf.warn if warning else kopf.info)(body, reason=reason, message=message)
+
+
+def _outcome(outcome: reconcile.Outcome) -> None:
+    body = outcome.body
+    if body is None or outcome.gone:
+        return
+    if outcome.problems:
+        _say(body, "InvalidSpec", "; ".join(outcome.problems), warning=True)
+    if outcome.rejected:
+        _say(body, "RejectedByAPI", outcome.rejected, warning=True)
+    if outcome.notice:
+        _say(body, "DefaultImageChanged", outcome.notice)
+    if outcome.applied:
+        logging.getLogger(__name__).info("%s/%s: applied %s", body["metadata"]["namespace"],
+                                         body["metadata"]["name"], ", ".join(outcome.applied))
+
+
+def _decision(body: dict, decision: autoscale.Decision, current: int) -> None:
+    log = logging.getLogger(__name__)
+    log.debug("autoscale %s: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s", body["metadata"]["name"],
+              current, decision.desired, decision.reason, decision.demand, decision.forecast, decision.capacity)
+    if decision.desired != current:
+        kopf.info(body, reason="Scaled", message=f"{current} → {decision.desired}: {decision.reason}")
+    if decision.limited:
+        _say(body, "ScalingLimited", "demand needs more than maxReplicas", warning=True)
+    else:
+        _said.pop((body["metadata"]["namespace"], body["metadata"]["name"], "ScalingLimited"), None)
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_) -> None:
-    settings.persistence.finalizer = f"{crd.GROUP}/finalizer"
+async def configure(settings: kopf.OperatorSettings, **_) -> None:
+    global _fleet
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
     settings.scanning.disabled = True
-    # Timers run in threads and cannot be interrupted: check often whether they have ended,
-    # so deletion (finalizer release) does not wait kopf's default minute.
-    settings.background.cancellation_polling = 1
-    kube()
+    _fleet = Fleet(Kube.connect(SETTINGS.api_timeout_s), SETTINGS, _outcome, _decision)
 
 
-# Sync handlers run on kopf's thread pool: one reconcile of a service at a time.
-_locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+@kopf.on.cleanup()
+async def shutdown(**_) -> None:
+    if _fleet is not None:
+        await _fleet.close()
+        await _fleet.kube.close()
 
 
-def _reconcile(body, logger) -> None:
-    meta = body["metadata"]
+async def _reconcile(namespace: str, name: str) -> reconcile.Outcome:
     try:
-        with _locks[meta["namespace"], meta["name"]]:
-            outcome = reconcile.reconcile(kube(), SETTINGS, dict(body))
+        return await fleet().reconcile(namespace, name)
     except Retryable as e:
         raise kopf.TemporaryError(str(e), delay=5) from e
-    if outcome.problems:
-        kopf.warn(dict(body), reason="InvalidSpec", message="; ".join(outcome.problems))
-    elif outcome.applied:
-        logger.info("applied %s", ", ".join(outcome.applied))
 
 
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
 @kopf.on.resume(*RESOURCE)
-def service_changed(body, logger, **_) -> None:
-    _reconcile(body, logger)
+async def service_changed(namespace, name, **_) -> None:
+    if not (await _reconcile(namespace, name)).gone:
+        fleet().ensure(namespace, name)
 
 
-@kopf.timer(*RESOURCE, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-def resync(body, logger, **_) -> None:
-    """Periodic check: reverts drift nobody told us about and refreshes status."""
-    _reconcile(body, logger)
+@kopf.on.event(*RESOURCE)
+async def service_event(event, body, **_) -> None:
+    """A deleted service's loop ends (kopf runs no other handler for deletions), and the finalizer
+    of an older operator is taken off a service being deleted (the reconcile does that)."""
+    meta = body.get("metadata", {})
+    if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
+        fleet().stop(meta["namespace"], meta["name"])
+    if event.get("type") != "DELETED" and reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
+        await _reconcile(meta["namespace"], meta["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
-def deployment_event(body, event, logger, **_) -> None:
-    """A Deployment we own changed (rollout progress, or a hand edit): follow it."""
-    if event.get("type") == "DELETED" or body.get("metadata", {}).get("labels", {}).get(
+async def deployment_event(body, event, **_) -> None:
+    """A Deployment we own changed (rollout progress, a hand edit, a deletion): follow it."""
+    meta = body.get("metadata", {})
+    if (meta.get("labels") or {}).get(
             "app.kubernetes.io/managed-by") != MANAGED_BY["app.kubernetes.io/managed-by"]:
         return  # label filters are not applied by every API server (nor by emulators)
-    for ref in body.get("metadata", {}).get("ownerReferences", []):
+    for ref in meta.get("ownerReferences") or []:
         if ref.get("kind") == crd.KIND and ref.get("apiVersion") == crd.API_VERSION:
-            owner = kube().get(crd.KIND, body["metadata"]["namespace"], ref["name"])
-            if owner is not None and not owner["metadata"].get("deletionTimestamp"):
-                _reconcile(owner, logger)
-
-
-@kopf.daemon(*RESOURCE, cancellation_timeout=10)
-async def autoscale_daemon(body, stopped, logger, **_) -> None:
-    """mode: operator — every intervalSeconds, scale on the servers' own signal. The history
-    (recommendations, demand trend, measured start-up time) lives here, per service."""
-    history = autoscale.History()
-    was_limited = False
-    while not stopped:
-        snapshot = dict(body)
-        interval = specs.defaulted(snapshot.get("spec") or {})["autoscaling"]["intervalSeconds"]
-        try:
-            history, decision, current = await autoscaler.step(kube(), SETTINGS, snapshot, history, time.monotonic())
-        except Retryable as e:
-            logger.warning("autoscaling step skipped: %s", e)
-        else:
-            if decision is not None:
-                logger.debug("autoscale: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s",
-                             current, decision.desired, decision.reason, decision.demand, decision.forecast, decision.capacity)
-            if decision is not None and decision.desired != current:
-                kopf.info(snapshot, reason="Scaled", message=f"{current} → {decision.desired}: {decision.reason}")
-            limited = decision is not None and decision.limited
-            if limited and not was_limited:
-                kopf.warn(snapshot, reason="ScalingLimited", message=f"demand needs {decision.recommendation}+ replicas, more than maxReplicas")
-            was_limited = limited
-        await stopped.wait(interval)
+            try:
+                await fleet().reconcile(meta["namespace"], ref["name"])
+            except Retryable as e:  # the service's loop tries again
+                logging.getLogger(__name__).warning("following Deployment %s: %s", meta.get("name"), e)

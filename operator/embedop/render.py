@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from embedop import crd
@@ -65,8 +66,9 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
         "MAX_DRAIN_TIME_MS": a["maxDrainTimeMs"],
         "LATENCY_SOFT_MS": a["latencySoftMs"],
         "LATENCY_HARD_MS": a["latencyHardMs"],
-        "POOLING": p["strategy"],
-        "NORMALIZE": p["normalize"],
+        # Unset: the server pools as the model declares.
+        **({"POOLING": p["strategy"]} if p.get("strategy") else {}),
+        **({"NORMALIZE": p["normalize"]} if p.get("normalize") is not None else {}),
         "EXCLUDE_TOKENS": ",".join(p.get("excludeTokens", [])),
         # The server stops admitting at SIGTERM and finishes in-flight work within this.
         "SHUTDOWN_GRACE_S": max(1, grace_seconds - 10),
@@ -78,18 +80,81 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
     return env + list(extra.values())
 
 
-def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
-               http_port: int = HTTP_PORT) -> dict:
-    res = spec["resources"]
-    limits = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
-    if res["gpu"] > 0:
-        limits["nvidia.com/gpu"] = str(res["gpu"])
+# Warm-up compiles every batch shape: the startup probe allows this long before liveness applies.
+STARTUP_PERIOD_S, STARTUP_FAILURES = 5, 180
+STARTUP_ALLOWANCE_S = STARTUP_PERIOD_S * STARTUP_FAILURES
+# A rollout counts as failed only after the whole start-up allowance plus room for scheduling and
+# a large image pull: a slow warm-up is not a failure (Kubernetes' default, 600 s, would say so).
+PROGRESS_DEADLINE_S = STARTUP_ALLOWANCE_S + 900
+# Annotation on the Deployment: the default server image the service got ("" with spec.image).
+DEFAULT_IMAGE = "embedfleet.dev/default-server-image"
+
+
+def server_image(spec: dict, live: dict | None, default: str) -> tuple[str, str | None]:
+    """→ (image, notice). spec.image wins. Without it a service keeps the default image it was
+    created with: an operator upgrade that changes the default does not roll existing fleets (a new
+    server version may change the vectors an index was built with; restarts cost GPU warm-ups).
+    The notice, when there is one, says that a newer default exists and how to move to it."""
+    if spec.get("image"):
+        return spec["image"], None
+    pinned = (((live or {}).get("metadata") or {}).get("annotations") or {}).get(DEFAULT_IMAGE)
+    if pinned and pinned != default:
+        return pinned, (f"keeping server image {pinned}; this operator's default is now {default}: "
+                        f"set spec.image to move to it")
+    return default, None
+
+
+def deployment_replicas(spec: dict, live: int | None, decision: int | None = None) -> int | None:
+    """The Deployment's replica count, sent with every apply (under server-side apply, a count that
+    its only manager stops sending is removed, and the Deployment defaults to 1).
+    off: spec.replicas. operator: the autoscaler's decision when it makes one, else the live count
+    (before the Deployment exists: spec.replicas), clamped to [minReplicas, maxReplicas].
+    hpa: None, the HorizontalPodAutoscaler owns the count."""
+    s = spec["autoscaling"]
+    if s["mode"] == "off":
+        return spec["replicas"]
+    if s["mode"] == "hpa":
+        return None
+    base = next(v for v in (decision, live, spec["replicas"]) if v is not None)
+    return min(max(base, s["minReplicas"]), s["maxReplicas"])
+
+
+def rollout(spec: dict) -> dict:
+    r = spec["rollout"]
+    return {"maxSurge": r["maxSurge"], "maxUnavailable": r["maxUnavailable"]}
+
+
+def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
     cache = spec["modelCache"]
     cache_volume = (
         {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
         if cache.get("claimName")
         else {"name": "model-cache", "emptyDir": {"sizeLimit": str(cache["sizeLimit"])}}
     )
+    pod = {
+        "terminationGracePeriodSeconds": grace_seconds,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}],
+        "enableServiceLinks": False,
+    }
+    # The production pod fields, passed through as the spec states them (validated by the CRD's
+    # schema, spec.problems and, finally, the API server, whose refusal shows as Degraded).
+    for field in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "imagePullSecrets",
+                  "serviceAccountName", "priorityClassName", "runtimeClassName"):
+        if spec.get(field):
+            pod[field] = copy.deepcopy(spec[field])
+    return pod
+
+
+def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
+               http_port: int = HTTP_PORT) -> dict:
+    """`image`: spec.image, else the default image in force for this service (server_image)."""
+    res = spec["resources"]
+    limits = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
+    if res["gpu"] > 0:
+        limits["nvidia.com/gpu"] = str(res["gpu"])
     http_get = {"path": "/health", "port": "http"}
     container = {
         "name": "server",
@@ -101,8 +166,8 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
         ],
         "env": server_env(spec, grace_seconds, http_port),
         "resources": {"requests": dict(limits), "limits": limits},
-        # Warm-up compiles every batch shape: allow up to 15 minutes before liveness applies.
-        "startupProbe": {"httpGet": http_get, "periodSeconds": 5, "failureThreshold": 180, "timeoutSeconds": 3},
+        "startupProbe": {"httpGet": http_get, "periodSeconds": STARTUP_PERIOD_S,
+                         "failureThreshold": STARTUP_FAILURES, "timeoutSeconds": 3},
         "readinessProbe": {"httpGet": http_get, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
         "livenessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         # Endpoints are removed asynchronously: keep serving a few seconds before SIGTERM.
@@ -113,36 +178,32 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
         },
     }
-    pod_spec = {
-        "terminationGracePeriodSeconds": grace_seconds,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
-        "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}],
-        "enableServiceLinks": False,
-    }
-    if spec.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
-    if spec.get("tolerations"):
-        pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
+    if spec.get("envFrom"):
+        container["envFrom"] = copy.deepcopy(spec["envFrom"])
+    meta = _meta(owner)
+    # Always sent ("" with spec.image), so that a later removal of spec.image starts from the
+    # default in force then, not from one pinned long ago.
+    meta["annotations"] = {DEFAULT_IMAGE: "" if spec.get("image") else image}
     body = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner),
+        "metadata": meta,
         "spec": {
             "selector": {"matchLabels": selector(owner.name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rollout(spec)},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
             "template": {
                 "metadata": {
-                    "labels": labels(owner.name),
+                    # The service's own labels win: the selector depends on them.
+                    "labels": {**spec.get("podLabels", {}), **labels(owner.name)},
                     "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
-                                    "prometheus.io/path": "/metrics"},
+                                    "prometheus.io/path": "/metrics", **spec.get("podAnnotations", {})},
                 },
-                "spec": pod_spec,
+                "spec": _pod_spec(spec, container, grace_seconds),
             },
         },
     }
-    if replicas is not None:  # None: another controller (HPA) owns the count
+    if replicas is not None:  # None: the HorizontalPodAutoscaler owns the count
         body["spec"]["replicas"] = replicas
     return body
 
@@ -167,9 +228,14 @@ def headless_service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
             "spec": {"clusterIP": "None", "selector": selector(owner.name), "ports": _ports(http_port)}}
 
 
-def pod_disruption_budget(owner: Owner) -> dict:
+def pod_disruption_budget(owner: Owner, spec: dict) -> dict:
+    """Evictions (node drains) may take down as many pods at once as a rollout does, and at least
+    one: a budget of 0 would block every drain, and so cluster upgrades, for good."""
+    unavailable = spec["rollout"]["maxUnavailable"]
+    if str(unavailable) in ("0", "0%"):
+        unavailable = 1
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(owner),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)}}}
+            "spec": {"maxUnavailable": unavailable, "selector": {"matchLabels": selector(owner.name)}}}
 
 
 def horizontal_pod_autoscaler(owner: Owner, spec: dict) -> dict:
@@ -195,27 +261,16 @@ def horizontal_pod_autoscaler(owner: Owner, spec: dict) -> dict:
     }
 
 
-def deployment_replicas(spec: dict, desired: int | None) -> int | None:
-    """The Deployment's replica count: spec.replicas when autoscaling is off; the autoscaler's
-    last decision (or the clamped spec value before its first) in operator mode; none in hpa mode."""
-    s = spec["autoscaling"]
-    if s["mode"] == "off":
-        return spec["replicas"]
-    if s["mode"] == "hpa":
-        return None
-    base = desired if desired is not None else spec["replicas"]
-    return min(max(base, s["minReplicas"]), s["maxReplicas"])
-
-
-def owned(owner: Owner, spec: dict, image: str, desired: int | None, grace_seconds: int,
-          http_port: int = HTTP_PORT) -> list[dict]:
-    """Everything the service owns, in apply order."""
-    objects = [
-        deployment(owner, spec, image, deployment_replicas(spec, desired), grace_seconds, http_port),
-        service(owner, http_port),
-        headless_service(owner, http_port),
-        pod_disruption_budget(owner),
-    ]
+def companions(owner: Owner, spec: dict, http_port: int = HTTP_PORT) -> list[dict]:
+    """What the service owns besides its Deployment, in apply order."""
+    objects = [service(owner, http_port), headless_service(owner, http_port), pod_disruption_budget(owner, spec)]
     if spec["autoscaling"]["mode"] == "hpa":
         objects.append(horizontal_pod_autoscaler(owner, spec))
     return objects
+
+
+def owned(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
+          http_port: int = HTTP_PORT) -> list[dict]:
+    """Everything the service owns, in apply order; `replicas` as deployment_replicas says."""
+    return [deployment(owner, spec, image, replicas, grace_seconds, http_port),
+            *companions(owner, spec, http_port)]

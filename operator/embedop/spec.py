@@ -3,12 +3,54 @@ cannot say. Pure."""
 
 from __future__ import annotations
 
+import msgspec
+from lightkube.models import core_v1
+
 from embedop import crd
+
+# Spec fields of Kubernetes types the CRD leaves open, and the model each must fit.
+KUBERNETES_TYPES = {
+    "affinity": core_v1.Affinity,
+    "topologySpreadConstraints": list[core_v1.TopologySpreadConstraint],
+    "envFrom": list[core_v1.EnvFromSource],
+    "env": list[core_v1.EnvVar],
+}
 
 
 def defaulted(spec: dict) -> dict:
     """The spec as the API server stores it: schema defaults applied."""
     return crd.with_defaults(spec or {}, crd.SPEC)
+
+
+def _unknown(given, known, path: str) -> list[str]:
+    """Paths present in `given` that the model dropped (unknown fields, so likely typos)."""
+    if isinstance(given, dict):
+        known = known if isinstance(known, dict) else {}
+        return [p for k, v in given.items()
+                for p in ([f"{path}.{k}"] if k not in known else _unknown(v, known[k], f"{path}.{k}"))]
+    if isinstance(given, list) and isinstance(known, list):
+        return [p for i, (g, k) in enumerate(zip(given, known)) for p in _unknown(g, k, f"{path}[{i}]")]
+    return []
+
+
+def kubernetes_problems(spec: dict) -> list[str]:
+    """The open Kubernetes-typed fields checked against lightkube's models of the Kubernetes API:
+    wrong types and unknown (misspelt) fields, which the API server would drop without a word."""
+    out = []
+    for field, model in KUBERNETES_TYPES.items():
+        if field not in spec:
+            continue
+        try:
+            known = msgspec.to_builtins(msgspec.convert(spec[field], model))
+        except msgspec.ValidationError as e:
+            out.append(f"{field}: {e}")
+            continue
+        out += [f"{path}: unknown field" for path in _unknown(spec[field], known, field)]
+    return out
+
+
+def _zero(v) -> bool:
+    return str(v) in ("0", "0%")
 
 
 def problems(spec: dict) -> list[str]:
@@ -23,10 +65,18 @@ def problems(spec: dict) -> list[str]:
         out.append(f"batching.maxTokensPerBatch ({b['maxTokensPerBatch']}) is below the largest bucket ({max(buckets)}): no row of that bucket could run")
     if a["latencySoftMs"] > a["latencyHardMs"]:
         out.append("admission.latencySoftMs must not exceed latencyHardMs")
-    if p.get("excludeTokens") and p["strategy"] != "mean":
+    mean_modes = ("mean", "weightedmean", "mean_sqrt_len_tokens")
+    if p.get("excludeTokens") and p.get("strategy") and not any(m in mean_modes for m in p["strategy"].split("+")):
         out.append(f"pooling.excludeTokens applies to mean pooling only, not {p['strategy']}")
     if s["minReplicas"] > s["maxReplicas"]:
         out.append(f"autoscaling.minReplicas ({s['minReplicas']}) exceeds maxReplicas ({s['maxReplicas']})")
+    if s["mode"] == "operator" and s["minReplicas"] < 1:
+        out.append("autoscaling.minReplicas must be at least 1 in mode operator: demand is read from running pods, "
+                   "so 0 pods never scale up; to stop a service use mode off with replicas 0")
+    if _zero(spec["rollout"]["maxSurge"]) and _zero(spec["rollout"]["maxUnavailable"]):
+        out.append("rollout.maxSurge and maxUnavailable cannot both be 0: the rollout could never progress")
+    if any("value" in e and "valueFrom" in e for e in spec.get("env", [])):
+        out.append("env: value and valueFrom are exclusive")
     if "image" in spec and not spec["image"].strip():
         out.append("image is empty")
-    return out
+    return out + kubernetes_problems(spec)

@@ -1,8 +1,19 @@
-"""The EmbeddingService's status from what the operator observed. Pure."""
+"""The EmbeddingService's status from what the operator observed. Pure.
+
+Two writers share the status, each with its own fields (and each writes only with the
+resourceVersion it read, so neither undoes the other):
+- the reconcile: observedGeneration, replicas, readyReplicas, selector, the Ready, Progressing and
+  Degraded conditions, and desiredReplicas in modes off and hpa;
+- the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason and the
+  ScalingLimited condition.
+"""
 
 from __future__ import annotations
 
 import datetime
+
+RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
+AUTOSCALER_CONDITIONS = ("ScalingLimited",)
 
 
 def now_iso() -> str:
@@ -20,19 +31,30 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int |
     return c
 
 
+def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
+    """`previous` with our conditions replaced where they stand (others' kept untouched, the
+    order stable), new ones appended."""
+    mine = {c["type"]: c for c in ours}
+    out = [mine.pop(c.get("type"), c) for c in previous or []]
+    return out + list(mine.values())
+
+
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
-                    previous: list[dict], now: str | None = None) -> dict:
-    """Replica counts and Ready / Progressing / Degraded from the Deployment's status."""
+                    previous: list[dict], now: str | None = None, rejected: str | None = None) -> dict:
+    """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
+    is the API's message when it refused an object the spec rendered."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
-    replicas, ready = int(st.get("replicas", 0)), int(st.get("readyReplicas", 0))
-    updated = int(st.get("updatedReplicas", 0))
-    wanted = wanted if wanted is not None else int((deployment or {}).get("spec", {}).get("replicas", 0))
-    failing = [c for c in st.get("conditions", []) if
+    replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    wanted = wanted if wanted is not None else int((deployment or {}).get("spec", {}).get("replicas") or 0)
+    failing = [c for c in st.get("conditions") or [] if
                (c.get("type") == "ReplicaFailure" and c.get("status") == "True")
                or (c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded")]
     if problems:
         degraded = condition("Degraded", True, "InvalidSpec", "; ".join(problems), generation, previous, now)
+    elif rejected:
+        degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
     elif deployment is None:
         degraded = condition("Degraded", True, "DeploymentMissing", "the Deployment does not exist yet", generation, previous, now)
     elif failing:
@@ -40,18 +62,17 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                              failing[0].get("message", ""), generation, previous, now)
     else:
         degraded = condition("Degraded", False, "AsExpected", "", generation, previous, now)
-    progressing = deployment is not None and not problems and (updated < wanted or ready < wanted or replicas > wanted)
-    is_ready = deployment is not None and not problems and ready >= max(wanted, 1)
-    ours = ("Ready", "Progressing", "Degraded")
-    kept = [c for c in previous or [] if c.get("type") not in ours]  # e.g. the autoscaler's
+    healthy = deployment is not None and not problems
+    progressing = healthy and (updated < wanted or ready < wanted or replicas > wanted)
+    is_ready = healthy and ready >= max(wanted, 1)
     return {
         "replicas": replicas,
         "readyReplicas": ready,
-        "conditions": kept + [
+        "conditions": merge_conditions(previous, [
             condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
                       f"{ready}/{wanted} replicas ready", generation, previous, now),
             condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
                       f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
             degraded,
-        ],
+        ]),
     }

@@ -12,7 +12,7 @@ import yaml
 
 import embedop
 import embedserve
-from embedop import kube
+from embedop import kube, uninstall
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "embedfleet"
@@ -78,6 +78,10 @@ def test_operator_pod_is_locked_down():
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["resources"]["limits"]
 
 
+def is_hook(o):
+    return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
+
+
 def rbac_calls(objects):
     calls = set()
     for o in objects:
@@ -89,12 +93,66 @@ def rbac_calls(objects):
 
 @pytest.mark.parametrize("case", ["defaults", "namespaced"])
 def test_rbac_is_exactly_what_the_operator_calls(case):
-    objects = render(MATRIX[case])
+    objects = [o for o in render(MATRIX[case]) if not is_hook(o)]
     assert rbac_calls(objects) == kube.CALLS
+    assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
     roles = {o["kind"] for o in objects if "Role" in o["kind"]}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
     assert not any("*" in str(rule) for o in objects if "Role" in o["kind"] for rule in o.get("rules", []))
     assert not any(r == "secrets" for _, r, _ in rbac_calls(objects))
+
+
+@pytest.mark.parametrize("case", ["defaults", "namespaced"])
+def test_uninstall_hook_deletes_the_services_with_exactly_its_own_rights(case):
+    hooks = [o for o in render(MATRIX[case]) if is_hook(o)]
+    assert {o["metadata"]["annotations"]["helm.sh/hook"] for o in hooks} == {"pre-delete"}
+    assert rbac_calls(hooks) == uninstall.CALLS
+    (job,) = [o for o in hooks if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "embedop.uninstall"] and "--timeout=240" in c["args"]
+    assert ("--namespace=search" in c["args"]) == (case == "namespaced")
+    assert pod["serviceAccountName"] in {o["metadata"]["name"] for o in hooks if o["kind"] == "ServiceAccount"}
+    assert job["spec"]["activeDeadlineSeconds"] > 240 and c["securityContext"]["readOnlyRootFilesystem"]
+    # Its RBAC exists before the Job runs, and lasts until it has finished.
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
+    assert max(v for k, v in weights.items() if k != "Job") < weights["Job"]
+    assert all("hook-succeeded" in o["metadata"]["annotations"]["helm.sh/hook-delete-policy"] for o in hooks)
+
+
+def test_uninstall_hook_can_be_turned_off():
+    assert not any(is_hook(o) for o in render({"uninstall": {"deleteServices": False}}))
+    notes = helm.Chart.load(str(CHART)).render({"uninstall": {"deleteServices": False}}, name="ef",
+                                                namespace="x", is_install=True)
+    assert "unmanaged" in next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+
+
+def test_notes_explain_rollouts_images_and_uninstall():
+    files = helm.Chart.load(str(CHART)).render({}, name="ef", namespace="x", is_install=True)
+    notes = next(v for k, v in files.items() if k.endswith("NOTES.txt"))
+    for words in ("valueFrom", "maxSurge 0, maxUnavailable 1", "spec.image", "pre-delete", "kubectl delete crd"):
+        assert words in notes, words
+
+
+def test_the_chart_works_as_a_dependency(tmp_path):
+    """As a subchart, Helm passes it `global` (and the parent's values under its name): its
+    values schema must accept them. Built with the real `helm dependency build`."""
+    parent = tmp_path / "platform"
+    (parent / "templates").mkdir(parents=True)
+    (parent / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "embedfleet", "version": yaml.safe_load((CHART / "Chart.yaml").read_text())["version"],
+                          "repository": f"file://{CHART}"}]}))
+    (parent / "values.yaml").write_text(yaml.safe_dump({"global": {"imageRegistry": "registry.example"},
+                                                         "embedfleet": {"watchNamespace": "search"}}))
+    helm.dependency_build(str(parent))
+    files = helm.Chart.load(str(parent)).render({}, name="platform", namespace="infra", is_install=True)
+    objects = [d for path, text in files.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    d = next(o for o in objects if o["kind"] == "Deployment")
+    assert "--namespace=search" in d["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(path.startswith("platform/charts/embedfleet/") for path in files)
+    with pytest.raises(helm.HelmError, match="unknownKey"):  # still strict about its own values
+        helm.Chart.load(str(parent)).render({"embedfleet": {"unknownKey": 1}}, name="platform", namespace="infra")
 
 
 def test_namespaced_install_watches_only_its_namespace():

@@ -1,7 +1,10 @@
 """The operator scenarios on a real cluster: runs only when KUBECONFIG names a kubeconfig file and
 EMBEDFLEET_CLUSTER_TESTS=1 (so a developer's production context is never touched by accident).
 It installs the CRD, works in a fresh namespace it deletes afterwards, and runs the operator
-locally with `--namespace` against that cluster."""
+locally with `--namespace` against that cluster (test_uninstall_on_cluster.py installs the chart
+instead). Here a real API server judges what the emulator cannot: server-side apply's field
+ownership, garbage collection, foreground deletion, controllers, admission. See the README
+("Tests on a real cluster") for kind."""
 
 import json
 import os
@@ -11,10 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.operator.conftest import OperatorProcess
+from tests.operator.conftest import OperatorProcess, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ENABLED = bool(os.environ.get("KUBECONFIG")) and os.environ.get("EMBEDFLEET_CLUSTER_TESTS") == "1"
+# Images loaded into the cluster (kind load docker-image): the servers' (optional: pods that cannot
+# pull still count as replicas), and the operator's for the helm install test.
+SERVER_IMAGE = os.environ.get("EMBEDFLEET_SERVER_IMAGE")
+OPERATOR_IMAGE = os.environ.get("EMBEDFLEET_OPERATOR_IMAGE")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,26 +34,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 class RealCluster:
-    """The same small interface as tests.operator.emulator.Emulator, over a real API server."""
+    """The same small interface as tests.operator.emulator.Emulator, over a real API server
+    (lightkube's configured HTTP client: KUBECONFIG, its credentials, its CA)."""
+
+    subject = "cluster"
 
     def __init__(self):
-        from kubernetes import client, config
+        from lightkube.config.client_adapter import Client, ConnectionParams
+        from lightkube.config.kubeconfig import KubeConfig
 
-        config.load_kube_config()
-        self.api = client.ApiClient()
+        self.http = Client(KubeConfig.from_env().get(), ConnectionParams())
 
     def request(self, method, path, body=None, content_type="application/json"):
-        from kubernetes.client.rest import ApiException
-
-        try:
-            r = self.api.call_api(path, method, header_params={"Content-Type": content_type, "Accept": "application/json"},
-                                  body=body, auth_settings=["BearerToken"], _preload_content=False,
-                                  _return_http_data_only=True)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        return json.loads(r.data) if r.data else {}
+        r = self.http.request(method, path, content=None if body is None else json.dumps(body),
+                              headers={"Content-Type": content_type, "Accept": "application/json"})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json() if r.content else {}
 
     def get(self, path):
         return self.request("GET", path)
@@ -69,9 +74,11 @@ def emulator():
         pytest.skip("no cluster")
     cluster = RealCluster()
     crd = yaml.safe_load((ROOT / "crds" / "embeddingservice.yaml").read_text())
-    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    if cluster.get(f"{path}/{crd['metadata']['name']}") is None:
-        cluster.request("POST", path, crd)
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+    # Applied (not only created): a CRD left by an earlier run gets this checkout's schema.
+    cluster.request("PATCH", f"{path}?fieldManager=embedfleet-tests&force=true", crd, "application/apply-patch+yaml")
+    eventually(lambda: any(c["type"] == "Established" and c["status"] == "True"
+                           for c in (cluster.get(path).get("status") or {}).get("conditions", [])))
     yield cluster
 
 
@@ -86,6 +93,7 @@ def namespace(emulator):
 @pytest.fixture(scope="module")
 def operator(emulator, namespace, tmp_path_factory):
     d = tmp_path_factory.mktemp("operator")
-    op = OperatorProcess(Path(os.environ["KUBECONFIG"]), d / "operator.log", namespace=namespace)
+    op = OperatorProcess(Path(os.environ["KUBECONFIG"]), d / "operator.log", namespace=namespace,
+                         env={"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else None)
     yield op
     op.stop()

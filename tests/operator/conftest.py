@@ -44,11 +44,12 @@ def emulator():
 class OperatorProcess:
     """`python -m embedop`, the real entry point, pointed at the emulator by a kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, log: Path, env: dict | None = None, namespace: str | None = None):
+    def __init__(self, kubeconfig: Path, log: Path, env: dict | None = None, namespace: str | None = None,
+                 python: str = sys.executable):
         self.log_path = log
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "embedop", "--verbose", *(["--namespace", namespace] if namespace else [])],
+            [python, "-m", "embedop", "--verbose", *(["--namespace", namespace] if namespace else [])],
             env={**os.environ, "KUBECONFIG": str(kubeconfig), "EMBEDOP_RESYNC_SECONDS": "2",
                  "EMBEDOP_API_TIMEOUT_S": "1", **(env or {})},
             stdout=self._log, stderr=subprocess.STDOUT,

@@ -4,6 +4,8 @@ JSON client the tests use to act as kubectl would (independent of the operator's
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import datetime
 import itertools
 import json
@@ -13,81 +15,200 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import aiohttp.web
 import attrs
 import kmock
+from kmock._internal import dicts as kmock_dicts
 
 from embedop import crd
 
 
 _versions = itertools.count(100)
-# Every Kubernetes API call the operator made to the emulators of this process, as RBAC sees it:
-# (API group, resource[/subresource], verb). The RBAC tests compare it with the chart.
-recorded: set[tuple] = set()
+# Every Kubernetes API call made to the emulators of this process by anything but the tests' own
+# kubectl stand-in, as RBAC sees it: (API group, resource[/subresource], verb), per RBAC subject
+# (the operator, the uninstall hook). The RBAC tests compare them with the chart.
+recorded: dict[str, set[tuple]] = collections.defaultdict(set)
+# Every server-side apply received: {"subject", "kind", "namespace", "name", "manager", "force", "body"}.
+applies: list[dict] = []
+# Every DELETE received: (subject, resource plural, namespace, name, query parameters).
+deletes: list[tuple] = []
+# Every write refused for a stale resourceVersion: (subject, resource plural[/subresource], name).
+conflicts: list[tuple] = []
 
 
-# Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses to answer
-# with, one per call, in order. The tests' own calls are never faulted.
+# Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
+# (status, message) pairs) to answer with, one per call, in order. The tests' own calls are never
+# faulted.
 faults: dict[tuple[str, str], list[int]] = {}
 TIMEOUT = 0  # a fault that is a slow answer instead of an error status
+APPLY = "application/apply-patch+yaml"
+VALIDATED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
 
 
-@attrs.frozen
-class InjectedFault(kmock.KubernetesError):
-    status: int = 500
-    reason: str = "Injected"
-    message: str = "injected fault"
+def api_error(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    """An error answered as the API server's Status object."""
+    return kmock.KubernetesError(status=status, reason=reason, message=message)
 
 
-@attrs.frozen
-class JsonPatchTestFailed(kmock.KubernetesError):
-    status: int = 422
-    reason: str = "Invalid"
-    message: str = "the JSON patch's test operation failed: the object changed meanwhile"
+CONFLICT = "the object has been modified; please apply your changes to the latest version and try again"
+
+
+def _manager(request) -> str:
+    return request.params.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
 
 
 class VersionedEmulator(kmock.KubernetesEmulator):
-    """kmock plus what a real API server does on every write and kmock does not: a new
-    resourceVersion, a generation that moves with the spec, uid and creationTimestamp on create.
-    (kopf relies on resourceVersions to tell its own writes' echoes from news.)"""
+    """kmock plus what a real API server does and kmock does not, as far as these tests need it:
+
+    - on every write a new resourceVersion, a generation that moves with the spec, uid and
+      creationTimestamp on create (kopf relies on resourceVersions to tell its own writes' echoes),
+      a name from generateName;
+    - 409 Conflict when a patch's metadata.resourceVersion (a precondition) is not the object's;
+    - server-side apply: an apply creates a missing object (authorized as create); every apply is
+      recorded with its field manager (`applies`);
+    - of server-side apply's field ownership, only spec.replicas of Deployments: a count its only
+      manager stops sending is removed and defaults to 1 (the behaviour that once collapsed fleets
+      to one pod), a non-apply write that changes it takes it over, an unforced apply of another
+      value conflicts with its owners; owners show in metadata.managedFields;
+    - the API's validation of the built-in kinds the operator writes (kubernetes_validate,
+      strict): an invalid object is refused with 422 and the validator's message;
+    - in the record of calls as RBAC sees them, the OwnerReferencesPermissionEnforcement admission
+      plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
+
+    Not emulated (tests/cluster/ judges these on a real API server): ownership and removal of every
+    other field (kmock merges dicts: a field dropped from an apply stays), garbage collection
+    through ownerReferences, foreground deletion, controllers, admission plugins, label selectors."""
+
+    subject = "operator"
+
+    def __init__(self, *args, subject: str = "operator", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.subject = subject
+        self.replica_owners: dict[tuple, dict[str, str]] = {}  # (ns, name) → {manager: "Apply"|"Update"}
 
     async def _handle(self, request):
         agent = request.headers.get("User-Agent", "")
+        ours = not agent.startswith("Python-urllib")  # not the tests' own kubectl stand-in
         is_object_call = request.resource is not None and request.resource.plural is not None
-        if is_object_call and not agent.startswith("Python-urllib"):
+        if is_object_call and ours:
             key = (request.method.value, request.resource.plural)
             if faults.get(key):
                 status = faults[key].pop(0)
                 if status == TIMEOUT:  # answer too late: the caller's timeout fires first
                     await asyncio.sleep(3)
-                else:
-                    raise InjectedFault(status=status, reason="Injected", message=f"injected {status} for {key}")
-        if is_object_call and request.action is not None and not agent.startswith("Python-urllib"):
-            # Not the tests' own kubectl stand-in (urllib): the operator's kopf or client calls.
+                else:  # a status, or (status, the API's message)
+                    status, message = status if isinstance(status, tuple) else (status, f"injected {status} for {key}")
+                    raise api_error(status, "Injected", message)
+        current = self._current(request) if is_object_call and request.name else None
+        is_apply = (request.method == kmock.method.PATCH and request.name is not None
+                    and request.headers.get("Content-Type", "").split(";")[0] == APPLY)
+        if is_apply:
+            applies.append({"subject": self.subject, "kind": (request.data or {}).get("kind"),
+                            "namespace": request.namespace, "name": request.name, "manager": _manager(request),
+                            "force": request.params.get("force") == "true", "body": copy.deepcopy(request.data)})
+            if current is None and request.subresource is None:  # server-side apply creates
+                request = attrs.evolve(request, action=kmock.action.CREATE)
+        if is_object_call and request.action is not None and ours:
             verb = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete",
                     "UPDATE": "update" if request.method == kmock.method.PUT else "patch"}[request.action.value]
             resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-            recorded.add((request.resource.group or "", resource, verb))
+            recorded[self.subject].add((request.resource.group or "", resource, verb))
+            if is_apply:
+                recorded[self.subject].add((request.resource.group or "", resource, "patch"))
+            # The OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened
+            # clusters): setting blockOwnerDeletion needs update on the owner's finalizers.
+            refs = ((request.data or {}).get("metadata") or {}).get("ownerReferences") or [] \
+                if isinstance(request.data, dict) and request.action in (kmock.action.CREATE, kmock.action.UPDATE) else []
+            if any(r.get("blockOwnerDeletion") and r.get("apiVersion") == crd.API_VERSION for r in refs):
+                recorded[self.subject].add((crd.GROUP, f"{crd.PLURAL}/finalizers", "update"))
+        if request.action == kmock.action.DELETE:
+            deletes.append((self.subject, request.resource.plural, request.namespace, request.name, dict(request.params)))
         data = request.data
+        if isinstance(data, dict) and request.action == kmock.action.UPDATE and current is not None:
+            precondition = (data.get("metadata") or {}).get("resourceVersion")
+            if precondition is not None and precondition != current["metadata"].get("resourceVersion"):
+                conflicts.append((self.subject, request.resource.plural + (f"/{request.subresource}" if request.subresource else ""),
+                                  request.name))
+                raise api_error(409, "Conflict", CONFLICT)
+        if isinstance(data, dict) and request.resource is not None and request.resource.plural == "deployments" \
+                and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            self._replicas(request, current, is_apply)
+        if ours and isinstance(data, dict) and data.get("kind") in VALIDATED and not request.subresource \
+                and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            self._validate(data if current is None else kmock_dicts.patch_dict(current, data))
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_versions))
             if isinstance(data, dict):
                 meta = data.setdefault("metadata", {})
                 meta["resourceVersion"] = version
                 if request.action == kmock.action.CREATE:
+                    if not meta.get("name") and meta.get("generateName"):  # e.g. kopf's Events
+                        meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                     meta.setdefault("uid", str(uuid.uuid4()))
                     meta.setdefault("generation", 1)
                     meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-                elif "spec" in data and request.subresource is None and (current := self._current(request)) is not None:
-                    if current.get("spec") != data["spec"]:
+                elif "spec" in data and request.subresource in (None, "scale") and current is not None:
+                    if any(current.get("spec", {}).get(k) != v for k, v in data["spec"].items()):
                         meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
             elif isinstance(data, list):  # a JSON patch
-                current = self._current(request)
                 for op in data:
                     if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and current is not None \
                             and current.get("metadata", {}).get("resourceVersion") != op.get("value"):
-                        raise JsonPatchTestFailed()
+                        raise api_error(422, "Invalid", "the JSON patch's test operation failed: the object changed meanwhile")
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
+        if is_apply and request.action == kmock.action.CREATE:
+            return await self._create(request)  # kmock's own create answers POSTs only
         return await super()._handle(request)
+
+    async def _create(self, request) -> aiohttp.web.StreamResponse:
+        """What kmock does for a POST, for a server-side apply that creates."""
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key in self._objects:  # deleted earlier
+                self._objects[key].create(request.data)
+            else:
+                self._objects[key] = request.data
+            raw = self._objects[key].raw
+            await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+        return aiohttp.web.json_response(raw, status=201)
+
+    def _replicas(self, request, current: dict | None, is_apply: bool) -> None:
+        """spec.replicas under server-side apply's ownership rules (see the class docstring)."""
+        data = request.data
+        key = (request.namespace or data["metadata"].get("namespace"), request.name or data["metadata"]["name"])
+        owners = {} if current is None else self.replica_owners.get(key, {})
+        manager = _manager(request)
+        spec = data.get("spec") or {}
+        before = (current or {}).get("spec", {}).get("replicas")
+        if request.subresource == "scale" or not is_apply:  # an update: takes what it changes
+            if "replicas" in spec and spec["replicas"] != before:
+                owners = {manager: "Update"}
+        elif "replicas" in spec:
+            others = {m for m in owners if m != manager}
+            if spec["replicas"] != before and others and request.params.get("force") != "true":
+                raise api_error(409, "Conflict", f"Apply failed with 1 conflict: conflict with {sorted(others)}: .spec.replicas")
+            owners = {manager: "Apply"} if spec["replicas"] != before else {**owners, manager: "Apply"}
+        elif manager in owners:
+            owners = {m: op for m, op in owners.items() if m != manager}
+            if not owners:  # its only manager dropped it: removed, and the Deployment defaults it
+                data.setdefault("spec", {})["replicas"] = 1
+        if current is None and "replicas" not in spec:
+            data.setdefault("spec", {})["replicas"] = 1  # defaulted: no owner
+        self.replica_owners[key] = owners
+        if request.subresource is None:
+            data.setdefault("metadata", {})["managedFields"] = [
+                {"manager": m, "operation": op, "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                 "fieldsV1": {"f:spec": {"f:replicas": {}}}} for m, op in owners.items()]
+
+    @staticmethod
+    def _validate(obj: dict) -> None:
+        import kubernetes_validate
+
+        obj = {k: v for k, v in obj.items() if k != "status"}
+        try:
+            kubernetes_validate.validate(obj, "1.31.0", strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise api_error(422, "Invalid", f"{obj.get('kind')}.{obj['metadata'].get('name')} is invalid: {e}") from None
 
     def _current(self, request) -> dict | None:
         key = (request.resource, request.namespace, request.name)
@@ -95,7 +216,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
 
 class Emulator:
-    def __init__(self):
+    def __init__(self, subject: str = "operator"):
+        self.subject = subject
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,13 +235,14 @@ class Emulator:
         self._thread.join(10)
 
     async def _main(self) -> None:
-        async with VersionedEmulator() as k8s, kmock.Server(k8s) as server:
+        async with VersionedEmulator(subject=self.subject) as k8s, kmock.Server(k8s) as server:
             k8s.resources.load_bundled()
             k8s.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
                 kind=crd.KIND, namespaced=True, shortnames={"embsvc"},
                 verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
                 subresources={"status", "scale"},
             )
+            self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._ready.set()

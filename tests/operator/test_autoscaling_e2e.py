@@ -114,6 +114,7 @@ def fleet(emulator, tmp_path_factory):
     kubelet.start()
     emulator.request("POST", service_path(NS), new_service(NAME, {
         "model": "sim", "resources": {"gpu": 0, "cpu": "1", "memory": "1Gi"},
+        "admission": {"maxDrainTimeMs": 1500},  # the budget the test kubelet starts its servers with
         "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "targetUtilization": 0.8,
                         "intervalSeconds": 5, "scaleDownStabilizationSeconds": 15, "targetDrainTimeMs": 1000},
     }))
@@ -189,6 +190,11 @@ async def test_replicas_follow_offered_load(emulator, fleet, reference):
     during = [n for t, n in kubelet.replica_history if load_start <= t <= load_end]
     caught_up = next(i for i, n in enumerate(during) if n >= 4)
     assert min(during[caught_up:]) >= 4, timeline
+    # ...and a trim is final while the load is steady: the queue a pod holds at its target
+    # utilization is not backlog (it grew 6 → 4 → 5 on it, when backlog counted past the spare
+    # capacity instead).
+    trims = [i for i in range(caught_up + 1, len(during)) if during[i] < during[i - 1]]
+    assert not trims or max(during[trims[0]:]) == during[trims[0]], timeline
 
     cr = emulator.get(service_path(NS, NAME))
     assert cr["status"]["desiredReplicas"] >= 4 and cr["status"]["lastScaleTime"], timeline

@@ -21,9 +21,9 @@ def count(emulator, collection, name):
 
 def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
     em.faults.update({
-        ("POST", "deployments"): [500, 503],
+        ("PATCH", "deployments"): [500, 503],  # server-side apply creates
         ("PATCH", "services"): [409, 500],
-        ("POST", "poddisruptionbudgets"): [429],
+        ("PATCH", "poddisruptionbudgets"): [429],
         ("PATCH", "embeddingservices"): [500],  # the status write, too
         ("GET", "poddisruptionbudgets"): [em.TIMEOUT],  # and a call that times out
     })
@@ -38,7 +38,7 @@ def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
 
 def test_a_restart_mid_reconcile_converges(emulator, operator, tmp_path):
     # Service creation keeps failing: the reconcile stops half-way (Deployment only) ...
-    em.faults[("POST", "services")] = [500] * 1000
+    em.faults[("PATCH", "services")] = [500] * 1000
     emulator.request("POST", service_path(NS), new_service("halfway", {"model": "m", "resources": {"gpu": 0}}))
     eventually(lambda: objects(emulator, "halfway")[0], timeout=30)
     assert objects(emulator, "halfway")[1] is None

@@ -28,7 +28,7 @@ def p(namespace):
 
 
 def env_of(deployment):
-    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def condition(cr, type_):
@@ -55,7 +55,8 @@ def test_create_makes_the_owned_objects(emulator, svc, p):
     assert d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "100m", "memory": "256Mi"}
     cr = eventually(lambda: emulator.get(p.cr("alpha")).get("status", {}).get("selector") and emulator.get(p.cr("alpha")))
     assert cr["status"]["selector"] == "app.kubernetes.io/name=embedserve,embedfleet.dev/service=alpha"
-    assert "embedfleet.dev/finalizer" in cr["metadata"]["finalizers"]
+    # No finalizer of ours: deleting a service never waits for the operator (see fleet.py).
+    assert not cr["metadata"].get("finalizers")
 
 
 def test_deployment_status_flows_into_the_service_status(emulator, svc, p, controllers_are_emulated):
@@ -84,6 +85,65 @@ def test_replicas_change_resizes_when_autoscaling_is_off(emulator, svc, p):
     eventually(lambda: emulator.get(f"{p.deploy}/alpha"))
     emulator.merge_patch(p.cr("alpha"), {"spec": {"replicas": 5}})
     eventually(lambda: emulator.get(f"{p.deploy}/alpha")["spec"]["replicas"] == 5)
+    eventually(lambda: emulator.get(p.cr("alpha"))["status"].get("desiredReplicas") == 5)  # follows kubectl scale
+
+
+PRODUCTION = {
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+    "imagePullSecrets": [{"name": "regcred"}],
+    "serviceAccountName": "embed-s3-reader",
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+        "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"embedfleet.dev/service": "prod"}}}}]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway",
+                                   "labelSelector": {"matchLabels": {"embedfleet.dev/service": "prod"}}}],
+    "priorityClassName": "inference-high", "runtimeClassName": "nvidia",
+    "podAnnotations": {"example.com/team": "search"}, "podLabels": {"team": "search"},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+}
+
+
+def test_production_pod_fields_reach_the_deployment(emulator, svc, p):
+    """Accepted by the emulator's strict validation of the Deployment against the Kubernetes schema."""
+    emulator.request("POST", p.cr(), new_service("prod", {"model": "m", "resources": {"gpu": 0}, **PRODUCTION}, p.ns))
+    d = eventually(lambda: emulator.get(f"{p.deploy}/prod"))
+    pod = d["spec"]["template"]["spec"]
+    for field in ("imagePullSecrets", "serviceAccountName", "affinity", "topologySpreadConstraints",
+                  "priorityClassName", "runtimeClassName"):
+        assert pod[field] == PRODUCTION[field], field
+    c = pod["containers"][0]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in c["env"]
+    assert c["envFrom"] == PRODUCTION["envFrom"]
+    assert d["spec"]["template"]["metadata"]["labels"]["team"] == "search"
+    assert d["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "search"
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # The budget allows at least one eviction even when the rollout allows no pod down.
+    eventually(lambda: emulator.get(f"{p.pdb}/prod")["spec"]["maxUnavailable"] == 1)
+
+
+def test_a_misspelt_kubernetes_field_is_an_invalid_spec(emulator, svc, p):
+    emulator.request("POST", p.cr(), new_service("typo", {"model": "m", "affinity": {"nodeAfinity": {}}}, p.ns))
+    cr = eventually(lambda: (c := emulator.get(p.cr("typo"))) and condition(c, "Degraded").get("status") == "True" and c)
+    assert condition(cr, "Degraded")["reason"] == "InvalidSpec"
+    assert "affinity.nodeAfinity: unknown field" in condition(cr, "Degraded")["message"]
+    assert emulator.get(f"{p.deploy}/typo") is None
+
+
+def test_an_object_the_api_refuses_shows_as_degraded_with_the_apis_message(emulator, svc, p):
+    from tests.operator import emulator as em
+
+    message = 'Deployment.apps "refused" is invalid: spec.template.metadata.labels: Invalid value: "-bad-"'
+    em.faults[("PATCH", "deployments")] = [(422, message)] * 3
+    emulator.request("POST", p.cr(), new_service("refused", {"model": "m", "resources": {"gpu": 0}}, p.ns))
+    cr = eventually(lambda: (c := emulator.get(p.cr("refused"))) and condition(c, "Degraded").get("reason") == "RejectedByAPI" and c)
+    assert message in condition(cr, "Degraded")["message"]
+    events = eventually(lambda: [e for e in emulator.get(p.events)["items"]
+                                 if e.get("involvedObject", {}).get("name") == "refused" and e.get("reason") == "RejectedByAPI"])
+    assert events[0]["type"] == "Warning"
+    em.faults.pop(("PATCH", "deployments"), None)
+    # Retried on the periodic check: once the API accepts it, Degraded clears.
+    eventually(lambda: condition(emulator.get(p.cr("refused")), "Degraded").get("status") == "False", timeout=30)
 
 
 def test_hand_edits_are_reverted(emulator, svc, p):
@@ -118,11 +178,12 @@ def test_a_bad_service_is_degraded_with_an_event_and_others_carry_on(emulator, s
     eventually(lambda: condition(emulator.get(p.cr("broken")), "Degraded").get("reason") != "InvalidSpec")
 
 
-def test_delete_releases_the_finalizer(emulator, operator, svc, p):
+def test_delete_is_immediate(emulator, operator, svc, p):
+    """No finalizer of ours: a service goes at once (its owned objects go by garbage collection,
+    which only a real cluster has: tests/cluster)."""
     emulator.request("DELETE", p.cr("gamma"))
-    eventually(lambda: emulator.get(p.cr("gamma")) is None)
-    # Nothing failed for good; temporary failures are retried by design. (kopf's own event
-    # posting may warn: the emulator does not implement generateName for Events.)
+    assert emulator.get(p.cr("gamma")) is None
+    # Nothing failed for good; temporary failures are retried by design.
     errors = [line for line in operator.log().splitlines()
               if (" ERROR " in line and "failed temporarily" not in line) or "failed permanently" in line]
     assert errors == []
@@ -134,5 +195,8 @@ def test_every_api_call_made_is_declared_for_rbac(emulator, operator, svc, p):
     from embedop.kube import CALLS
     from tests.operator.emulator import recorded
 
-    assert recorded, "nothing recorded"
-    assert recorded <= CALLS, recorded - CALLS
+    calls = recorded["operator"]
+    assert calls, "nothing recorded"
+    assert calls <= CALLS, calls - CALLS
+    # blockOwnerDeletion on owned objects, as OpenShift's admission plugin authorizes it.
+    assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in calls

@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from embedop import render, spec as specs
+from embedop import reconcile, render, spec as specs
 from embedop.config import OperatorSettings
 from embedserve.config import Settings
 
@@ -27,16 +27,33 @@ VARIATIONS = {
     "cpu-only": {"model": "m", "resources": {"gpu": 0, "cpu": "2", "memory": "4Gi"}},
     "hpa": {"model": "m", "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 9}},
     "off": {"model": "m", "replicas": 5, "autoscaling": {"mode": "off"}},
-    "scale-to-zero-min": {"model": "m", "autoscaling": {"minReplicas": 0}},
+    "stopped": {"model": "m", "replicas": 0, "autoscaling": {"mode": "off", "minReplicas": 0}},
     "cls-pooling": {"model": "m", "pooling": {"strategy": "cls", "normalize": False}},
     "many-gpus": {"model": "m", "resources": {"gpu": 8, "cpu": 32, "memory": "200Gi"}},
     "env-override": {"model": "m", "env": [{"name": "MAX_DRAIN_TIME_MS", "value": "900"}, {"name": "X", "value": "1"}]},
+    "production": {
+        "model": "s3://models/bge", "image": "registry.example/embedserve:1.2",
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "envFrom": [{"secretRef": {"name": "s3-credentials"}}, {"configMapRef": {"name": "tuning", "optional": True}}],
+        "imagePullSecrets": [{"name": "regcred"}], "serviceAccountName": "embed-s3-reader",
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}}},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"embedfleet.dev/service": "svc"}}}],
+        "priorityClassName": "inference-high", "runtimeClassName": "nvidia",
+        "podAnnotations": {"example.com/team": "search"}, "podLabels": {"team": "search"},
+    },
+    "surge": {"model": "m", "rollout": {"maxSurge": 1, "maxUnavailable": 0}},
+    "percent": {"model": "m", "rollout": {"maxSurge": "25%", "maxUnavailable": "25%"}},
 }
 
 
 def rendered(name):
     spec = specs.defaulted(VARIATIONS[name])
-    return spec, render.owned(OWNER, spec, spec.get("image", IMAGE), None, 45)
+    assert specs.problems(spec) == []
+    return spec, render.owned(OWNER, spec, spec.get("image", IMAGE), render.deployment_replicas(spec, None), 45)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -61,7 +78,7 @@ def test_owned_objects_and_their_owner_reference():
 
 
 def env_of(deployment):
-    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_every_server_setting_from_the_spec_reaches_the_server_and_parses():
@@ -73,8 +90,15 @@ def test_every_server_setting_from_the_spec_reaches_the_server_and_parses():
     assert (server.max_batch_size, server.max_tokens_per_batch, server.deadline_wait_ms) == (256, 65536, 20)
     assert server.backpressure_latency and server.max_drain_time_ms == 400
     assert (server.latency_soft_ms, server.latency_hard_ms) == (300, 1500)
-    assert server.exclude_tokens == ("[product]", "[query]") and server.pooling == "mean"
+    assert server.exclude_tokens == () and server.pooling == "" and server.normalize is None  # as declared
+    assert "POOLING" not in env and "NORMALIZE" not in env
     assert server.device == "cuda" and env["LOG_LEVEL"] == "INFO"
+
+
+def test_pooling_overrides_reach_the_server_only_when_set():
+    spec = specs.defaulted({"model": "m", "pooling": {"strategy": "cls+mean", "normalize": False}})
+    server = Settings.from_env(env_of(render.deployment(render.Owner("x", "ns", "uid"), spec, "img", 1, 45)))
+    assert (server.pooling, server.normalize) == ("cls+mean", False)
 
 
 def test_spec_env_overrides_ours():
@@ -93,17 +117,88 @@ def test_gpu_probes_security_and_rollout():
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert pod["securityContext"]["runAsNonRoot"] and "lifecycle" in c
     assert pod["terminationGracePeriodSeconds"] == 45
-    assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["volumes"][0] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}}
     assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8001"
     assert "nvidia.com/gpu" not in rendered("cpu-only")[1][0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
-@pytest.mark.parametrize("name, desired, replicas", [
-    ("off", None, 5), ("off", 9, 5),  # autoscaling off: spec.replicas rules
-    ("minimal", None, 1), ("minimal", 3, 3), ("minimal", 99, 4),  # operator: its decision, clamped
-    ("hpa", 3, None),  # the HPA owns the count
+def test_the_default_rollout_needs_no_spare_gpu_and_the_budget_matches_it():
+    _, (d, *_, pdb) = rendered("minimal")
+    # A surge pod needs a free GPU and never schedules on a full pool: replace one at a time.
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert pdb["spec"]["maxUnavailable"] == 1
+    # With a spare GPU, surge instead; the budget still lets a node drain evict one pod.
+    _, (d, *_, pdb) = rendered("surge")
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert pdb["spec"]["maxUnavailable"] == 1
+    _, (d, *_, pdb) = rendered("percent")
+    assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == pdb["spec"]["maxUnavailable"] == "25%"
+
+
+def test_a_slow_warm_up_is_not_a_failed_rollout():
+    _, (d, *_) = rendered("minimal")
+    probe = d["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    allowance = probe["periodSeconds"] * probe["failureThreshold"]
+    assert allowance >= 900 and d["spec"]["progressDeadlineSeconds"] > allowance
+
+
+def test_production_pod_fields_are_rendered():
+    spec, (d, *_) = rendered("production")
+    pod = d["spec"]["template"]["spec"]
+    for field in ("imagePullSecrets", "serviceAccountName", "affinity", "topologySpreadConstraints",
+                  "priorityClassName", "runtimeClassName"):
+        assert pod[field] == spec[field], field
+    c = pod["containers"][0]
+    assert c["envFrom"] == spec["envFrom"] and c["image"] == "registry.example/embedserve:1.2"
+    assert env_of(d)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    meta = d["spec"]["template"]["metadata"]
+    assert meta["labels"]["team"] == "search" and meta["annotations"]["example.com/team"] == "search"
+    assert meta["labels"]["embedfleet.dev/service"] == "svc"  # ours win: the selector needs them
+
+
+def test_pod_labels_cannot_take_the_selector_labels():
+    spec = specs.defaulted({"model": "m", "podLabels": {"embedfleet.dev/service": "other"}})
+    d = render.deployment(OWNER, spec, IMAGE, 1, 45)
+    assert d["spec"]["template"]["metadata"]["labels"]["embedfleet.dev/service"] == "svc"
+
+
+@pytest.mark.parametrize("spec_image, pinned, default, image, notice", [
+    (None, None, "img:2", "img:2", False),  # a new service: today's default
+    (None, "img:1", "img:2", "img:1", True),  # created under img:1: kept, and said so
+    (None, "img:2", "img:2", "img:2", False),
+    ("mine:3", "img:1", "img:2", "mine:3", False),  # spec.image wins
+    (None, "", "img:2", "img:2", False),  # spec.image was removed: today's default
 ])
-def test_deployment_replicas(name, desired, replicas):
-    assert render.deployment_replicas(specs.defaulted(VARIATIONS[name]), desired) == replicas
+def test_default_image_policy(spec_image, pinned, default, image, notice):
+    spec = {"model": "m", **({"image": spec_image} if spec_image else {})}
+    live = None if pinned is None else {"metadata": {"annotations": {render.DEFAULT_IMAGE: pinned}}}
+    got, says = render.server_image(spec, live, default)
+    assert got == image and bool(says) == notice
+    if says:
+        assert default in says and "spec.image" in says
+    d = render.deployment(OWNER, specs.defaulted(spec), got, 1, 45)
+    assert d["metadata"]["annotations"][render.DEFAULT_IMAGE] == ("" if spec_image else got)
+
+
+@pytest.mark.parametrize("desired, actual, same", [
+    ({"cpu": "2.5", "memory": "1Gi"}, {"cpu": "2500m", "memory": "1024Mi"}, True),
+    ({"cpu": 4}, {"cpu": "4"}, True),
+    ({"cpu": "2"}, {"cpu": "3"}, False),
+    ({"image": "a:1"}, {"image": "a:2"}, False),
+    ({"sizeLimit": "20Gi"}, {"sizeLimit": "20G"}, False),
+])
+def test_drift_compares_quantities_as_quantities(desired, actual, same):
+    assert reconcile.subset(desired, actual) is same
+
+
+@pytest.mark.parametrize("name, live, decision, replicas", [
+    ("off", None, None, 5), ("off", 2, 9, 5),  # autoscaling off: spec.replicas rules
+    ("minimal", None, None, 1),  # operator, new service: spec.replicas (clamped)
+    ("minimal", 3, None, 3),  # operator: the live count is kept ...
+    ("minimal", 3, 2, 2),  # ... unless the autoscaler decides
+    ("minimal", 99, None, 4), ("minimal", 0, None, 1),  # clamped to [min, max]
+    ("hpa", 3, 4, None),  # the HPA owns the count
+])
+def test_deployment_replicas(name, live, decision, replicas):
+    assert render.deployment_replicas(specs.defaulted(VARIATIONS[name]), live, decision) == replicas

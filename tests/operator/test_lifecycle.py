@@ -1,0 +1,113 @@
+"""Deletion never waits for the operator, a service being deleted is left alone, and an operator
+upgrade with a new default server image does not roll existing fleets (it says so in an Event).
+
+The emulator has no garbage collector: where a real cluster's would delete a service's owned
+objects, the test does; tests/cluster/test_lifecycle_on_cluster.py checks the real one."""
+
+import time
+
+import pytest
+
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS = "default"
+DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments"
+OLD, NEW = "registry.example/embedserve:1.0", "registry.example/embedserve:2.0"
+
+
+class Operators:
+    """Operator processes started one after another (an upgrade is a restart with a new image)."""
+
+    def __init__(self, emulator, d):
+        self.emulator, self.dir, self.procs = emulator, d, []
+
+    def start(self, image=OLD) -> OperatorProcess:
+        self.stop()
+        op = OperatorProcess(self.emulator.kubeconfig(self.dir / "kubeconfig"), self.dir / f"operator{len(self.procs)}.log",
+                             env={"EMBEDOP_SERVER_IMAGE": image})
+        self.procs.append(op)
+        return op
+
+    def stop(self) -> None:
+        for op in self.procs:
+            if op.proc.poll() is None:
+                op.stop()
+
+
+@pytest.fixture(scope="module")
+def operators(emulator, tmp_path_factory):
+    ops = Operators(emulator, tmp_path_factory.mktemp("lifecycle"))
+    yield ops
+    ops.stop()
+
+
+def image(emulator, name):
+    return emulator.get(f"{DEPLOY}/{name}")["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def svc(name, **spec):
+    return new_service(name, {"model": "m", "resources": {"gpu": 0}, **spec}, NS)
+
+
+def test_an_older_operators_finalizer_is_taken_off(emulator, operators):
+    body = svc("legacy")
+    body["metadata"]["finalizers"] = ["embedfleet.dev/finalizer"]  # as an operator before 0.1.1 left it
+    emulator.request("POST", service_path(NS), body)
+    operators.start()  # the upgrade
+    eventually(lambda: emulator.get(f"{DEPLOY}/legacy"))
+    eventually(lambda: not emulator.get(service_path(NS, "legacy"))["metadata"].get("finalizers"))
+    # Also from a service already being deleted (stuck in Terminating since the old operator left).
+    operators.stop()
+    body = svc("stuck")
+    body["metadata"]["finalizers"] = ["embedfleet.dev/finalizer"]
+    emulator.request("POST", service_path(NS), body)
+    emulator.request("DELETE", service_path(NS, "stuck"))
+    assert emulator.get(service_path(NS, "stuck"))["metadata"]["deletionTimestamp"]
+    operators.start()
+    eventually(lambda: emulator.get(service_path(NS, "stuck")) is None)
+
+
+def test_deleting_a_service_needs_no_operator(emulator, operators):
+    operators.stop()  # as after helm uninstall --no-hooks, or a crash
+    emulator.request("DELETE", service_path(NS, "legacy"))
+    assert emulator.get(service_path(NS, "legacy")) is None  # not stuck in Terminating
+
+
+def test_a_service_being_deleted_is_not_reconciled(emulator, operators):
+    operators.start()
+    body = svc("leaving")
+    body["metadata"]["finalizers"] = ["example.com/hold"]  # someone else's: deletion waits for it
+    emulator.request("POST", service_path(NS), body)
+    eventually(lambda: emulator.get(f"{DEPLOY}/leaving"))
+    emulator.request("DELETE", service_path(NS, "leaving"))
+    assert emulator.get(service_path(NS, "leaving"))["metadata"]["deletionTimestamp"]
+    emulator.request("DELETE", f"{DEPLOY}/leaving")  # as the garbage collector would
+    # The absence of a write is the point, so there is no event to wait for: watch for two
+    # periodic checks (2 s each) that a Deployment is not recreated.
+    time.sleep(5)
+    assert emulator.get(f"{DEPLOY}/leaving") is None
+    emulator.merge_patch(service_path(NS, "leaving"), {"metadata": {"finalizers": []}})
+    eventually(lambda: emulator.get(service_path(NS, "leaving")) is None)
+
+
+def events_of(emulator, name, reason):
+    return [e for e in emulator.get(f"/api/v1/namespaces/{NS}/events")["items"]
+            if e.get("involvedObject", {}).get("name") == name and e.get("reason") == reason]
+
+
+def test_a_new_default_image_does_not_roll_existing_services(emulator, operators):
+    emulator.request("POST", service_path(NS), svc("steady"))
+    eventually(lambda: image(emulator, "steady") == OLD)
+    operators.start(NEW)  # the operator upgrade
+    emulator.request("POST", service_path(NS), svc("fresh"))
+    eventually(lambda: image(emulator, "fresh") == NEW)  # new services get the new default
+    (event,) = eventually(lambda: events_of(emulator, "steady", "DefaultImageChanged"))
+    assert NEW in event["message"] and "spec.image" in event["message"]
+    assert image(emulator, "steady") == OLD
+    # Moving to it is the user's choice: spec.image. Removing it again follows today's default.
+    emulator.merge_patch(service_path(NS, "steady"), {"spec": {"image": NEW}})
+    eventually(lambda: image(emulator, "steady") == NEW)
+    emulator.merge_patch(service_path(NS, "steady"), {"spec": {"image": None}})
+    eventually(lambda: emulator.get(f"{DEPLOY}/steady")["metadata"]["annotations"]["embedfleet.dev/default-server-image"] == NEW)
+    assert image(emulator, "steady") == NEW

@@ -1,0 +1,94 @@
+"""The autoscaler's scrape: Prometheus expositions as prometheus_client writes them, parsed with its
+parser; pods scraped concurrently over HTTP (aiohttp) with a timeout, failures reported per pod."""
+
+import asyncio
+import dataclasses
+
+import aiohttp
+import aiohttp.web
+import prometheus_client
+import pytest
+
+from embedop import autoscale, autoscaler
+from tests.conftest import free_port
+
+
+def exposition(**values) -> str:
+    """What a server exports, written by prometheus_client itself (HELP, TYPE, _total, labels)."""
+    reg = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("embedfleet_service_rate_tokens_per_second", "capacity", registry=reg).set(values["rate"])
+    prometheus_client.Gauge("embedfleet_arrival_rate_tokens_per_second", "offered", registry=reg).set(values["arrival"])
+    prometheus_client.Gauge("embedfleet_queued_tokens", "queued", registry=reg).set(values["queued"])
+    prometheus_client.Counter("embedfleet_offered_tokens", "offered total", registry=reg).inc(values["offered"])
+    # Noise the parser must step over: labels, histograms, an info metric, other names.
+    prometheus_client.Counter("embedfleet_requests", "requests", ["rpc", "code"], registry=reg).labels("Embed", "OK").inc(3)
+    prometheus_client.Histogram("embedfleet_request_duration_seconds", "latency", ["rpc"], registry=reg).labels("Embed").observe(0.1)
+    prometheus_client.Info("embedfleet_model", "model", registry=reg).info({"model": "m", "device": "cpu"})
+    return prometheus_client.generate_latest(reg).decode()
+
+
+def test_parse_metrics_maps_the_shared_signal_to_pod_sample_fields():
+    got = autoscaler.parse_metrics(exposition(rate=1500.5, arrival=900, queued=12, offered=34567))
+    assert got == {"service_rate": 1500.5, "arrival_rate": 900.0, "queued_tokens": 12.0, "offered_total": 34567.0}
+
+
+def test_every_mapped_metric_is_a_pod_sample_field():
+    fields = {f.name for f in dataclasses.fields(autoscale.PodSample)}
+    assert set(autoscaler.METRICS.values()) <= fields
+
+
+def test_a_missing_metric_is_left_out():
+    text = "# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens 3\n"
+    assert autoscaler.parse_metrics(text) == {"queued_tokens": 3.0}
+
+
+def pod(name, ip, ready=True):
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False",
+                                                    "lastTransitionTime": "2026-01-01T00:01:30Z"}]}}
+
+
+IPS = {"ok": "127.0.0.21", "slow": "127.0.0.22", "broken": "127.0.0.23"}  # "pods" on one port
+
+
+@pytest.fixture
+async def pods_server():
+    """A server per pod address (loopback 127.0.0.x), all on one port, as pods share theirs."""
+    def app(kind):
+        async def metrics(request):
+            if kind == "slow":
+                await asyncio.sleep(2)
+            if kind == "broken":
+                return aiohttp.web.Response(status=500)
+            return aiohttp.web.Response(text=exposition(rate=1000, arrival=500, queued=0, offered=10),
+                                        content_type="text/plain")
+
+        a = aiohttp.web.Application()
+        a.router.add_get("/metrics", metrics)
+        return a
+
+    port = free_port()
+    runners = []
+    for kind, ip in IPS.items():
+        runner = aiohttp.web.AppRunner(app(kind))
+        await runner.setup()
+        await aiohttp.web.TCPSite(runner, ip, port).start()
+        runners.append(runner)
+    yield port
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_scrape_reads_ready_pods_concurrently_and_reports_failures(pods_server):
+    pods = [pod(name, ip) for name, ip in IPS.items()] + [
+        pod("starting", "127.0.0.24", ready=False), pod("refused", "127.0.0.25")]
+    async with aiohttp.ClientSession() as session:
+        start = asyncio.get_running_loop().time()
+        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=0.5)}
+        took = asyncio.get_running_loop().time() - start
+    assert took < 1.5  # concurrent, and the slow pod is cut off at the timeout
+    assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90
+    assert samples["slow"].ready and not samples["slow"].scraped
+    assert samples["broken"].ready and not samples["broken"].scraped
+    assert samples["refused"].ready and not samples["refused"].scraped
+    assert not samples["starting"].ready and not samples["starting"].scraped
