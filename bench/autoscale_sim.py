@@ -70,6 +70,8 @@ class Replica:
 # -- load traces: tokens/s offered at time t ------------------------------------------------------
 TRACES = {
     "step x4": (1500, lambda t: BASE * (4 if 300 <= t < 1200 else 1)),
+    # A step with a quiet quarter-minute inside it: the surge must not be let go.
+    "step+lull": (1500, lambda t: BASE * (4 if 300 <= t < 1200 and not 600 <= t < 615 else 1)),
     "ramp": (1800, lambda t: BASE * (1 + 3 * min(1.0, max(0.0, (t - 300) / 1200)))),
     # Spikes of 0.5x, 1x and 2x the pod start-up: pods called by the shorter ones are ready only
     # after the demand that called them has gone, and cost replica-seconds for nothing.

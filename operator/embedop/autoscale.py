@@ -33,8 +33,13 @@ TOLERANCE = 0.1  # recommendations within ±10% of the current size keep it
 # Consecutive low recommendations before starting pods go. One: demand is an interval's mean, so
 # a low one is a real dip, and pods that would have come too late cost more than a restart.
 CANCEL_CONFIRMATIONS = 1
-# Consecutive recommendations at or below the pre-surge size before a surge's pods go.
-SURGE_CONFIRMATIONS = 2
+# A surge's pods go once the demand that called them has been gone this fraction of a pod
+# start-up: a shorter lull (a quiet quarter-minute inside a step) keeps them, since pods let go
+# must start again; a longer one is the spike's end (simulated: 1/4 meets the cost targets on
+# spikes of 0.5-2 start-ups, 1/2 does not).
+SURGE_LULL = 0.25
+# Model-busy seconds after which a pod's service rate is its own measurement, not its warm-up's.
+SERVED_BUSY_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,7 @@ class PodSample:
     arrival_rate: float = 0.0  # offered real tokens/s
     queued_tokens: float = 0.0
     offered_total: float | None = None  # the offered-tokens counter (None: not exported)
+    busy_seconds: float | None = None  # model-busy seconds served (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
 
 
@@ -76,8 +82,16 @@ class History:
     capacity: float | None = None  # last known tokens/s per replica
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
-    # The scale-up under way: (time of its latest step, the size before its first step).
-    surge: tuple[float, int] | None = None
+    surge: "Surge | None" = None  # the scale-up under way
+
+
+@dataclasses.dataclass(frozen=True)
+class Surge:
+    """Capacity added within the scale-down window, and what it was added on."""
+
+    last_up: float  # time of its latest step
+    base: int  # the size before its first step
+    low_since: float | None = None  # since when the recommendation has been back within `base`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +128,9 @@ def offered_rate(sample: PodSample, previous: Seen | None, now: float) -> float:
 
 def persistent_backlog(sample: PodSample, previous: Seen | None) -> float:
     """Queued tokens that were there at the last decision too: a busy pod's queue comes and goes
-    between two reads; a backlog that needs more capacity stays."""
-    return min(sample.queued_tokens, previous.queued_tokens) if previous else sample.queued_tokens
+    between two reads; a backlog that needs more capacity stays. A first read (a new pod, a
+    restarted operator) has nothing to compare with: no backlog yet."""
+    return min(sample.queued_tokens, previous.queued_tokens) if previous else 0.0
 
 
 def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> float:
@@ -140,7 +155,11 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     """`current` is the Deployment's replica count, starting pods included."""
     ready = [s for s in samples if s.ready]
     scraped = [s for s in ready if s.scraped]
-    rates = [s.service_rate for s in scraped if s.service_rate > 0]
+    # A pod that has served little still reports its warm-up's rate (full rows, an upper bound):
+    # the pods that have served decide capacity when there are any.
+    measured = [s for s in scraped if s.service_rate > 0]
+    served = [s for s in measured if s.busy_seconds is None or s.busy_seconds >= SERVED_BUSY_S]
+    rates = [s.service_rate for s in served or measured]
     capacity = statistics.median(rates) if rates else history.capacity
     startups = [s.startup_s for s in samples if s.startup_s is not None]
     startup_s = statistics.median(startups) if startups else history.startup_s
@@ -189,7 +208,10 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     new_history = keep(recommendation)
     in_window = lambda seconds: [r for t, r in new_history.recommendations if t >= now - seconds]  # noqa: E731
     # Capacity added within the window is a surge until the window has passed over it.
-    surge = history.surge if history.surge and now - history.surge[0] <= policy.scale_down_stabilization_s else None
+    surge = history.surge if history.surge and now - history.surge.last_up <= policy.scale_down_stabilization_s else None
+    if surge:
+        low = recommendation <= surge.base
+        surge = dataclasses.replace(surge, low_since=(surge.low_since or now) if low else None)
     falling = trend(demand_points, min_fit=0.0) <= 0
 
     if recommendation > current:
@@ -199,19 +221,19 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         desired = max(current, min(target, step))
         reason = f"scale up: demand {forecast:.0f} tok/s needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
         if desired > current:
-            surge = (now, surge[1] if surge else current)
+            surge = Surge(now, surge.base if surge else current)
     elif recommendation < current:
         windowed = max(in_window(policy.scale_down_stabilization_s))
         starting = current - len(ready)
         if blind:
             desired, reason = current, "hold: some ready pods could not be scraped"
-        elif surge and falling and all(r <= surge[1] for _, r in new_history.recommendations[-SURGE_CONFIRMATIONS:]):
+        elif surge and surge.low_since is not None and now - surge.low_since >= SURGE_LULL * startup_s and falling:
             # The demand that called the surge has gone (a spike shorter than the window, or one
             # that ended before its pods were ready): the window protects the fleet from a noisy
-            # signal, not pods added for load that is no longer there. Two decisions in a row
-            # say so (noise across a size boundary alternates), and demand is falling. Back to
-            # the size before it.
-            desired, surge = surge[1], None
+            # signal, not pods added for load that is no longer there. Once the demand has been
+            # back within the old size for SURGE_LULL of a pod start-up (a shorter lull keeps
+            # them), and is falling: back to the size before it.
+            desired, surge = surge.base, None
             reason = f"the surge is over: demand {forecast:.0f} tok/s is back within {desired} replicas"
         elif windowed < current:
             desired = windowed

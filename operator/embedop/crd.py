@@ -82,7 +82,7 @@ SPEC = obj(
     {
         "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
         "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
-        "replicas": integer("Server replicas in autoscaling mode off, where kubectl scale (the scale subresource) or an external HPA/KEDA sets it. Mode operator starts a new service with it and then follows the autoscaler; mode hpa leaves the count to its HorizontalPodAutoscaler.", 1, 0, 1000),
+        "replicas": integer("Server replicas. Mode off: the count, set here, by kubectl scale (the scale subresource) or by an external HPA/KEDA. Modes operator and hpa: a new service starts with it (within min/max), then the autoscaler or the HorizontalPodAutoscaler owns the count and the operator writes the live count here, so a switch to off keeps the fleet as it is; a value set by hand is undone (use mode off to scale by hand; GitOps tools should ignore this field).", 1, 0, 1000),
         "resources": obj("Resources of each server pod.", {
             "gpu": integer("NVIDIA GPUs per pod (nvidia.com/gpu); 0 runs on CPU.", 1, 0, 16),
             "cpu": quantity("CPU request and limit, e.g. 4 or 3500m.", "4"),
@@ -168,7 +168,7 @@ SPEC = obj(
 )
 
 CONDITION = obj("A condition of the service.", {
-    "type": string("Ready, Progressing, Degraded or ScalingLimited."),
+    "type": string("Ready, Progressing, Degraded, ScalingLimited or MetricsUnavailable."),
     "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": string("CamelCase reason."),
     "message": string("Human-readable detail."),
@@ -178,7 +178,7 @@ CONDITION = obj("A condition of the service.", {
 
 STATUS = obj("Observed state, written by the operator.", {
     "observedGeneration": integer("Last spec generation the operator reconciled."),
-    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited.", "items": CONDITION,
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held).", "items": CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     "replicas": integer("Server pods that exist."),
     "readyReplicas": integer("Server pods ready to serve."),

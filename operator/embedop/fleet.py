@@ -26,7 +26,7 @@ RETRY_S = 5.0
 class Fleet:
     def __init__(self, kube: Kube, settings: OperatorSettings,
                  on_outcome: Callable[[reconcile.Outcome], None],
-                 on_decision: Callable[[dict, autoscale.Decision, int], None]):
+                 on_decision: Callable[[dict, autoscaler.Step], None]):
         self.kube, self.settings = kube, settings
         self.on_outcome, self.on_decision = on_outcome, on_decision
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -58,6 +58,12 @@ class Fleet:
         return outcome
 
     async def _run(self, namespace: str, name: str) -> None:
+        try:
+            await self._loop(namespace, name)
+        finally:  # a marker in the log (the tests wait for it: nothing acts on the service after)
+            log.debug("%s/%s: loop ended", namespace, name)
+
+    async def _loop(self, namespace: str, name: str) -> None:
         loop = asyncio.get_running_loop()
         history = autoscale.History()
         # The handler that started the loop has just reconciled; the autoscaler's first step (which
@@ -71,19 +77,20 @@ class Fleet:
                         next_resync = loop.time() + self.settings.resync_seconds
                         if (await self.reconcile(namespace, name)).gone:
                             return
+                        log.debug("%s/%s: periodic check done", namespace, name)
                     if loop.time() >= next_scale:
                         next_scale = loop.time() + RETRY_S  # unless the step says otherwise
                         async with self.locks[namespace, name]:
-                            history, decision, current, body = await autoscaler.step(
-                                self.kube, self.settings, session, namespace, name, history, loop.time())
-                        if body is None or body["metadata"].get("deletionTimestamp"):
+                            step = await autoscaler.step(self.kube, self.settings, session, namespace, name,
+                                                         history, loop.time())
+                        if step.body is None or step.body["metadata"].get("deletionTimestamp"):
                             return
-                        interval = specs.defaulted(body.get("spec") or {})["autoscaling"]["intervalSeconds"]
+                        interval = specs.defaulted(step.body.get("spec") or {})["autoscaling"]["intervalSeconds"]
                         next_scale = loop.time() + interval
-                        if decision is None:
-                            history = autoscale.History()  # not autoscaled now: start afresh if it is again
-                        else:
-                            self.on_decision(body, decision, current)
+                        # Not autoscaled now (no decision): start afresh if it is again.
+                        history = step.history if step.decision is not None else autoscale.History()
+                        if step.decision is not None:
+                            self.on_decision(step.body, step)
                 except NotFound:  # the service went while a step ran
                     return
                 except Retryable as e:

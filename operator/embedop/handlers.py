@@ -9,7 +9,7 @@ import logging
 
 import kopf
 
-from embedop import autoscale, crd, reconcile
+from embedop import autoscaler, crd, reconcile
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube, Retryable
@@ -49,16 +49,19 @@ def _outcome(outcome: reconcile.Outcome) -> None:
                                          body["metadata"]["name"], ", ".join(outcome.applied))
 
 
-def _decision(body: dict, decision: autoscale.Decision, current: int) -> None:
+def _decision(body: dict, step: autoscaler.Step) -> None:
+    decision, current = step.decision, step.current
     log = logging.getLogger(__name__)
     log.debug("autoscale %s: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s", body["metadata"]["name"],
               current, decision.desired, decision.reason, decision.demand, decision.forecast, decision.capacity)
     if decision.desired != current:
         kopf.info(body, reason="Scaled", message=f"{current} → {decision.desired}: {decision.reason}")
-    if decision.limited:
-        _say(body, "ScalingLimited", "demand needs more than maxReplicas", warning=True)
-    else:
-        _said.pop((body["metadata"]["namespace"], body["metadata"]["name"], "ScalingLimited"), None)
+    for reason, problem in (("ScalingLimited", "demand needs more than maxReplicas" if decision.limited else None),
+                            ("MetricsUnavailable", step.unscraped)):
+        if problem:
+            _say(body, reason, problem, warning=True)
+        else:  # said again when it comes back
+            _said.pop((body["metadata"]["namespace"], body["metadata"]["name"], reason), None)
 
 
 @kopf.on.startup()
@@ -119,3 +122,6 @@ async def deployment_event(body, event, **_) -> None:
                 await fleet().reconcile(meta["namespace"], ref["name"])
             except Retryable as e:  # the service's loop tries again
                 logging.getLogger(__name__).warning("following Deployment %s: %s", meta.get("name"), e)
+            else:  # a marker in the log (the tests wait for it rather than for time to pass)
+                logging.getLogger(__name__).debug("followed Deployment %s/%s (%s)", meta["namespace"],
+                                                  meta.get("name"), event.get("type"))

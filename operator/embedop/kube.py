@@ -58,6 +58,8 @@ CALLS = {
     (crd.GROUP, crd.PLURAL, "watch"),
     (crd.GROUP, crd.PLURAL, "patch"),
     (crd.GROUP, f"{crd.PLURAL}/status", "patch"),
+    # Modes operator and hpa: spec.replicas mirrors the live count (reconcile.mirror_count).
+    (crd.GROUP, f"{crd.PLURAL}/scale", "patch"),
     # ownerReferences with blockOwnerDeletion: the OwnerReferencesPermissionEnforcement admission
     # plugin (OpenShift, hardened clusters) requires update on the owner's finalizers subresource.
     (crd.GROUP, f"{crd.PLURAL}/finalizers", "update"),
@@ -166,6 +168,15 @@ class Kube:
         body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
         async with _errors(f"patch {crd.KIND}/{name} finalizers"):
             await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE)
+
+    async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
+        """Merge-patch the service's spec.replicas through its scale subresource, guarded: for a
+        custom resource the API server takes the Scale's resourceVersion as the precondition of
+        the update (409 when the service has changed since). Only spec.replicas can change this
+        way, and RBAC can grant it alone."""
+        body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
+        async with _errors(f"patch {crd.KIND}/{name}/scale"):
+            await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE)
 
     async def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         """Merge-patch the service's status, guarded: the patch carries the resourceVersion it was

@@ -36,24 +36,40 @@ class Outcome:
     body: dict | None = None  # the service as read
 
 
-def _same_scalar(a, b) -> bool:
-    if a == b or (a is not None and str(a) == str(b)):
+# The fields we write that the API server stores as resource.Quantity, rewritten in its canonical
+# form ("2.5" → "2500m", "1024Mi" → "1Gi", "1000m" → "1"): compared as quantities. Everything else
+# is compared exactly (an env value "1k" is not "1000", false is not 0). Suffixes of the path of
+# dict keys (list positions left out); "*" is any key.
+QUANTITY_PATHS = (("resources", "requests", "*"), ("resources", "limits", "*"), ("emptyDir", "sizeLimit"),
+                  ("target", "averageValue"), ("target", "value"))
+
+
+def _is_quantity(path: tuple[str, ...]) -> bool:
+    return any(len(path) >= len(q) and all(k in ("*", p) for k, p in zip(q, path[-len(q):])) for q in QUANTITY_PATHS)
+
+
+def _same_scalar(a, b, path: tuple[str, ...] = ()) -> bool:
+    if not _is_quantity(path):
+        return a == b and isinstance(a, bool) == isinstance(b, bool)
+    if str(a) == str(b):
         return True
-    try:  # quantities: "2.5" is "2500m", "1Gi" is "1024Mi"
+    try:
         qa, qb = parse_quantity(str(a)), parse_quantity(str(b))
     except (ValueError, decimal.InvalidOperation):
         return False
     return qa is not None and qa == qb
 
 
-def subset(desired, actual) -> bool:
+def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
     """Whether every field we set has our value (the server may add defaults of its own, and
-    writes quantities in its canonical form)."""
+    writes quantities in its canonical form). `path`: where `desired` sits in its object."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(k in actual and subset(v, actual[k]) for k, v in desired.items())
+        return isinstance(actual, dict) and all(k in actual and subset(v, actual[k], (*path, k))
+                                                for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(actual, list) and len(desired) == len(actual) and all(map(subset, desired, actual))
-    return _same_scalar(desired, actual)
+        return (isinstance(actual, list) and len(desired) == len(actual)
+                and all(subset(d, a, path) for d, a in zip(desired, actual)))
+    return _same_scalar(desired, actual, path)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -94,11 +110,38 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     guarded by the live resourceVersion. → (body, image notice)."""
     live_count = live["spec"].get("replicas") if live else (body.get("status") or {}).get("desiredReplicas")
     image, notice = render.server_image(spec, live, settings.server_image)
-    obj = render.deployment(owner_of(body), spec, image, render.deployment_replicas(spec, live_count, decision),
-                            settings.grace_seconds, settings.metrics_port)
+    replicas = render.deployment_replicas(spec, live_count, decision, exists=live is not None)
+    obj = render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port)
     if live is not None:
         obj["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     return obj, notice
+
+
+async def mirror_count(kube: Kube, body: dict, count: int) -> bool:
+    """spec.replicas := `count` (the live Deployment's, render.mirrored_replicas) through the
+    service's scale subresource, guarded by the resourceVersion of `body`. On a conflict the
+    Deployment and the service are read again, and the live count is written unless spec.replicas
+    itself has changed since `body` (a patch that sets mode off and replicas together keeps its
+    replicas; one that only switches the mode still gets the fleet's count). The write changes the
+    service's spec, so it comes back as an update: that reconcile finds the count in place and
+    writes nothing more. → whether it was written."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    seen = (body.get("spec") or {}).get("replicas")
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            await kube.patch_scale(namespace, name, count, body["metadata"]["resourceVersion"])
+            return True
+        except NotFound:
+            return False
+        except Conflict:
+            live = await kube.get("Deployment", namespace, name)
+            body = await kube.get(crd.KIND, namespace, name)
+            if not _alive(body) or live is None or (body.get("spec") or {}).get("replicas") != seen:
+                return False
+            count = live["spec"].get("replicas")
+            if count is None or count == seen:
+                return False
+    raise Retryable(f"spec.replicas of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts")
 
 
 async def retry_conflicts(attempt: Callable[[], Awaitable]):
@@ -138,6 +181,18 @@ async def _reconcile_once(kube: Kube, settings: OperatorSettings, namespace: str
         except Rejected as e:
             outcome.rejected = str(e)
         live = await kube.get("Deployment", namespace, name) if outcome.applied else live
+    # Whatever the spec's problems: the fleet runs at this count, and a switch to off must keep it.
+    count = render.mirrored_replicas(spec, live["spec"].get("replicas") if live else None)
+    if count is not None:
+        try:
+            if await mirror_count(kube, body, count):
+                outcome.applied.append(f"{crd.KIND}/{name} spec.replicas={count}")
+        except Rejected as e:
+            outcome.rejected = outcome.rejected or str(e)
+        body = await kube.get(crd.KIND, namespace, name)  # its generation has moved
+        if not _alive(body):
+            return dataclasses.replace(outcome, gone=True, body=body)
+        outcome.body = body
     await _write_status(kube, body, spec, live, hpa, outcome)
     return outcome
 

@@ -104,19 +104,31 @@ def server_image(spec: dict, live: dict | None, default: str) -> tuple[str, str 
     return default, None
 
 
-def deployment_replicas(spec: dict, live: int | None, decision: int | None = None) -> int | None:
+def deployment_replicas(spec: dict, live: int | None, decision: int | None = None, exists: bool = True) -> int | None:
     """The Deployment's replica count, sent with every apply (under server-side apply, a count that
     its only manager stops sending is removed, and the Deployment defaults to 1).
     off: spec.replicas. operator: the autoscaler's decision when it makes one, else the live count
-    (before the Deployment exists: spec.replicas), clamped to [minReplicas, maxReplicas].
-    hpa: None, the HorizontalPodAutoscaler owns the count."""
+    (before the Deployment `exists`: spec.replicas), clamped to [minReplicas, maxReplicas].
+    hpa: None, the HorizontalPodAutoscaler owns the count; but a Deployment that does not exist yet
+    is created with the count, as in mode operator within the HPA's bounds (else it would start at
+    1 until the HPA acts), and the next apply hands it over as a switch to hpa does."""
     s = spec["autoscaling"]
     if s["mode"] == "off":
         return spec["replicas"]
-    if s["mode"] == "hpa":
+    if s["mode"] == "hpa" and exists:
         return None
     base = next(v for v in (decision, live, spec["replicas"]) if v is not None)
-    return min(max(base, s["minReplicas"]), s["maxReplicas"])
+    low = max(1, s["minReplicas"]) if s["mode"] == "hpa" else s["minReplicas"]  # the HPA's floor is 1
+    return min(max(base, low), s["maxReplicas"])
+
+
+def mirrored_replicas(spec: dict, live: int | None) -> int | None:
+    """What spec.replicas must become, or None when it stays. In modes operator and hpa the count
+    belongs to the autoscaler or the HPA, and spec.replicas mirrors it (the live Deployment's count),
+    so that a switch to mode off, which applies spec.replicas, keeps the fleet as it is."""
+    if spec["autoscaling"]["mode"] == "off" or live is None or live == spec.get("replicas"):
+        return None
+    return live
 
 
 def rollout(spec: dict) -> dict:

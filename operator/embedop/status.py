@@ -5,7 +5,8 @@ resourceVersion it read, so neither undoes the other):
 - the reconcile: observedGeneration, replicas, readyReplicas, selector, the Ready, Progressing and
   Degraded conditions, and desiredReplicas in modes off and hpa;
 - the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason and the
-  ScalingLimited condition.
+  ScalingLimited and MetricsUnavailable conditions.
+(spec.replicas, in modes operator and hpa, mirrors the live count: reconcile.mirror_count.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from __future__ import annotations
 import datetime
 
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
-AUTOSCALER_CONDITIONS = ("ScalingLimited",)
+AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable")
+# A measurement (tokens/s, ms) is rewritten only when it has moved by more than this fraction, and by
+# more than the floor: the gauges move a little at every scrape, and a status write per interval per
+# service costs as many etcd writes and watch events (kopf's, kubectl's, dashboards') for nothing.
+MEASURED_CHANGE, MEASURED_FLOOR = 0.02, 1.0
+MEASURED_DIGITS = 3  # significant digits written
 
 
 def now_iso() -> str:
@@ -29,6 +35,22 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int |
     if generation is not None:
         c["observedGeneration"] = generation
     return c
+
+
+def significant(x: float, digits: int = MEASURED_DIGITS) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def steady(previous: dict, measured: dict[str, float]) -> dict[str, float]:
+    """`measured` to write: each value rounded to MEASURED_DIGITS, or the previous one kept where it
+    has not moved meaningfully (so an unchanged decision writes nothing)."""
+    out = {}
+    for key, value in measured.items():
+        before = previous.get(key)
+        moved = not isinstance(before, (int, float)) or abs(value - before) > max(
+            MEASURED_CHANGE * max(abs(value), abs(before)), MEASURED_FLOOR)
+        out[key] = significant(value) if moved else before
+    return out
 
 
 def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:

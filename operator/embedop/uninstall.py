@@ -8,7 +8,9 @@ deleted what it owns (Deployment → ReplicaSets → pods, each with blockOwnerD
 means no server pod is left. It runs while the operator still runs (pre-delete hooks come before
 the release's own objects go), though nothing here needs it: services carry no finalizer of ours.
 Exit status 1 when some are still there at the timeout (helm uninstall then fails and says why;
-`helm uninstall --no-hooks` skips this and leaves the services)."""
+`helm uninstall --no-hooks` skips this and leaves the services). Without the CRD (installed with
+--skip-crds and never added, or deleted first, which deletes every service with it) there is
+nothing to delete: exit status 0, so the uninstall goes on."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import sys
 import time
 
 from embedop import crd
-from embedop.kube import Kube
+from embedop.kube import Kube, NotFound
 
 # What the hook's own RBAC grants (the chart's hook Role; a test compares).
 CALLS = {(crd.GROUP, crd.PLURAL, "list"), (crd.GROUP, crd.PLURAL, "delete")}
@@ -28,14 +30,28 @@ def _key(obj: dict) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
 
+async def _services(kube: Kube, namespace: str | None) -> list[dict]:
+    """The services there are; none when the API does not know the resource (404: the CRD has
+    been deleted meanwhile, and every service with it)."""
+    try:
+        return await kube.list(crd.KIND, namespace)
+    except NotFound:
+        return []
+
+
 async def uninstall(kube: Kube, namespace: str | None, timeout_s: float, poll_s: float = 1.0) -> list[str]:
     """Delete the services and wait. → those still present at the timeout."""
     deadline = time.monotonic() + timeout_s
-    for svc in await kube.list(crd.KIND, namespace):
+    try:
+        services = await kube.list(crd.KIND, namespace)
+    except NotFound:
+        print("the API has no EmbeddingService resource (no CRD): nothing to delete", flush=True)
+        return []
+    for svc in services:
         if not svc["metadata"].get("deletionTimestamp"):
             await kube.delete(crd.KIND, svc["metadata"]["namespace"], svc["metadata"]["name"], foreground=True)
             print(f"deleting EmbeddingService {_key(svc)}", flush=True)
-    while left := [_key(s) for s in await kube.list(crd.KIND, namespace)]:
+    while left := [_key(s) for s in await _services(kube, namespace)]:
         if time.monotonic() >= deadline:
             return left
         await asyncio.sleep(poll_s)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "embedfleet"
 K8S_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
 CUSTOM_KINDS = {"ServiceMonitor", "EmbeddingService"}  # validated by their own CRDs, not here
+HELM_DEFAULT_TIMEOUT_S = 300  # helm uninstall --timeout
 
 MATRIX = {
     "defaults": {},
@@ -113,11 +114,36 @@ def test_uninstall_hook_deletes_the_services_with_exactly_its_own_rights(case):
     assert c["command"] == ["python", "-m", "embedop.uninstall"] and "--timeout=240" in c["args"]
     assert ("--namespace=search" in c["args"]) == (case == "namespaced")
     assert pod["serviceAccountName"] in {o["metadata"]["name"] for o in hooks if o["kind"] == "ServiceAccount"}
-    assert job["spec"]["activeDeadlineSeconds"] > 240 and c["securityContext"]["readOnlyRootFilesystem"]
+    assert c["securityContext"]["readOnlyRootFilesystem"]
     # Its RBAC exists before the Job runs, and lasts until it has finished.
     weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
     assert max(v for k, v in weights.items() if k != "Job") < weights["Job"]
     assert all("hook-succeeded" in o["metadata"]["annotations"]["helm.sh/hook-delete-policy"] for o in hooks)
+
+
+def hook_job(values):
+    return next(o for o in render(values) if is_hook(o) and o["kind"] == "Job")
+
+
+@pytest.mark.parametrize("timeout", [None, 120])
+def test_uninstall_hook_makes_one_attempt_within_helms_wait(timeout):
+    """A second attempt, or a deadline past Helm's wait (--timeout, 5m by default), could never be
+    waited for; the deadline leaves the pod room to start beyond the module's own timeout."""
+    job = hook_job({"uninstall": {"timeoutSeconds": timeout}} if timeout else {})
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert job["spec"]["backoffLimit"] == 0
+    assert f"--timeout={timeout or 240}" in args
+    assert (timeout or 240) < job["spec"]["activeDeadlineSeconds"] < HELM_DEFAULT_TIMEOUT_S
+
+
+@pytest.mark.parametrize("case", ["defaults", "namespaced"])
+def test_uninstall_hook_pod_is_not_taken_for_the_operator(case):
+    """Nothing that selects the operator's pods (its Deployment, kubectl logs -l) selects the hook's."""
+    operator = next(o for o in render(MATRIX[case]) if o["kind"] == "Deployment" and not is_hook(o))
+    hook_pod = hook_job(MATRIX[case])["spec"]["template"]["metadata"]["labels"]
+    selector = operator["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= hook_pod.items(), hook_pod
+    assert hook_pod["app.kubernetes.io/name"] != operator["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
 
 
 def test_uninstall_hook_can_be_turned_off():
@@ -127,11 +153,22 @@ def test_uninstall_hook_can_be_turned_off():
     assert "unmanaged" in next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
 
 
-def test_notes_explain_rollouts_images_and_uninstall():
-    files = helm.Chart.load(str(CHART)).render({}, name="ef", namespace="x", is_install=True)
-    notes = next(v for k, v in files.items() if k.endswith("NOTES.txt"))
-    for words in ("valueFrom", "maxSurge 0, maxUnavailable 1", "spec.image", "pre-delete", "kubectl delete crd"):
-        assert words in notes, words
+def notes(values):
+    files = helm.Chart.load(str(CHART)).render(values, name="ef", namespace="x", is_install=True)
+    return next(v for k, v in files.items() if k.endswith("NOTES.txt"))
+
+
+def test_notes_explain_rollouts_images_replicas_and_uninstall():
+    text = notes({})
+    for words in ("valueFrom", "maxSurge 0, maxUnavailable 1", "spec.image", "pre-delete", "kubectl delete crd",
+                  "spec.replicas", "use mode off", "/spec/replicas", "--timeout"):
+        assert words in text, words
+
+
+def test_notes_warn_loudly_that_uninstall_deletes_every_service_in_the_cluster():
+    """watchNamespace "": the hook deletes every EmbeddingService in the cluster, whoever made it."""
+    assert "WARNING" in notes({}) and "EVERY EmbeddingService IN EVERY NAMESPACE" in notes({})
+    assert "WARNING" not in notes({"watchNamespace": "search"}) and "in search" in notes({"watchNamespace": "search"})
 
 
 def test_the_chart_works_as_a_dependency(tmp_path):

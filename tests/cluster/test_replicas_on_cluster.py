@@ -1,6 +1,9 @@
 """The replica count under a real API server's server-side apply (which the emulator implements
 for spec.replicas only): a spec edit at N replicas keeps N, an operator restart keeps N, and mode
-switches keep the count, with the field owned as intended (metadata.managedFields)."""
+switches keep the count, with the field owned as intended (metadata.managedFields). The live count
+is written into the service's spec.replicas (scale subresource, which the emulator approximates by
+patching the whole object), so a switch of the mode alone to off keeps it; a real HPA controller
+moves the count in mode hpa."""
 
 import os
 import time
@@ -46,6 +49,7 @@ def test_a_spec_edit_at_n_replicas_keeps_n(emulator, operator, namespace, paths)
                emulator.get(paths["deploy"])["spec"]["template"]["spec"]["containers"][0]["env"], timeout=60)
     assert set(watch_count(emulator, paths["deploy"], 10)) == {3}
     assert "embedop" in owners(emulator.get(paths["deploy"]))
+    eventually(lambda: emulator.get(paths["cr"])["spec"]["replicas"] == 3, timeout=60)  # the live count
 
 
 def test_an_operator_restart_keeps_n(emulator, operator, namespace, paths, tmp_path):
@@ -68,10 +72,42 @@ def test_an_operator_restart_keeps_n(emulator, operator, namespace, paths, tmp_p
         eventually(lambda: emulator.get(paths["hpa"]) is None, timeout=60)
         eventually(lambda: "embedop" in owners(emulator.get(paths["deploy"])), timeout=60)
         assert set(watch_count(emulator, paths["deploy"], 10)) == {3}
-        emulator.merge_patch(paths["cr"], {"spec": {"replicas": 3, "autoscaling": {"mode": "off"}}})
-        eventually(lambda: emulator.get(paths["cr"])["status"].get("desiredReplicas") == 3, timeout=60)
+        # The mode alone to off: spec.replicas was never set (1), but the operator has written the
+        # live count there (3), so the fleet stays.
+        assert emulator.get(paths["cr"])["spec"]["replicas"] == 3
+        emulator.merge_patch(paths["cr"], {"spec": {"autoscaling": {"mode": "off"}}})
+        eventually(lambda: emulator.get(paths["cr"])["status"].get("observedGeneration")
+                   == emulator.get(paths["cr"])["metadata"]["generation"], timeout=60)
         assert set(watch_count(emulator, paths["deploy"], 10)) == {3}
+        assert emulator.get(paths["cr"])["status"].get("desiredReplicas") == 3
         emulator.merge_patch(f"{paths['cr']}/scale", {"spec": {"replicas": 2}})  # kubectl scale embsvc
         eventually(lambda: emulator.get(paths["deploy"])["spec"]["replicas"] == 2, timeout=60)
+        # hpa → off: the HPA's controller moves the count (without metrics it still enforces its
+        # minReplicas: 2 → 4), the operator writes it into spec.replicas, a switch of the mode
+        # alone keeps it.
+        emulator.merge_patch(paths["cr"], {"spec": {"autoscaling": {"mode": "hpa", "minReplicas": 4}}})
+        eventually(lambda: emulator.get(paths["deploy"])["spec"]["replicas"] == 4, timeout=120)
+        eventually(lambda: emulator.get(paths["cr"])["spec"]["replicas"] == 4, timeout=60)
+        emulator.merge_patch(paths["cr"], {"spec": {"autoscaling": {"mode": "off"}}})
+        eventually(lambda: emulator.get(paths["hpa"]) is None, timeout=60)
+        eventually(lambda: "embedop" in owners(emulator.get(paths["deploy"])), timeout=60)
+        assert set(watch_count(emulator, paths["deploy"], 10)) == {4}
     finally:
         fresh.stop()
+
+
+def test_a_service_created_in_mode_hpa_starts_with_its_replicas(emulator, namespace, tmp_path):
+    """Not at 1 until the HPA acts (without metrics, this HPA never would: 1 is within its bounds)."""
+    name = "born-hpa"
+    op = OperatorProcess(Path(os.environ["KUBECONFIG"]), tmp_path / "operator.log", namespace=namespace,
+                         env={"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else None)
+    try:
+        emulator.request("POST", service_path(namespace), new_service(name, {
+            "model": "m", "replicas": 3, "resources": {"gpu": 0, "cpu": "50m", "memory": "64Mi"},
+            "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 6}}, namespace))
+        path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+        eventually(lambda: emulator.get(path), timeout=60)
+        eventually(lambda: "embedop" not in owners(emulator.get(path)), timeout=60)  # handed over
+        assert set(watch_count(emulator, path, 10)) == {3}
+    finally:
+        op.stop()

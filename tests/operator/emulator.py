@@ -34,6 +34,9 @@ applies: list[dict] = []
 deletes: list[tuple] = []
 # Every write refused for a stale resourceVersion: (subject, resource plural[/subresource], name).
 conflicts: list[tuple] = []
+# Every write (create, update, patch, delete) made by anything but the tests' own kubectl stand-in:
+# (subject, resource plural[/subresource], namespace, name).
+writes: list[tuple] = []
 
 
 # Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
@@ -60,6 +63,7 @@ def _manager(request) -> str:
 class VersionedEmulator(kmock.KubernetesEmulator):
     """kmock plus what a real API server does and kmock does not, as far as these tests need it:
 
+    - a record of every call (`recorded`, as RBAC sees it), write (`writes`), apply and delete;
     - on every write a new resourceVersion, a generation that moves with the spec, uid and
       creationTimestamp on create (kopf relies on resourceVersions to tell its own writes' echoes),
       a name from generateName;
@@ -113,6 +117,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     "UPDATE": "update" if request.method == kmock.method.PUT else "patch"}[request.action.value]
             resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
             recorded[self.subject].add((request.resource.group or "", resource, verb))
+            if verb not in ("list", "watch", "get"):
+                writes.append((self.subject, resource, request.namespace, request.name))
             if is_apply:
                 recorded[self.subject].add((request.resource.group or "", resource, "patch"))
             # The OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened
@@ -216,8 +222,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
 
 class Emulator:
-    def __init__(self, subject: str = "operator"):
-        self.subject = subject
+    def __init__(self, subject: str = "operator", with_crd: bool = True):
+        """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD)."""
+        self.subject, self.with_crd = subject, with_crd
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -237,11 +244,12 @@ class Emulator:
     async def _main(self) -> None:
         async with VersionedEmulator(subject=self.subject) as k8s, kmock.Server(k8s) as server:
             k8s.resources.load_bundled()
-            k8s.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
-                kind=crd.KIND, namespaced=True, shortnames={"embsvc"},
-                verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
-                subresources={"status", "scale"},
-            )
+            if self.with_crd:
+                k8s.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
+                    kind=crd.KIND, namespaced=True, shortnames={"embsvc"},
+                    verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
+                    subresources={"status", "scale"},
+                )
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()

@@ -38,17 +38,38 @@ def test_backlog_counts_as_demand_to_clear_within_the_target_drain_time():
     # A pod at 50% utilization with a 0.5 s admission budget holds 0.5 × 0.5 s × 1000 = 250
     # tokens of queue in the ordinary way; the rest, 2 × 1750 tokens within 1 s, is 3500 tok/s
     # of demand → 7
-    d = run(pods(2, 0, queued=2000), 2)
+    first = run(pods(2, 0, queued=2000), 2)
+    assert first.desired == 2  # a first read has nothing to compare with: no backlog yet
+    d = run(pods(2, 0, queued=2000), 2, first.history, now=1015.0)
     assert d.desired == 7
-    assert run(pods(2, 500, queued=240), 2).desired == 2  # an ordinary queue is not demand
+    calm = run(pods(2, 500, queued=240), 2, run(pods(2, 500, queued=240), 2).history, now=1015.0)
+    assert calm.desired == 2  # an ordinary queue is not demand
 
 
 def test_the_queue_held_at_target_utilization_scales_with_the_admission_budget():
     """A pod serving its target load with a 1.5 s budget holds a bigger queue, which is no
     reason to grow (the end-to-end fleet trimmed 6 → 4 → 5 on it)."""
     policy = Policy(1, 20, 0.8, 1.0, 0, 60, max_drain_s=1.5)
-    assert run(pods(4, 750, queued=1000), 4, policy=policy).desired == 4  # 0.8 × 1.5 × 1000 = 1200
-    assert run(pods(4, 750, queued=2200), 4, policy=policy).desired == 9  # + 4 × 1000 tok/s
+
+    def twice(samples):
+        return run(samples, 4, run(samples, 4, policy=policy).history, now=1015.0, policy=policy)
+
+    assert twice(pods(4, 750, queued=1000)).desired == 4  # 0.8 × 1.5 × 1000 = 1200
+    assert twice(pods(4, 750, queued=2200)).desired == 9  # + 4 × 1000 tok/s
+
+
+def test_a_restarted_operator_does_not_take_one_queue_for_a_backlog():
+    """Empty history, five pods at their target with a busy moment's queue: no scale-up."""
+    assert run(pods(5, 350, queued=500), 5, History(capacity=CAP), policy=Policy(1, 20, 0.7, 1.0, 0, 60)).desired == 5
+
+
+def test_capacity_comes_from_pods_that_have_served():
+    """New pods report their warm-up's full-row rate until they have served: after a scale-up
+    they would be the median and overstate capacity."""
+    served = [PodSample(f"old{i}", True, True, 1000.0, 500, busy_seconds=300.0) for i in range(2)]
+    fresh = [PodSample(f"new{i}", True, True, 2800.0, 0, busy_seconds=0.1) for i in range(3)]
+    d = run(served + fresh, 5, History())
+    assert d.capacity == 1000.0
 
 
 def test_policy_from_spec_reads_the_admission_budget():
@@ -226,3 +247,16 @@ def test_capacity_that_has_served_out_the_window_is_no_surge():
     low = run(pods(8, 125), 8, steady.history, now=1085.0)
     low = run(pods(8, 125), 8, low.history, now=1100.0)
     assert low.desired == 8 and "window" in low.reason
+
+
+def test_a_lull_inside_a_step_keeps_the_surge():
+    """A quiet ten seconds within a step is not the end of the demand that called the pods (with
+    90 s start-ups, letting them go would cost a start-up each when the load comes back)."""
+    h = History(capacity=CAP, startup_s=90.0)
+    d = run(pods(2, 2000), 2, h, now=1000.0)  # the step: 2 → 8
+    steady = run(pods(8, 500), 8, d.history, now=1005.0)
+    lull = run(pods(8, 125), 8, steady.history, now=1010.0)
+    lull = run(pods(8, 125), 8, lull.history, now=1015.0)
+    assert lull.desired == 8  # 10 s < a quarter of the 90 s start-up
+    back = run(pods(8, 500), 8, lull.history, now=1020.0)
+    assert back.desired == 8 and back.history.surge.low_since is None

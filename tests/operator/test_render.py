@@ -181,14 +181,30 @@ def test_default_image_policy(spec_image, pinned, default, image, notice):
     assert d["metadata"]["annotations"][render.DEFAULT_IMAGE] == ("" if spec_image else got)
 
 
+def container(**fields):
+    return {"spec": {"template": {"spec": {"containers": [{"name": "server", **fields}]}}}}
+
+
 @pytest.mark.parametrize("desired, actual, same", [
-    ({"cpu": "2.5", "memory": "1Gi"}, {"cpu": "2500m", "memory": "1024Mi"}, True),
-    ({"cpu": 4}, {"cpu": "4"}, True),
-    ({"cpu": "2"}, {"cpu": "3"}, False),
+    # Resource quantities: the API server writes them in its canonical form.
+    (container(resources={"limits": {"cpu": "2.5", "memory": "1Gi"}}),
+     container(resources={"limits": {"cpu": "2500m", "memory": "1024Mi"}}), True),
+    (container(resources={"requests": {"cpu": 4}}), container(resources={"requests": {"cpu": "4"}}), True),
+    (container(resources={"limits": {"cpu": "2"}}), container(resources={"limits": {"cpu": "3"}}), False),
+    ({"volumes": [{"emptyDir": {"sizeLimit": "20Gi"}}]}, {"volumes": [{"emptyDir": {"sizeLimit": "20480Mi"}}]}, True),
+    ({"volumes": [{"emptyDir": {"sizeLimit": "20Gi"}}]}, {"volumes": [{"emptyDir": {"sizeLimit": "20G"}}]}, False),
+    # The HPA's target is a quantity too: "1000m" comes back as "1".
+    ({"metrics": [{"pods": {"target": {"averageValue": "1000m"}}}]},
+     {"metrics": [{"pods": {"target": {"averageValue": "1"}}}]}, True),
+    # Everything else exactly: an env value is a string, not a quantity; false is not 0.
+    (container(env=[{"name": "X", "value": "1k"}]), container(env=[{"name": "X", "value": "1000"}]), False),
+    (container(env=[{"name": "CPU", "value": "2.5"}]), container(env=[{"name": "CPU", "value": "2500m"}]), False),
+    ({"enableServiceLinks": False}, {"enableServiceLinks": 0}, False),
+    ({"replicas": 1}, {"replicas": True}, False),
     ({"image": "a:1"}, {"image": "a:2"}, False),
-    ({"sizeLimit": "20Gi"}, {"sizeLimit": "20G"}, False),
+    ({"labels": {"cpu": "2"}}, {"labels": {"cpu": "2.0"}}, False),
 ])
-def test_drift_compares_quantities_as_quantities(desired, actual, same):
+def test_drift_compares_quantities_as_quantities_and_the_rest_exactly(desired, actual, same):
     assert reconcile.subset(desired, actual) is same
 
 
@@ -202,3 +218,26 @@ def test_drift_compares_quantities_as_quantities(desired, actual, same):
 ])
 def test_deployment_replicas(name, live, decision, replicas):
     assert render.deployment_replicas(specs.defaulted(VARIATIONS[name]), live, decision) == replicas
+
+
+@pytest.mark.parametrize("spec, start", [
+    ({"replicas": 5}, 5),  # spec.replicas, not 1 until the HPA acts
+    ({"replicas": 1, "autoscaling": {"minReplicas": 3}}, 3),  # at least minReplicas
+    ({"replicas": 20}, 9),  # at most maxReplicas
+    ({"replicas": 0, "autoscaling": {"minReplicas": 0}}, 1),  # the HPA's floor is 1
+])
+def test_a_new_deployment_in_mode_hpa_starts_with_the_count(spec, start):
+    autoscaling = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 9, **spec.get("autoscaling", {})}
+    s = specs.defaulted({"model": "m", **spec, "autoscaling": autoscaling})
+    assert render.deployment_replicas(s, None, exists=False) == start
+    assert render.deployment_replicas(s, start, exists=True) is None  # then the HPA owns it
+
+
+@pytest.mark.parametrize("mode, replicas, live, mirrored", [
+    ("operator", 1, 6, 6), ("hpa", 1, 6, 6),  # spec.replicas mirrors the live count ...
+    ("operator", 6, 6, None), ("hpa", 3, None, None),  # ... when it differs and there is one
+    ("off", 1, 6, None),  # mode off: spec.replicas is the count
+])
+def test_spec_replicas_mirrors_the_live_count_in_modes_operator_and_hpa(mode, replicas, live, mirrored):
+    s = specs.defaulted({"model": "m", "replicas": replicas, "autoscaling": {"mode": mode}})
+    assert render.mirrored_replicas(s, live) == mirrored

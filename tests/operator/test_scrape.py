@@ -84,7 +84,9 @@ async def test_scrape_reads_ready_pods_concurrently_and_reports_failures(pods_se
         pod("starting", "127.0.0.24", ready=False), pod("refused", "127.0.0.25")]
     async with aiohttp.ClientSession() as session:
         start = asyncio.get_running_loop().time()
-        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=0.5)}
+        errors = {}
+        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=0.5,
+                                                              errors=errors)}
         took = asyncio.get_running_loop().time() - start
     assert took < 1.5  # concurrent, and the slow pod is cut off at the timeout
     assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90
@@ -92,3 +94,15 @@ async def test_scrape_reads_ready_pods_concurrently_and_reports_failures(pods_se
     assert samples["broken"].ready and not samples["broken"].scraped
     assert samples["refused"].ready and not samples["refused"].scraped
     assert not samples["starting"].ready and not samples["starting"].scraped
+    # Each failure's error, by pod, for the MetricsUnavailable condition.
+    assert set(errors) == {"slow", "broken", "refused"}
+    assert "0.5 s" in errors["slow"] and "500" in errors["broken"] and "127.0.0.25" in errors["refused"], errors
+
+
+def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
+    failed = [autoscale.PodSample("b", True, False), autoscale.PodSample("a", True, False),
+              autoscale.PodSample("starting", False, False)]
+    why = autoscaler.unscraped(failed, {"a": "ClientConnectorError: refused", "b": "x"}, 8001)
+    assert why and "2 ready pod(s)" in why and "a: ClientConnectorError: refused" in why and "8001" in why
+    assert autoscaler.unscraped(failed + [autoscale.PodSample("c", True, True)], {}, 8001) is None
+    assert autoscaler.unscraped([autoscale.PodSample("starting", False, False)], {}, 8001) is None  # none ready

@@ -47,7 +47,8 @@ async def test_the_reconcile_and_the_autoscaler_racing_keep_each_others_conditio
         conditions = {c["type"]: c["status"] for c in st["conditions"]}
         assert conditions == {"Ready": "False" if problems else "True", "Progressing": "False",
                               "Degraded": "True" if problems else "False",
-                              "ScalingLimited": "True" if limited else "False"}, (round_, st["conditions"])
+                              "ScalingLimited": "True" if limited else "False",
+                              "MetricsUnavailable": "False"}, (round_, st["conditions"])
         assert st["desiredReplicas"] == 3 and st["serviceRateTokensPerSecond"] == 1200.0 and st["replicas"] == 3
     # Each round one writer found the other had written since its read, and recomputed.
     assert len(em.conflicts) - conflicts_before >= 6
@@ -74,3 +75,59 @@ async def test_a_stale_count_is_refused_in_both_directions(emulator, kube):
     # The reconcile, from a fresh read, keeps the live count.
     await reconcile.reconcile(kube, settings, NS, "counted")
     assert (await kube.get("Deployment", NS, "counted"))["spec"]["replicas"] == 3
+
+
+def steady_decision(desired=3, capacity=1200.0, offered=500.0) -> autoscale.Decision:
+    return autoscale.Decision(desired=desired, reason="steady", recommendation=desired, capacity=capacity, demand=offered,
+                              forecast=offered, limited=False, history=autoscale.History(), offered=offered)
+
+
+async def test_an_unchanged_decision_writes_nothing(emulator, kube):
+    """The gauges move a little at every scrape: status is written when a measurement moves by more
+    than 2% (and 1 unit), or when anything else changes at all."""
+    emulator.request("POST", service_path(NS), new_service("quiet", {"model": "m"}))
+    spec = specs.defaulted({"model": "m"})
+
+    async def write(d: autoscale.Decision) -> str:
+        await autoscaler._write_status(kube, NS, "quiet", spec, d, [], 3)
+        return emulator.get(service_path(NS, "quiet"))["metadata"]["resourceVersion"]
+
+    first = await write(steady_decision(capacity=1234.5678, offered=500.0))
+    assert await write(steady_decision(capacity=1241.3, offered=507.9)) == first  # within 2%: nothing written
+    assert await write(steady_decision(capacity=1234.5678, offered=500.4)) == first
+    assert emulator.get(service_path(NS, "quiet"))["status"]["serviceRateTokensPerSecond"] == 1230.0  # 3 digits
+    moved = await write(steady_decision(capacity=1300.0, offered=500.0))  # +5%: written
+    assert moved != first and emulator.get(service_path(NS, "quiet"))["status"]["serviceRateTokensPerSecond"] == 1300.0
+    assert await write(steady_decision(desired=4, capacity=1300.0)) != moved  # the decision: always, exactly
+
+
+async def test_the_autoscaler_mirrors_its_count_into_spec_replicas(emulator, kube):
+    """After a scale, spec.replicas is the new count (through the scale subresource), so that a
+    switch to mode off, which applies spec.replicas, keeps the fleet."""
+    emulator.request("POST", service_path(NS), new_service("grown", {"model": "m", "resources": {"gpu": 0},
+                                                                     "autoscaling": {"maxReplicas": 8}}))
+    body = await kube.get("EmbeddingService", NS, "grown")
+    spec, settings = specs.defaulted(body["spec"]), OperatorSettings()
+    await kube.apply(reconcile.deployment_for(settings, body, spec, None)[0])
+    live = await kube.get("Deployment", NS, "grown")
+    assert live["spec"]["replicas"] == 1
+    assert await autoscaler._scale(kube, settings, body, spec, live, 6)
+    cr = emulator.get(service_path(NS, "grown"))
+    assert (await kube.get("Deployment", NS, "grown"))["spec"]["replicas"] == 6 and cr["spec"]["replicas"] == 6
+    assert ("embedfleet.dev", "embeddingservices/scale", "patch") in em.recorded["operator"]
+
+
+async def test_a_mirror_raced_by_a_users_patch(emulator, kube):
+    """The count is written with the resourceVersion of the service as read. A user's patch in
+    between: a switch to off alone still gets the fleet's count; one that sets replicas too keeps
+    the user's replicas."""
+    for name, patch, kept in (("modeonly", {"autoscaling": {"mode": "off"}}, 5),
+                              ("both", {"replicas": 2, "autoscaling": {"mode": "off"}}, 2)):
+        emulator.request("POST", service_path(NS), new_service(name, {"model": "m", "replicas": 1, "resources": {"gpu": 0},
+                                                                 "autoscaling": {"maxReplicas": 8}}))
+        stale = await kube.get("EmbeddingService", NS, name)
+        spec, settings = specs.defaulted(stale["spec"]), OperatorSettings()
+        await kube.apply(reconcile.deployment_for(settings, stale, spec, None, 5)[0])  # the fleet is at 5
+        emulator.merge_patch(service_path(NS, name), {"spec": patch})
+        assert await reconcile.mirror_count(kube, stale, 5) == (kept == 5)
+        assert emulator.get(service_path(NS, name))["spec"]["replicas"] == kept, name

@@ -58,6 +58,17 @@ def test_a_namespace_limits_it(emulator, tmp_path):
     assert names(emulator, "default") == [] and names(emulator, "other") == ["theirs"]
 
 
+def test_without_the_crd_there_is_nothing_to_delete_and_it_succeeds(tmp_path):
+    """--skip-crds, or the CRD deleted first: the API answers 404 for the resource. That is
+    "nothing left", not a failure that would fail helm uninstall."""
+    with Emulator(subject="uninstall", with_crd=False) as bare:
+        assert bare.get(service_path("default")) is None  # 404, as a real API server answers
+        out = run(bare, tmp_path)
+        assert out.returncode == 0 and "no EmbeddingService left" in out.stdout, out.stdout + out.stderr
+        out = run(bare, tmp_path, "--namespace", "search")
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_its_calls_are_what_the_hook_role_grants():
     calls = em.recorded["uninstall"]
     assert calls and calls <= uninstall.CALLS, calls - uninstall.CALLS

@@ -1,0 +1,120 @@
+"""What the autoscaler writes besides the count, with the real operator process, kmock as the API
+server and one Pod whose /metrics the test serves (or does not): a Warning condition and Event when
+no ready pod can be scraped, cleared when one can; the count it scales to written into the
+service's spec.replicas, so that a switch to mode off alone keeps the fleet.
+
+The emulator runs no controllers: the Pod is posted by the test, ready, at an address of its own
+(127.0.0.41); nothing listens there until the test serves the shared signal on it."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+from embedop import render
+from tests.conftest import free_port
+from tests.operator import emulator as em
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS, NAME, POD_IP = "default", "signal", "127.0.0.41"
+PORT = free_port()
+DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
+# One pod offered 4000 tokens/s with a capacity of 1000: ceil(4000 / (1000 × 0.7)) = 6 replicas.
+EXPOSITION = """# TYPE embedfleet_service_rate_tokens_per_second gauge
+embedfleet_service_rate_tokens_per_second 1000
+# TYPE embedfleet_arrival_rate_tokens_per_second gauge
+embedfleet_arrival_rate_tokens_per_second 4000
+# TYPE embedfleet_queued_tokens gauge
+embedfleet_queued_tokens 0
+"""
+
+
+class Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the http.server API
+        body = EXPOSITION.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def operator_(emulator, tmp_path_factory):
+    d = tmp_path_factory.mktemp("signal")
+    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log",
+                         env={"EMBEDOP_METRICS_PORT": str(PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+    yield op
+    op.stop()
+
+
+@pytest.fixture(scope="module")
+def pod_metrics():
+    """→ start(): serve the pod's /metrics from then on."""
+    servers = []
+
+    def start():
+        server = http.server.ThreadingHTTPServer((POD_IP, PORT), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def condition(emulator, type_) -> dict:
+    cr = emulator.get(service_path(NS, NAME))
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def warnings(emulator, reason) -> list[dict]:
+    return [e for e in emulator.get(f"/api/v1/namespaces/{NS}/events")["items"]
+            if e.get("involvedObject", {}).get("name") == NAME and e.get("reason") == reason]
+
+
+def test_no_scrapable_pod_is_a_condition_and_a_warning(emulator, operator_):
+    emulator.request("POST", service_path(NS), new_service(NAME, {
+        "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+        "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 1}}))
+    eventually(lambda: emulator.get(DEPLOY))
+    emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-0", "namespace": NS, "labels": render.labels(NAME)},
+        "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
+        "status": {"phase": "Running", "podIP": POD_IP, "conditions": [{"type": "Ready", "status": "True"}]}})
+    # Nothing listens at the pod's address (as when a NetworkPolicy keeps the operator out).
+    c = eventually(lambda: (c := condition(emulator, "MetricsUnavailable")).get("status") == "True" and c, timeout=30)
+    assert c["reason"] == "ScrapeFailed" and f"{NAME}-0" in c["message"] and str(PORT) in c["message"], c
+    assert "held" in c["message"]
+    (event,) = eventually(lambda: warnings(emulator, "MetricsUnavailable"))
+    assert event["type"] == "Warning" and f"{NAME}-0" in event["message"]
+    assert emulator.get(DEPLOY)["spec"]["replicas"] == 1  # the count is held
+
+
+def test_the_condition_clears_once_a_pod_can_be_scraped(emulator, operator_, pod_metrics):
+    pod_metrics()
+    eventually(lambda: condition(emulator, "MetricsUnavailable").get("status") == "False", timeout=30)
+    assert condition(emulator, "MetricsUnavailable")["reason"] == "Scraped"
+
+
+def test_the_autoscalers_count_is_written_into_spec_replicas_and_kept_by_a_switch_to_off(emulator, operator_):
+    """The reported bug: spec.replicas 1, the autoscaler grows the fleet to 6, a patch of the mode
+    alone to off applied spec.replicas (1), killing five pods."""
+    eventually(lambda: emulator.get(DEPLOY)["spec"]["replicas"] == 6, timeout=60)
+    eventually(lambda: emulator.get(service_path(NS, NAME))["spec"]["replicas"] == 6)
+    mark = len(em.applies)
+    emulator.merge_patch(service_path(NS, NAME), {"spec": {"autoscaling": {"mode": "off"}}})
+
+    def caught_up():  # the reconcile has applied the switch (or found nothing to change)
+        cr = emulator.get(service_path(NS, NAME))
+        return cr["status"].get("observedGeneration") == cr["metadata"]["generation"] and cr
+    cr = eventually(caught_up)
+    counts = [a["body"]["spec"].get("replicas") for a in em.applies[mark:] if a["kind"] == "Deployment" and a["name"] == NAME]
+    assert set(counts) <= {6} and emulator.get(DEPLOY)["spec"]["replicas"] == 6, counts
+    assert cr["status"]["desiredReplicas"] == 6
