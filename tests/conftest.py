@@ -145,21 +145,26 @@ def model_dir() -> str:
 
 
 class Reference:
-    """Embeddings computed directly with transformers, one text at a time (no padding, no
-    batching), pooled by hand: an implementation independent of embedserve's."""
+    """The ecosystem's reference: sentence-transformers' own `encode` of the model directory, as
+    a user computes the vectors an index holds. EXCLUDE_TOKENS is our deliberate deviation, which
+    sentence-transformers cannot compute: with `exclude_ids` (or another pooling) the vectors are
+    pooled by hand from transformers' token states, one text at a time, at the same max_seq_length."""
 
-    def __init__(self, model_dir: str, max_length: int = 512):
+    def __init__(self, model_dir: str):
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from sentence_transformers import SentenceTransformer
 
         self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.max_length = max_length
+        self.st = SentenceTransformer(model_dir, device="cpu")
+        self.tok = self.st.tokenizer
+        self.max_length = self.st.max_seq_length
+        self.model = self.st[0].model.eval()
         self._cache: dict = {}
 
-    def embed(self, texts, exclude_ids=(), pooling="mean", normalize=True) -> np.ndarray:
-        return np.stack([self._one(t, tuple(exclude_ids), pooling, normalize) for t in texts])
+    def embed(self, texts, exclude_ids=(), pooling=None, normalize=True) -> np.ndarray:
+        if not exclude_ids and pooling is None:
+            return self.st.encode(list(texts), batch_size=8, convert_to_numpy=True)
+        return np.stack([self._one(t, tuple(exclude_ids), pooling or "mean", normalize) for t in texts])
 
     def _one(self, text, exclude_ids, pooling, normalize):
         key = (text, exclude_ids, pooling, normalize)

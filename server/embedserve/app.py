@@ -13,14 +13,15 @@ import torch
 
 from embedserve import admission, grpc_server, http_server, simulated
 from embedserve.config import PACKAGED_MODEL, Settings
-from embedserve.encoder import Encoder, Placement, choose_placement, task_of
+from embedserve.declared import Head
+from embedserve.encoder import Encoder, Placement, choose_placement
 from embedserve.engine import Engine
 from embedserve.estimator import Estimator
 from embedserve.metrics import Metrics
-from embedserve.model_source import resolve
+from embedserve.prepare import prepare
 from embedserve.service import EmbeddingService, Limits
-from embedserve.tokenization import TextTokenizer
-from embedserve.worker import WarmupPlan
+from embedserve.threads import in_daemon_thread
+from embedserve.worker import WarmupPlan, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,6 @@ def policy_from(settings: Settings, largest_batch_s: float) -> admission.Policy:
         latency_soft_s=settings.latency_soft_ms / 1000,
         latency_hard_s=settings.latency_hard_ms / 1000,
     )
-
-
-def usable_buckets(buckets: tuple[int, ...], max_positions: int | None) -> tuple[int, ...]:
-    """Buckets the model can run: none longer than its position table (which then caps inputs)."""
-    if not max_positions:
-        return buckets
-    kept = tuple(b for b in buckets if b <= max_positions)
-    return kept or (max_positions,)
 
 
 def served_model_name(settings: Settings) -> str:
@@ -69,6 +62,7 @@ class Server:
         self.served_name = served_model_name(settings)
         self.task = "embed"
         self.labels: list[str] = []
+        self.head: Head | None = None  # what the model declares, with the environment's overrides
         self.started_at = time.monotonic()
         self.draining = False
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
@@ -91,26 +85,17 @@ class Server:
 
     async def _load(self) -> None:
         s = self.settings
-        from transformers import AutoConfig, AutoTokenizer
-
         sim_rate = simulated.parse(s.model_path)
-        source = "" if sim_rate else s.model_path  # the simulator borrows the packaged tokenizer
-        model_dir = str(await asyncio.to_thread(resolve, source, s.model_cache_dir))
-        config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
-        hf_tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir, trust_remote_code=s.trust_remote_code)
-        self.task = "embed" if sim_rate else task_of(config, s.task)
-        if self.task == "classify":
-            self.labels = [config.id2label[i] for i in range(config.num_labels)]
-        buckets = usable_buckets(s.buckets, getattr(config, "max_position_embeddings", None))
-        tokenizer = TextTokenizer(hf_tok, buckets[-1], s.truncate)
-        exclude = tokenizer.token_ids(s.exclude_tokens)
+        m = await in_daemon_thread(prepare, s, name="prepare")  # download, config, tokenizer, declaration
+        self.task, self.labels, self.head = m.task, m.labels, m.head
         cuda = torch.cuda.is_available() and not sim_rate
         self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
         if sim_rate:
             # STATIC_SHAPES=true pads as on a GPU: tests see padding cost simulated device time.
             self.placement = Placement(torch.device("cpu"), torch.float32, False, s.static_shapes == "true")
+        tokenizer = m.tokenizer
         plan = WarmupPlan(
-            buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
+            m.buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
             s.batch_caps, tokenizer.pad_id, tokenizer.vocab_size,
         )
         placement = self.placement
@@ -118,19 +103,20 @@ class Server:
         def load():
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
-            return Encoder(model_dir, s, placement, exclude, self.task)
+            return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head)
 
         self.engine = Engine(
             plan, load, self.estimator,
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
             on_batch=self.metrics.batch_ran, on_failing=self._failing,
+            watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
         )
         await self.engine.start()
         self.service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.warmup.largest_batch_s),
-            Limits(s.max_texts_per_request, buckets[-1], s.truncate),
-            executor=self._executor, observer=self.metrics, task=self.task,
+            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
+            executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
         )
 
     def _failing(self, failing: bool) -> None:
@@ -143,7 +129,7 @@ class Server:
         return self.ready and not self.draining and not (self.engine and self.engine.failing)
 
     def health_fields(self) -> dict:
-        snap = self.estimator.snapshot()
+        snap, snap_time = self.estimator.snapshot(), self.estimator.clock()
         status = self.service.status() if self.service else "starting"
         if self.draining:
             status = "starting" if self.service is None else status
@@ -151,7 +137,7 @@ class Server:
             "status": status,
             "accepting_requests": bool(self.service and self.service.ready and status != "overloaded"),
             "queued_tokens": int(snap.queued_tokens),
-            "reserved_tokens": int(self.service.book.reserved_tokens) if self.service else 0,
+            "reserved_tokens": int(self.service.gate.book.reserved(snap_time)) if self.service else 0,
             "service_rate_tokens_per_sec": snap.service_rate,
             "arrival_rate_tokens_per_sec": snap.arrival_rate,
             "estimated_drain_time_ms": min(snap.drain_s, 1e9) * 1000,
@@ -160,6 +146,7 @@ class Server:
             "in_flight_requests": self.service.in_flight if self.service else 0,
             "embedding_dimension": self.engine.dim if self.engine else 0,
             "uptime_seconds": time.monotonic() - self.started_at,
+            **(self.head.describe() if self.head else {}),
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",
             "threads": threading.active_count(),

@@ -4,10 +4,12 @@ In a cluster, target the headless Service as `dns:///NAME:50051`: the channel re
 and balances round-robin; servers close connections after MAX_CONNECTION_AGE_S, and each close
 makes the channel resolve again, so pods added by a scale-up take their share.
 
-Each call retries within its deadline (`timeout_s`): RESOURCE_EXHAUSTED after the server's
-retry-after-ms, the moment the server has booked room for it (so coming back on time is coming
-back once), and UNAVAILABLE or CANCELLED (a pod draining or gone) at once on the next pod, with
-a short backoff if every pod says so. Retries are marked so servers do not count them as new demand.
+A call the server cannot start within its drain budget waits on the server for the room booked
+for it (metadata embedfleet-queue: wait), as long as that moment lies within the reservation
+horizon and the call's deadline (`timeout_s`). Within that deadline the call retries
+RESOURCE_EXHAUSTED (refused past the horizon) after the server's retry-after-ms, and UNAVAILABLE
+or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
+says so. Retries after a refusal are marked so servers do not count them as new demand.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CHANNEL_OPTIONS = [
     # not within 30 s of the last answer: new pods would wait that long for a share.
     ("grpc.dns_min_time_between_resolutions_ms", 1000),
 ]
+# A call that does not fit a server's drain budget now waits on that server for the room booked
+# for it (within the reservation horizon and its deadline), rather than coming back: the retry
+# of a round-robin channel would land on another pod, where nothing is booked for it.
+WAIT_FOR_BOOKED_ROOM = ("embedfleet-queue", "wait")
 UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
 # Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
 # cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
@@ -90,17 +96,21 @@ class Client:
 
     async def _call(self, method, request):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        unavailable = 0
-        attempt = 0
+        refused = unavailable = attempt = 0
         while True:
             attempt += 1
             remaining = None if deadline is None else deadline - time.monotonic()
+            # embedfleet-attempt counts admission's refusals: a request refused before is not new
+            # demand; one that a draining pod turned away was never counted, and is.
+            metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM)
             try:
-                return await method(request, timeout=remaining, metadata=(("embedfleet-attempt", str(attempt)),))
+                return await method(request, timeout=remaining, metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 wait = self._wait_before_retry(e, unavailable)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
+                elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused += 1
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
                 if wait is None or out_of_time or attempt == self.max_attempts:
                     raise

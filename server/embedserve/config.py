@@ -81,18 +81,29 @@ class Settings:
     """LATENCY_HARD_MS: P95 above this sheds every request."""
     latency_window_s: float = 10.0
     """LATENCY_WINDOW_S: the sliding window for P95."""
-    pooling: str = "mean"
-    """POOLING: mean, cls or last."""
-    normalize: bool = True
-    """NORMALIZE: L2-normalise embeddings."""
+    pooling: str = ""
+    """POOLING: empty (default) pools as the model declares (sentence-transformers 1_Pooling;
+    mean for a plain checkpoint); else cls, mean, max, lasttoken, weightedmean or
+    mean_sqrt_len_tokens, several joined by + (concatenated). Logged when it overrides."""
+    normalize: bool | None = None
+    """NORMALIZE: unset (default) L2-normalises when the model declares a Normalize module;
+    true or false overrides (logged)."""
     exclude_tokens: tuple[str, ...] = ()
-    """EXCLUDE_TOKENS: comma-separated token strings left out of mean pooling."""
+    """EXCLUDE_TOKENS: comma-separated token strings left out of mean pooling (a deliberate
+    deviation from sentence-transformers, which pools every token)."""
     truncate: bool = True
-    """TRUNCATE: cut inputs longer than the largest bucket (else INVALID_ARGUMENT)."""
+    """TRUNCATE: cut inputs longer than the model's max_seq_length (capped by the largest bucket)
+    to it, as sentence-transformers does; false refuses them (INVALID_ARGUMENT)."""
     max_texts_per_request: int = 512
     """MAX_TEXTS_PER_REQUEST: most texts (or rows) in one request."""
-    max_message_bytes: int = 64 * 1024 * 1024
-    """GRPC_MAX_MESSAGE_BYTES: gRPC send and receive limit."""
+    max_message_bytes: int = 0
+    """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
+    can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters
+    of 4 UTF-8 bytes each (texts are cut there before tokenizing), plus 1 MiB (17 MiB with the
+    defaults). Responses may be larger (64 MiB)."""
+    http_max_body_bytes: int = 0
+    """HTTP_MAX_BODY_BYTES: the largest HTTP request body (413 above). Default: twice the gRPC
+    limit (JSON escapes)."""
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
@@ -103,6 +114,12 @@ class Settings:
     """TOKENIZATION_WORKERS: threads that tokenize. More is not faster by default: on a 16-core
     GPU host 2 threads served 20% more single-text requests than 8 (bench/RESULTS.md), since
     every thread also needs the GIL the event loop runs on."""
+    watchdog_multiple: float = 20.0
+    """WATCHDOG_MULTIPLE: a batch running this many times longer than warm-up says it should
+    means the device hangs: its requests fail with UNAVAILABLE and the server reports
+    NOT_SERVING, so the liveness probe restarts it."""
+    watchdog_floor_s: float = 30.0
+    """WATCHDOG_FLOOR_S: the watchdog never fires on a batch younger than this."""
     shutdown_grace_s: float = 20.0
     """SHUTDOWN_GRACE_S: how long SIGTERM waits for in-flight requests."""
 
@@ -137,20 +154,30 @@ class Settings:
             latency_soft_ms=s.float("LATENCY_SOFT_MS", d.latency_soft_ms),
             latency_hard_ms=s.float("LATENCY_HARD_MS", d.latency_hard_ms),
             latency_window_s=s.float("LATENCY_WINDOW_S", d.latency_window_s),
-            pooling=s.choice("POOLING", d.pooling, ("mean", "cls", "last")),
-            normalize=s.bool("NORMALIZE", d.normalize),
+            pooling=s.pooling("POOLING"),
+            normalize=s.optional_bool("NORMALIZE"),
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
-            max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes, low=1024),
+            max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
+            http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
             task=s.choice("TASK", d.task, ("auto", "embed", "classify")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
+            watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple),
+            watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
+        if not settings.max_message_bytes:
+            from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
+
+            text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
+            settings = dataclasses.replace(settings, max_message_bytes=settings.max_texts_per_request * text_bytes + 2**20)
+        if not settings.http_max_body_bytes:
+            settings = dataclasses.replace(settings, http_max_body_bytes=2 * settings.max_message_bytes)
         return settings
 
 
@@ -205,6 +232,18 @@ class _Reader:
         if v.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{name}={v!r}: expected true or false")
+
+    def optional_bool(self, name: str) -> bool | None:
+        return None if self._raw(name) is None else self.bool(name, False)
+
+    def pooling(self, name: str) -> str:
+        from embedserve.declared import ALIASES, POOLING_MODES
+
+        v = (self._raw(name) or "").lower()
+        bad = [m for m in v.split("+") if v and ALIASES.get(m, m) not in POOLING_MODES]
+        if bad:
+            raise ConfigError(f"{name}={v!r}: expected one of {', '.join(POOLING_MODES)} (several joined by +)")
+        return v
 
     def str_list(self, name: str) -> tuple[str, ...]:
         v = self._raw(name)

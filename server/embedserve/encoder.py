@@ -11,7 +11,8 @@ import torch
 
 from embedserve.config import Settings
 from embedserve.cuda_graphs import CudaGraphs
-from embedserve.pooling import pool
+from embedserve.declared import Head
+from embedserve.pooling import Pooler
 from embedserve.queues import Batch
 
 log = logging.getLogger(__name__)
@@ -50,18 +51,23 @@ class Encoder:
     `run(batch)` → float32 [rows, dim] numpy."""
 
     def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
-                 task: str = "embed"):
+                 task: str = "embed", head: Head | None = None):
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         self.placement = placement
         self.settings = settings
         self.task = task
+        if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
+            torch.cuda.set_device(placement.device)
         loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
         model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code)
         self.model = model.to(placement.device).eval()
-        # Output width: the embedding dimension, or one logit per label.
-        self.dim = int(self.model.config.num_labels if task == "classify" else self.model.config.hidden_size)
-        self.exclude = torch.tensor(exclude_ids, dtype=torch.int64, device=placement.device)
+        head = head or Head(("mean",), True, (), 512, False, {}, None)
+        exclude = torch.tensor(exclude_ids, dtype=torch.int64)
+        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
+        # Output width: the embedding dimension (after any Dense layers), or one logit per label.
+        hidden = int(self.model.config.hidden_size)
+        self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
         self._forward = self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
@@ -75,8 +81,7 @@ class Encoder:
         if self.task == "classify":
             return self.model(input_ids=ids, attention_mask=mask).logits.float()
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        s = self.settings
-        return pool(hidden, ids, mask, s.pooling, s.normalize, self.exclude)
+        return self.pooler(hidden, ids, mask)
 
     def run(self, batch: Batch) -> np.ndarray:
         dev = self.placement.device

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from embedserve.batching import choose_bucket, fit_length, ladder_size, length_ladder, next_drain, select_rows
-from embedserve.errors import ModelFailure
+from embedserve.errors import DeviceUnresponsive, ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
-from embedserve.worker import ModelWorker, Runner, WarmupPlan, WarmupResult
+from embedserve.threads import in_daemon_thread
+from embedserve.worker import ModelWorker, Runner, WarmupPlan, WarmupResult, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
         on_failing: Callable[[bool], None] = lambda failing: None,
+        watchdog: Watchdog = Watchdog(),
     ):
         self.plan = plan
+        self.watchdog = watchdog
         self.on_batch = on_batch
         self.on_failing = on_failing  # called when consecutive failures cross FAILING_AFTER, and back
         self.estimator = estimator
@@ -56,13 +59,15 @@ class Engine:
         self.dim = 0
         self.in_worker = 0  # batches submitted and not yet reported
         self.failed_batches = 0  # consecutive; reset by a good batch
+        self.hung = False  # a batch outran the watchdog: the device is lost until a restart
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
 
     @property
     def failing(self) -> bool:
-        return self.failed_batches >= FAILING_AFTER
+        return self.hung or self.failed_batches >= FAILING_AFTER
 
     @property
     def ready(self) -> bool:
@@ -73,7 +78,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.worker.start()
-        await self._loop.run_in_executor(None, self.worker.started.wait)
+        await in_daemon_thread(self.worker.started.wait, name="warm-up-wait")
         if self.worker.failure is not None:
             raise self.worker.failure
         self.warmup = self.worker.warmup
@@ -82,12 +87,15 @@ class Engine:
         self.estimator.seed_service_rate(self.warmup.service_rate)
         log.info("batch caps per bucket: %s", self.caps)
         self._task = asyncio.create_task(self._batcher(), name="batcher")
+        self._watch = asyncio.create_task(self._watchdog(), name="watchdog")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop, 10.0)
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._task is not None and not self.hung:  # a worker warming up or hung is not waited for
+            await in_daemon_thread(self.worker.stop, 10.0, name="worker-stop")
 
     def submit(self, ids: torch.Tensor, lengths: np.ndarray) -> PendingRequest:
         """Queue one request's rows (ids [n, w] int32, right-padded; lengths <= largest bucket).
@@ -127,7 +135,7 @@ class Engine:
     def _form_batches(self) -> float | None:
         """Submit batches while the decision says so; → seconds until the next look (None:
         wait for news)."""
-        while self.in_worker <= self.lookahead:
+        while self.in_worker <= self.lookahead and not self.hung:
             now = self.clock()
             drain = next_drain(self.queues.views(self.caps), now, self.deadline_s, self.in_worker == 0)
             if drain.bucket is None:
@@ -153,6 +161,8 @@ class Engine:
         self.in_worker -= 1
         self.estimator.computed(batch.real_tokens, busy_s)
         self.on_batch(batch, busy_s)
+        if self.hung:  # a device that came back late: its requests have been failed already
+            return
         if isinstance(out, BaseException):
             self.failed_batches += 1
             if self.failed_batches == FAILING_AFTER:
@@ -167,6 +177,33 @@ class Engine:
             for request, positions, rows in batch.routes:
                 request.deliver(positions, out[rows])
         self._wake.set()
+
+
+    async def _watchdog(self) -> None:
+        """Fail the device when a batch outruns its limit: a kernel that hangs raises nothing."""
+        tick = min(1.0, self.watchdog.floor_s / 4)
+        while not self.hung:
+            await asyncio.sleep(tick)
+            running = self.worker.running
+            if running and time.monotonic() - running[1] > self.watchdog.limit_s(running[0], self.warmup):
+                self._device_hung(running[0], time.monotonic() - running[1])
+
+    def _device_hung(self, batch: Batch, ran_s: float) -> None:
+        """Every request waiting on the device fails with UNAVAILABLE (a client retries on another
+        pod); health reports NOT_SERVING, so the liveness probe restarts this one."""
+        log.error("a batch of %d rows has run %.1f s, past the watchdog's %.1f s: the device is not "
+                  "responding; failing every request and reporting NOT_SERVING", batch.rows, ran_s,
+                  self.watchdog.limit_s(batch, self.warmup))
+        self.hung = True
+        error = DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
+        waiting = self.worker.drain()  # formed, never to run
+        self.in_worker -= len(waiting)
+        pending = {id(r): r for b in (batch, *waiting) for r, _, _ in b.routes}
+        pending.update((id(row.chunk.request), row.chunk.request) for q in self.queues.rows.values() for row in q)
+        for request in pending.values():
+            request.fail(error)
+            self.drop(request)
+        self.on_failing(True)
 
 
 def split_by_bucket(lengths: np.ndarray, buckets) -> list[tuple[int, np.ndarray]]:

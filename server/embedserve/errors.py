@@ -24,3 +24,8 @@ class ModelFailure(RuntimeError):
 
 class WrongTask(RuntimeError):
     """The request needs the other task (embed vs classify) (FAILED_PRECONDITION / HTTP 400)."""
+
+
+class DeviceUnresponsive(NotReady):
+    """A batch outran the watchdog: the device is lost until the pod restarts (UNAVAILABLE / HTTP
+    503; clients retry on another pod)."""

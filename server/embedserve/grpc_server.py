@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.gate import Caller
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -27,6 +28,11 @@ def is_retry(metadata) -> bool:
         if key == "grpc-previous-rpc-attempts" and value not in ("", "0"):
             return True
     return False
+
+
+def caller(context) -> Caller:
+    metadata = context.invocation_metadata() or ()
+    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in tuple(metadata))
 
 
 _STATUS = (
@@ -47,14 +53,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request, context):
         return await self._call(
             "Embed", context,
-            lambda s, retry: s.embed_texts(request.texts, retry, deadline_s=context.time_remaining()),
+            lambda s: s.embed_texts(request.texts, caller(context), prompt_name=request.prompt_name or None),
         )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
-            lambda s, retry: s.infer(request.input_ids, request.attention_mask, request.shape, retry,
-                                     deadline_s=context.time_remaining()),
+            lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
         )
 
     async def HealthCheck(self, request, context):
@@ -69,7 +74,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if service is None:
                 raise NotReady("server is warming up")
             service.require_task("embed")
-            out = (await run(service, is_retry(context.invocation_metadata()))).rows
+            out = (await run(service)).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
         except tuple(e for e, _ in _STATUS) as e:
@@ -95,7 +100,7 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
     """→ (server, health servicer, bound port). Health starts NOT_SERVING."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
         ("grpc.so_reuseport", 0),
     ]
     if max_connection_age_s > 0:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.gate import Caller
 
 if TYPE_CHECKING:
     from embedserve.app import Server
@@ -46,6 +47,8 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
     user: str | None = None
+    prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
+                                    "before each text (default: its default prompt, if it declares one).")
 
 
 class Embedding(BaseModel):
@@ -89,6 +92,10 @@ class TeiEmbedRequest(BaseModel):
     inputs: Union[Text, Texts]
     normalize: bool = True
     truncate: bool | None = Field(None, description="Cut over-long inputs (default: the server's TRUNCATE).")
+    truncation_direction: Literal["Right", "right"] = Field("Right", description="Texts are cut at the end, "
+                                                             "as sentence-transformers cuts them.")
+    prompt_name: str | None = Field(None, description="One of the model's declared prompts, put before each "
+                                    "text (default: its default prompt, if it declares one).")
 
 
 class ClassifyRequest(BaseModel):
@@ -97,16 +104,29 @@ class ClassifyRequest(BaseModel):
     truncate: bool | None = None
 
 
+class TeiPredictRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    raw_scores: bool = Field(False, description="Logits instead of probabilities.")
+    truncate: bool | None = None
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float
+
+
 class Classification(BaseModel):
     label: str
     score: float
     scores: dict[str, float] | None = None
 
 
-def _retry(request: Request) -> bool:
-    """Marked as a retry by our header or by the openai client's retry counter."""
-    return (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
-            or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
+def _caller(request: Request) -> Caller:
+    """A retry is marked by our header or by the openai client's retry counter; a caller that
+    waits server-side for booked room says embedfleet-queue: wait."""
+    retry = (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
+             or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
+    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait")
 
 
 def _texts(inputs) -> list[str]:
@@ -128,6 +148,8 @@ def register(app: FastAPI, server: "Server") -> None:
     for error, status, kind in _STATUS:
         def handler(request: Request, exc: Exception, status=status, kind=kind):
             headers = {}
+            if isinstance(exc, NotReady):  # warming up, draining, a lost device: another pod, or later
+                headers["Retry-After"] = "1"
             if isinstance(exc, Overloaded):
                 # Seconds for every HTTP client; milliseconds for those that read them (the
                 # openai client prefers retry-after-ms, and waits exactly that long).
@@ -140,10 +162,23 @@ def register(app: FastAPI, server: "Server") -> None:
     @app.middleware("http")
     async def observe(request: Request, call_next):
         t0 = time.perf_counter()
-        response = await call_next(request)
-        if request.url.path in ("/v1/embeddings", "/embed", "/classify"):
+        response = starting(request, server) or await call_next(request)
+        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/"):
             server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
         return response
+
+
+STARTING_RETRY_AFTER_S = 5
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
+
+
+def starting(request: Request, server: "Server") -> JSONResponse | None:
+    """Before the model has loaded the API's routes do not exist yet (which one the server offers
+    depends on the model's task): they answer 503 with Retry-After, not 404."""
+    if server.service is not None or request.url.path not in API_PATHS:
+        return None
+    return _error(503, "service_unavailable", "server is warming up", None,
+                  {"Retry-After": str(STARTING_RETRY_AFTER_S)})
 
 
 def install_routes(app: FastAPI, server: "Server") -> None:
@@ -168,21 +203,31 @@ def install_routes(app: FastAPI, server: "Server") -> None:
     app.openapi_schema = None  # regenerate with the new routes
 
 
+def _prompt_field(server: "Server", description: str):
+    """prompt_name as the schema says it: one of the model's declared prompt names (none: only
+    null). Any other name is refused with 400, naming the ones there are."""
+    names = sorted(server.head.prompts) if server.head else []
+    return (str | None, Field(None, description=description, json_schema_extra={"enum": [*names, None]}))
+
+
 def _embed_routes(router: APIRouter, server: "Server", service) -> None:
-    @router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)
-    async def embeddings(body: EmbeddingsRequest, request: Request):
+    openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
+        server, EmbeddingsRequest.model_fields["prompt_name"].description))
+
+    async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""
         svc = service()
         if body.model != server.served_name:
             return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
                           f"this server serves {server.served_name!r}", "model_not_found")
         inp = body.input
-        if isinstance(inp, list) and inp and isinstance(inp[0], int):
-            result = await svc.infer_ids([inp], _retry(request))
-        elif isinstance(inp, list) and inp and isinstance(inp[0], list):
-            result = await svc.infer_ids(inp, _retry(request))
+        ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
+        if ids and body.prompt_name:
+            raise InvalidInput("prompt_name applies to texts, not to token ids")
+        if ids:
+            result = await svc.infer_ids([inp] if isinstance(inp[0], int) else inp, _caller(request))
         else:
-            result = await svc.embed_texts(_texts(inp), _retry(request))
+            result = await svc.embed_texts(_texts(inp), _caller(request), prompt_name=body.prompt_name)
         rows = result.rows
         if body.dimensions is not None:
             if body.dimensions > rows.shape[1]:
@@ -196,19 +241,26 @@ def _embed_routes(router: APIRouter, server: "Server", service) -> None:
         return EmbeddingsResponse(data=data, model=server.served_name,
                                   usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
 
-    normalized = server.settings.normalize
+    embeddings.__annotations__.update(body=openai_request, request=Request)  # classes made here, not names
+    router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)(embeddings)
+
+    normalized = server.head.normalize if server.head else True
     # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
     tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
-        (Literal[True], Field(True, description="This server normalizes (NORMALIZE=true).")) if normalized else (bool, True)))
+        (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
+        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
         svc = service()
-        rows = (await svc.embed_texts(_texts(body.inputs), _retry(request), body.truncate)).rows
+        rows = (await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate,
+                                      prompt_name=body.prompt_name)).rows
         return (_l2(rows) if body.normalize and not normalized else rows).tolist()
 
-    embed.__annotations__.update(body=tei_request, request=Request)  # a class made here, not a name
+    embed.__annotations__.update(body=tei_request, request=Request)
     router.post("/embed", response_model=list[list[float]], responses=ERRORS)(embed)
+    # TEI serves the model's task on / too: huggingface_hub's InferenceClient(model=URL) posts there.
+    router.post("/", response_model=list[list[float]], responses=ERRORS, summary="Embed (TEI's /)")(embed)
 
 
 def _classify_routes(router: APIRouter, server: "Server", service) -> None:
@@ -216,13 +268,24 @@ def _classify_routes(router: APIRouter, server: "Server", service) -> None:
     async def classify(body: ClassifyRequest, request: Request):
         """Sequence classification (TASK=classify): the top label and its probability per input."""
         svc = service()
-        probs = softmax((await svc.embed_texts(_texts(body.inputs), _retry(request), body.truncate)).rows)
+        probs = softmax((await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows)
         out = []
         for row in probs:
             top = int(row.argmax())
             scores = {label: float(p) for label, p in zip(server.labels, row)} if body.all_scores else None
             out.append(Classification(label=server.labels[top], score=float(row[top]), scores=scores))
         return out
+
+    @router.post("/", response_model=Union[list[Prediction], list[list[Prediction]]], responses=ERRORS,
+                 summary="Predict (TEI's /)")
+    async def predict(body: TeiPredictRequest, request: Request):
+        """TEI's predict: every label with its score, best first; one list per input when the
+        inputs are a list."""
+        rows = (await service().embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows
+        scores = rows if body.raw_scores else softmax(rows)
+        out = [sorted((Prediction(label=label, score=float(p)) for label, p in zip(server.labels, row)),
+                      key=lambda p: -p.score) for row in scores]
+        return out[0] if isinstance(body.inputs, str) else out
 
 
 def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None) -> JSONResponse:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import time
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 
 
 def build_app(server: "Server") -> FastAPI:
-    app = FastAPI(title="embedfleet server", version="0.1.0")
+    # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
+    # limit: at once on its Content-Length, else as the bytes arrive).
+    app = FastAPI(title="embedfleet server", version="0.1.0", max_body_size=server.settings.http_max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -31,6 +34,7 @@ def build_app(server: "Server") -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
 
     http_api.register(app, server)
     return app
@@ -45,18 +49,24 @@ class ConnectionAge:
     def __init__(self, app, max_age_s: float, clock: Callable[[], float] = time.monotonic):
         self.app, self.max_age_s, self.clock = app, max_age_s, clock
         self._born: dict[tuple, float] = {}
+        self._order: collections.deque[tuple[float, tuple]] = collections.deque()  # by birth: O(1) forgetting
 
     async def __call__(self, scope, receive, send):
         peer = scope.get("client")
         if scope["type"] != "http" or not peer or self.max_age_s <= 0:
             return await self.app(scope, receive, send)
-        now = self.clock()
-        born = self._born.setdefault(tuple(peer), now)
+        now, peer = self.clock(), tuple(peer)
+        while self._order and self._order[0][0] < now - 2 * self.max_age_s:  # connections long gone
+            born, old = self._order.popleft()
+            if self._born.get(old) == born:
+                del self._born[old]
+        born = self._born.get(peer)
+        if born is None:
+            born = self._born[peer] = now
+            self._order.append((now, peer))
         if born > now - self.max_age_s:
-            if len(self._born) > 4096:  # forget connections long gone
-                self._born = {k: t for k, t in self._born.items() if t > now - 2 * self.max_age_s}
             return await self.app(scope, receive, send)
-        del self._born[tuple(peer)]
+        del self._born[peer]
 
         async def closing(message):
             if message["type"] == "http.response.start":

@@ -39,8 +39,8 @@ class _SignalCollector(Collector):
             ("arrival_rate_tokens_per_second", "EMA of offered real tokens per second, admitted and rejected "
              "(retries not counted again)", snap.arrival_rate),
             ("queued_tokens", "Real tokens admitted and not yet computed", snap.queued_tokens),
-            ("reserved_tokens", "Real tokens of refused requests whose retries have room booked (retry-after-ms)",
-             service.book.reserved_tokens if service else 0.0),
+            ("reserved_tokens", "Real tokens booked for requests that did not fit the drain budget (held, or told retry-after-ms)",
+             service.gate.book.reserved(self.server.estimator.clock()) if service else 0.0),
             ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate", min(snap.drain_s, 1e9)),
         ):
             yield GaugeMetricFamily(P + name, doc, value=value)
@@ -55,10 +55,13 @@ class _SignalCollector(Collector):
         yield memory
         if self.server.engine and self.server.engine.dim:
             info = InfoMetricFamily(P + "model", "What this server serves")
+            head = self.server.head.describe() if self.server.head else {}
             info.add_metric([], {
                 "model": self.server.model_name, "device": str(self.server.placement.device),
                 "dtype": str(self.server.placement.dtype).removeprefix("torch."),
                 "dimension": str(self.server.engine.dim),
+                **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
+                   for k, v in head.items()},
             })
             yield info
 
@@ -71,6 +74,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(P + "requests", "Finished requests by outcome", ["rpc", "code"], registry=r)
         self.rejected_requests = Counter(P + "rejected_requests", "Admission rejections", ["reason"], registry=r)
+        self.held_requests = Counter(P + "held_requests", "Requests that waited server-side for booked room "
+                                     "(callers that send embedfleet-queue: wait)", registry=r)
         self.duration = Histogram(P + "request_duration_seconds", "Server-side latency", ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram(P + "batch_size", "Rows per forward pass", buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram(P + "batch_padded_tokens", "Padded tokens per forward pass", buckets=TOKEN_BUCKETS, registry=r)
@@ -84,6 +89,9 @@ class Metrics:
 
     def rejected(self, reason: str) -> None:
         self.rejected_requests.labels(reason).inc()
+
+    def held(self) -> None:
+        self.held_requests.inc()
 
     def batch_ran(self, batch: "Batch", busy_s: float) -> None:
         self.batch_size.observe(batch.rows)

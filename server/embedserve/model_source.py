@@ -26,34 +26,63 @@ def packaged_model_dir() -> Path:
         ) from None
 
 
-def resolve(model_path: str, cache_dir: str) -> Path:
+def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False) -> Path:
     """MODEL_PATH → a local directory holding config, tokenizer and weights."""
     if model_path in ("", PACKAGED_MODEL):
         return packaged_model_dir()
     if model_path.startswith("s3://"):
-        return fetch_s3(model_path, Path(cache_dir))
+        return fetch_s3(model_path, Path(cache_dir), trust_remote_code)
     local = Path(model_path).expanduser()
     if local.is_dir():
         return local
     if model_path.startswith((".", "/", "~")) or local.exists():
         raise ModelSourceError(f"MODEL_PATH={model_path!r}: no such model directory")
-    return fetch_hub(model_path, cache_dir)
+    return fetch_hub(model_path, cache_dir, trust_remote_code)
 
 
-def fetch_hub(repo_id: str, cache_dir: str) -> Path:
-    from huggingface_hub import snapshot_download
+# What serving needs of a model repository: configuration, tokenizer, the sentence-transformers
+# modules, and one copy of the weights. Repositories also carry ONNX, OpenVINO, TensorFlow, Flax
+# and Rust exports, and often both pytorch_model.bin and model.safetensors: every pod would
+# download them all.
+WANTED = (".json", ".txt", ".model", ".safetensors", ".bin", ".tiktoken", ".py")
+EXPORTS = ("onnx", "openvino", "tf_model", "flax_model", "rust_model", "coreml", "ctranslate2")
 
+
+def needed(files: list[str], trust_remote_code: bool = False) -> list[str]:
+    """The files of a repository listing (relative paths) a server needs: per directory (the
+    model, each sentence-transformers module) its .safetensors weights, or its .bin ones only
+    where it has none; no exports; the repository's own code only when it may run."""
+    def wanted(f: str) -> bool:
+        parts = f.split("/")
+        if any(p.startswith(EXPORTS) or p.startswith(".") for p in parts):
+            return False
+        if f.endswith(".py") and not trust_remote_code:
+            return False
+        return f.endswith(WANTED) and not parts[-1].startswith(("training_args", "optimizer", "scheduler"))
+
+    kept = [f for f in files if wanted(f)]
+    with_safetensors = {f.rpartition("/")[0] for f in kept if f.endswith(".safetensors")}
+    return [f for f in kept if not (f.endswith(".bin") and f.rpartition("/")[0] in with_safetensors)]
+
+
+def fetch_hub(repo_id: str, cache_dir: str, trust_remote_code: bool = False) -> Path:
+    from huggingface_hub import HfApi, snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache_dir))
+        # Offline there is no listing: whatever the cache holds is what was downloaded before.
+        patterns = None if offline else needed(HfApi().list_repo_files(repo_id), trust_remote_code)
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, auth: all mean "not available here"
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = " (HF_HUB_OFFLINE is set and the model is not in MODEL_CACHE_DIR)" if offline else ""
         raise ModelSourceError(f"MODEL_PATH={repo_id!r}: cannot fetch from the hub{hint}: {e}") from e
 
 
-def fetch_s3(uri: str, cache_root: Path) -> Path:
-    """Download every object under s3://bucket/prefix once; a marker file says it completed.
-    The endpoint and credentials come from boto3's usual environment (AWS_ENDPOINT_URL, ...)."""
+def fetch_s3(uri: str, cache_root: Path, trust_remote_code: bool = False) -> Path:
+    """Download what serving needs (see `needed`) of the directory s3://bucket/prefix once; a
+    marker file says it completed. The prefix is a directory: s3://b/bge-base is b's keys under
+    bge-base/, never bge-base-en-v1.5/. The endpoint and credentials come from boto3's usual
+    environment (AWS_ENDPOINT_URL, ...)."""
     try:
         import boto3
     except ModuleNotFoundError:
@@ -67,24 +96,22 @@ def fetch_s3(uri: str, cache_root: Path) -> Path:
     if marker.exists():
         return target
     s3 = boto3.client("s3")
-    listed = 0
+    directory = prefix + "/" if prefix else ""
     try:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                rel = obj["Key"][len(prefix) :].lstrip("/")
-                if not rel or rel.endswith("/"):
-                    continue
-                dest = (target / rel).resolve()
-                if target.resolve() not in dest.parents:  # a key like ../x must not escape
-                    raise ModelSourceError(f"refusing S3 key outside the prefix: {obj['Key']!r}")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                s3.download_file(bucket, obj["Key"], str(dest))
-                listed += 1
+        keys = [obj["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=directory)
+                for obj in page.get("Contents", []) if not obj["Key"].endswith("/")]
+        files = needed([k[len(directory):] for k in keys], trust_remote_code)
+        for rel in files:
+            dest = (target / rel).resolve()
+            if target.resolve() not in dest.parents:  # a key like ../x must not escape
+                raise ModelSourceError(f"refusing S3 key outside the prefix: {directory + rel!r}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, directory + rel, str(dest))
     except ModelSourceError:
         raise
     except Exception as e:
         raise ModelSourceError(f"MODEL_PATH={uri!r}: S3 download failed: {e}") from e
-    if listed == 0:
-        raise ModelSourceError(f"MODEL_PATH={uri!r}: no objects under that prefix")
+    if not files:
+        raise ModelSourceError(f"MODEL_PATH={uri!r}: no model files under {directory or 'the bucket'}")
     marker.touch()
     return target

@@ -1,37 +1,88 @@
-"""Pooling of token states into one vector per row, on the model's device, for the whole batch."""
+"""Token states → one vector per row, on the model's device, for the whole batch: the pooling modes
+sentence-transformers offers (concatenated when several are declared), then its Dense layers and
+Normalize, as the model declares them (embedserve.declared). Rows are right-padded. Sums run in
+float32 whatever the model's dtype."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-STRATEGIES = ("mean", "cls", "last")
+from embedserve.declared import POOLING_MODES, DeclarationError
 
 
-def pool(
-    hidden: torch.Tensor,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    strategy: str,
-    normalize: bool,
-    exclude_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, L, H] token states → [B, H] float32. Mean pooling weights each attended token once,
-    minus `exclude_ids` (control tokens), with one isin over the whole batch; rows are
-    right-padded, so `last` is the last attended position."""
-    if strategy == "mean":
-        weights = attention_mask.bool()
-        if exclude_ids is not None and exclude_ids.numel():
-            weights = weights & ~torch.isin(input_ids, exclude_ids)
-        weights = weights.to(hidden.dtype)
-        # bmm sums the weighted states in one kernel (fp32 accumulation on GPU).
-        summed = torch.bmm(weights.unsqueeze(1), hidden).squeeze(1).float()
-        out = summed / weights.sum(dim=1, keepdim=True).float().clamp(min=1.0)
-    elif strategy == "cls":
-        out = hidden[:, 0].float()
-    elif strategy == "last":
+def pool(hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, mode: str,
+         exclude_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, L, H] → [B, H] float32 for one mode. The mean modes weigh each attended token once,
+    minus `exclude_ids` (control tokens; EXCLUDE_TOKENS, a deliberate deviation from
+    sentence-transformers), with one isin over the whole batch."""
+    mask = attention_mask.bool()
+    if mode == "cls":
+        return hidden[:, 0].float()
+    if mode == "lasttoken":
         last = attention_mask.sum(dim=1) - 1
-        out = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+    if mode == "max":
+        return hidden.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(dim=1).float()
+    if mode not in ("mean", "mean_sqrt_len_tokens", "weightedmean"):
+        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    weights = mask
+    if exclude_ids is not None and exclude_ids.numel():
+        weights = weights & ~torch.isin(input_ids, exclude_ids)
+    weights = weights.float()
+    if mode == "weightedmean":  # position 1, 2, ... of each (right-padded) row
+        weights = weights * torch.arange(1, weights.shape[1] + 1, device=weights.device, dtype=weights.dtype)
+    # bmm sums the weighted states in one kernel (fp32 accumulation on GPU).
+    summed = torch.bmm(weights.unsqueeze(1).to(hidden.dtype), hidden).squeeze(1).float()
+    total = weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
+    return summed / (total.sqrt() if mode == "mean_sqrt_len_tokens" else total)
+
+
+def _activation(name: str) -> nn.Module:
+    """A Dense module's activation, by its torch class path: only torch.nn's own classes (a path
+    elsewhere would import code from the model repository)."""
+    cls = getattr(nn, name.rsplit(".", 1)[-1], None) if name.startswith("torch.") else None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise DeclarationError(f"Dense activation_function {name!r} is not a torch.nn module")
+    return cls()
+
+
+def load_dense(path: Path) -> nn.Sequential:
+    """A sentence-transformers Dense module directory → Linear + activation (float32)."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    if config.get("use_residual"):
+        raise DeclarationError(f"{path.name}: Dense with use_residual is not supported")
+    linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(path / "model.safetensors"))
     else:
-        raise ValueError(f"unknown pooling strategy {strategy!r}; expected one of {STRATEGIES}")
-    return F.normalize(out, p=2, dim=-1) if normalize else out
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+    return nn.Sequential(linear, _activation(config.get("activation_function", "torch.nn.modules.activation.Tanh")))
+
+
+class Pooler(nn.Module):
+    """Pooling modes (concatenated), Dense layers, Normalize: everything after the transformer."""
+
+    def __init__(self, modes: tuple[str, ...], dense: tuple[Path, ...], normalize: bool,
+                 exclude_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.modes, self.normalize = modes, normalize
+        self.dense = nn.Sequential(*(load_dense(p) for p in dense))
+        self.register_buffer("exclude", exclude_ids if exclude_ids is not None else torch.zeros(0, dtype=torch.int64))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pooled = [pool(hidden, input_ids, attention_mask, m, self.exclude) for m in self.modes]
+        out = self.dense(pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1))
+        return F.normalize(out, p=2, dim=-1) if self.normalize else out
+
+    def output_dim(self, hidden_size: int) -> int:
+        layers = [m[0] for m in self.dense]
+        return layers[-1].out_features if layers else hidden_size * len(self.modes)

@@ -55,20 +55,40 @@ class ReservationBook:
         self.reserved_tokens += tokens
         return b
 
+    def reserved(self, now: float) -> float:
+        """Real tokens booked and not expired (for /health and /metrics)."""
+        self.expire(now)
+        return self.reserved_tokens
+
+    def due_in(self, key: int, now: float) -> float | None:
+        """Seconds until the first booking for this content is due (None: there is none)."""
+        self.expire(now)
+        queue = self._by_key.get(key)
+        return queue[0].at - now if queue else None
+
+    def take(self, booking: Booking) -> None:
+        """Consume this booking (its holder is admitted now, or has gone)."""
+        if booking.claimed:
+            return
+        booking.claimed = True
+        queue = self._by_key.get(booking.key)
+        if queue and booking in queue:
+            queue.remove(booking)
+            if not queue:
+                del self._by_key[booking.key]
+        self.reserved_tokens -= booking.tokens
+
+    cancel = take  # a holder that went away frees its room the same way
+
     def claim(self, key: int, now: float) -> bool:
         """A request with this content arrived: True when a booking for it is due (consumed:
-        admit it). One that is not due yet is left alone: what arrives early is most likely
-        another caller with the same texts (ours and the openai client come back on time), and
-        is decided as a new request."""
+        admit it). One that is not due yet is left alone (the gate tells a marked retry to come
+        back at its moment; an unmarked request with the same texts is another caller)."""
         self.expire(now)
         queue = self._by_key.get(key)
         if not queue or now < queue[0].at - EARLY_S:
             return False
-        first = queue.popleft()
-        if not queue:
-            del self._by_key[key]
-        first.claimed = True
-        self.reserved_tokens -= first.tokens
+        self.take(queue[0])
         return True
 
     def expire(self, now: float) -> None:
@@ -76,9 +96,5 @@ class ReservationBook:
             _, _, b = heapq.heappop(self._expiry)
             if b.claimed:
                 continue
-            queue = self._by_key[b.key]
-            queue.remove(b)
-            if not queue:
-                del self._by_key[b.key]
-            self.reserved_tokens -= b.tokens
+            self.take(b)
             self.expired_tokens += b.tokens

@@ -1,28 +1,51 @@
-"""Texts → right-padded int32 token ids and lengths, with the model's fast tokenizer.
+"""Texts → right-padded int32 token ids and lengths, with the model's fast tokenizer, prepared as
+sentence-transformers prepares them: the prompt put before each text, lower-cased when the model
+declares do_lower_case, cut at its max_seq_length.
 
 Called from a worker pool, never on the event loop: the Rust tokenizer releases the GIL.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
 from embedserve.errors import InvalidInput
 
+# A text is cut at this many characters per token of max_length before it is tokenized: the
+# tokenizer reads a whole text before truncating, and a 4 MiB text would hold a tokenizer thread
+# for seconds. Generous (English runs 4-5 characters per token, code and URLs less): only texts
+# whose first max_length tokens span more than this are tokenized differently, and those are
+# cut either way.
+CHARS_PER_TOKEN_BOUND = 16
+
+
+def _lowercasing(tok: Tokenizer) -> None:
+    """Lower-case before the model's own normalizer, unless that already does (as
+    sentence-transformers does for do_lower_case)."""
+    current = json.loads(tok.to_str()).get("normalizer")
+    if current and ("Lowercase" in json.dumps(current) or current.get("lowercase")):
+        return
+    tok.normalizer = normalizers.Sequence([normalizers.Lowercase(), tok.normalizer]) if tok.normalizer else normalizers.Lowercase()
+
 
 class TextTokenizer:
-    def __init__(self, hf_tokenizer, max_length: int, truncate: bool):
+    def __init__(self, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False):
         # Private copies of the Rust tokenizer with our settings instead of the model repo's: no
-        # padding; one cuts at the largest bucket, the other one past it, to detect over-long input.
+        # padding; one cuts at max_length, the other one past it, to detect over-long input.
         def copy(limit: int) -> Tokenizer:
             tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
             tok.no_padding()
             tok.enable_truncation(limit)
+            if lower_case:
+                _lowercasing(tok)
             return tok
 
         self._cutting, self._checking = copy(max_length), copy(max_length + 1)
         self.max_length = max_length
+        self.max_chars = max_length * CHARS_PER_TOKEN_BOUND
         self.truncate = truncate
         # Tokens the model adds to every text ([CLS] and [SEP] for BERT): a text's token count
         # is its characters' share plus these.
@@ -31,10 +54,19 @@ class TextTokenizer:
         self.vocab_size = len(hf_tokenizer)
         self._hf = hf_tokenizer
 
-    def encode(self, texts: list[str], truncate: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """→ ids [n, longest] int32 (pad id after each row), lengths [n]. Over-long texts are cut
-        (truncate, default TRUNCATE) or refused."""
+    def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "") -> tuple[np.ndarray, np.ndarray]:
+        """→ ids [n, longest] int32 (pad id after each row), lengths [n], the prompt's tokens
+        included. Over-long texts are cut (truncate, default TRUNCATE) or refused."""
         truncate = self.truncate if truncate is None else truncate
+        for i, t in enumerate(texts):
+            if len(t) > self.max_chars:
+                if not truncate:
+                    raise InvalidInput(f"texts[{i}] has {len(t)} characters, more than {self.max_chars} "
+                                       f"({self.max_length} tokens × {CHARS_PER_TOKEN_BOUND}), and truncation is off")
+                texts = [s[: self.max_chars] for s in texts]
+                break
+        if prompt:
+            texts = [prompt + t for t in texts]
         encodings = (self._cutting if truncate else self._checking).encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         if not truncate:
@@ -42,8 +74,8 @@ class TextTokenizer:
             if too_long.size:
                 i = int(too_long[0])
                 raise InvalidInput(
-                    f"texts[{i}] is longer than {self.max_length} tokens (the largest bucket) "
-                    "and truncation is off"
+                    f"texts[{i}] is longer than {self.max_length} tokens (the model's max_seq_length, "
+                    "capped by the largest bucket) and truncation is off"
                 )
         ids = np.full((len(texts), int(lengths.max())), self.pad_id, dtype=np.int32)
         for row, e in zip(ids, encodings):
@@ -55,7 +87,8 @@ class TextTokenizer:
         vocab = self._hf.get_vocab()
         missing = [t for t in tokens if t not in vocab]
         if missing:
-            raise ValueError(f"EXCLUDE_TOKENS: not in the model's vocabulary: {', '.join(missing)}")
+            raise ValueError(f"EXCLUDE_TOKENS: not in the model's vocabulary: {', '.join(missing)} "
+                             f"(tokens are strings of its vocabulary, e.g. {self._hf.cls_token!r})")
         return [vocab[t] for t in tokens]
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from embedserve.batching import bucket_row_limit, choose_cap, ladder_size, ladder_upto, length_ladder, sweep_should_stop
+from embedserve.batching import bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop
 from embedserve.queues import Batch
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,21 @@ def dummy_batch(bucket: int, rows: int, plan: WarmupPlan, rng: np.random.Generat
     return Batch(ids, mask, rows, rows * bucket, [])
 
 
+def fixed_cap(bucket: int, wanted: int, limit: int, static: bool) -> int:
+    """A BATCH_CAPS entry as the batcher can run it: at most the bucket's row limit
+    (MAX_BATCH_SIZE, MAX_TOKENS_PER_BATCH) and, with static shapes, a captured batch size (the
+    largest ladder size not above it), so no shape is ever met for the first time while serving.
+    A cap that changes says so in the log."""
+    cap = min(wanted, limit)
+    if static:
+        cap = ladder_upto(cap)[-1]
+    if cap != wanted:
+        log.warning("BATCH_CAPS %d:%d runs as %d:%d (%s)", bucket, wanted, bucket, cap,
+                    "captured batch sizes are " + ", ".join(map(str, ladder_upto(limit))) if static
+                    else f"at most {limit} rows fit MAX_BATCH_SIZE and MAX_TOKENS_PER_BATCH")
+    return cap
+
+
 def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.perf_counter) -> WarmupResult:
     """Run every shape once (compiling it), time it, and cap each bucket's batch size."""
     rng = np.random.default_rng(0)
@@ -75,8 +90,8 @@ def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.
         limit = bucket_row_limit(b, plan.max_batch_size, plan.max_tokens_per_batch, plan.static)
         fixed = plan.fixed_caps.get(b) if plan.fixed_caps else None
         if fixed is not None:
-            top = min(fixed, limit)
-            sizes = ladder_upto(top) if plan.static else (top,)
+            fixed = fixed_cap(b, fixed, limit, plan.static)
+            sizes = ladder_upto(fixed) if plan.static else (fixed,)
         else:
             sizes = ladder_upto(limit) if plan.static else _powers_of_two(limit)
         sweep: list[tuple[int, float]] = []
@@ -87,8 +102,7 @@ def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.
             sweep.append((rows, rows * b / dt))
             if fixed is None and (sweep_should_stop(sweep) or dt > SWEEP_MAX_BATCH_S):
                 break
-        cap = ladder_size(fixed, ladder_upto(limit)) if (fixed and plan.static) else (fixed or choose_cap(sweep))
-        caps[b] = min(cap, limit)
+        caps[b] = fixed or choose_cap(sweep)
         rates[b] = dict(sweep).get(caps[b], sweep[-1][1])
         log.info("bucket %d: batch cap %d rows (sweep %s)", b, caps[b],
                  ", ".join(f"{s}:{r:.0f} tok/s" for s, r in sweep))
@@ -125,6 +139,21 @@ def _powers_of_two(limit: int) -> tuple[int, ...]:
 Report = Callable[[Batch, "np.ndarray | BaseException", float], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Watchdog:
+    """When a batch has run too long: `multiple` times what warm-up says it should take, and never
+    less than `floor_s` (a loaded host is slow, a hung device is forever). A device that hangs in
+    a kernel raises nothing: only the clock can tell."""
+
+    multiple: float = 20.0
+    floor_s: float = 30.0
+
+    def limit_s(self, batch: Batch, warmup: WarmupResult) -> float:
+        slowest = min(warmup.rates.values(), default=0.0)
+        expected = max(warmup.largest_batch_s, batch.padded_tokens / slowest if slowest > 0 else 0.0)
+        return max(self.floor_s, self.multiple * expected)
+
+
 class ModelWorker:
     """Owns the runner on its own thread. `started` is set once loading and warm-up end (check
     `failure`); `submit` never blocks (the batcher keeps the queue below its cap)."""
@@ -136,6 +165,7 @@ class ModelWorker:
         self.failure: BaseException | None = None
         self.warmup: WarmupResult | None = None
         self.runner: Runner | None = None
+        self.running: tuple[Batch, float] | None = None  # the batch on the device, since (monotonic)
         self._thread = threading.Thread(target=self._main, name="model-worker", daemon=True)
 
     def start(self) -> None:
@@ -143,6 +173,17 @@ class ModelWorker:
 
     def submit(self, batch: Batch) -> None:
         self._queue.put_nowait(batch)
+
+    def drain(self) -> list[Batch]:
+        """Take back the batches not yet started (the device is lost)."""
+        taken = []
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return taken
+            if batch is not None:
+                taken.append(batch)
 
     def stop(self, timeout: float | None = None) -> None:
         if self._thread.is_alive():
@@ -161,9 +202,11 @@ class ModelWorker:
             self.started.set()
         while (batch := self._queue.get()) is not None:
             t0 = time.perf_counter()
+            self.running = (batch, time.monotonic())
             try:
                 out: np.ndarray | BaseException = self.runner.run(batch)
             except Exception as e:  # one bad batch fails its own requests, not the server
                 log.exception("batch of %d rows failed", batch.rows)
                 out = e
+            self.running = None
             self._report(batch, out, time.perf_counter() - t0)

@@ -11,7 +11,9 @@ def test_defaults_match_the_design_contract():
     assert s.buckets == (16, 32, 64, 128, 256, 512)
     assert s.deadline_wait_ms == 50 and s.gpu_queue_maxsize == 4
     assert s.backpressure_throughput and not s.backpressure_latency
-    assert (s.pooling, s.normalize, s.exclude_tokens) == ("mean", True, ())
+    assert (s.pooling, s.normalize, s.exclude_tokens) == ("", None, ())  # as the model declares
+    assert (s.max_connection_age_s, s.reservation_horizon_ms) == (30, 10_000)
+    assert s.max_message_bytes == 512 * 512 * 16 * 4 + 2**20 and s.http_max_body_bytes == 2 * s.max_message_bytes
     assert (s.truncate, s.max_texts_per_request) == (True, 512)
     assert (s.compile, s.dtype, s.task, s.trust_remote_code) == ("auto", "auto", "auto", False)
 
@@ -19,20 +21,23 @@ def test_defaults_match_the_design_contract():
 def test_values_are_parsed():
     s = Settings.from_env({
         "BUCKETS": "8, 64,128", "EXCLUDE_TOKENS": "[a],[b]", "NORMALIZE": "false",
-        "BATCH_CAPS": "8:4,64:2", "POOLING": "CLS", "TRUST_REMOTE_CODE": "1",
+        "BATCH_CAPS": "8:4,64:2", "POOLING": "CLS", "TRUST_REMOTE_CODE": "1", "GRPC_MAX_MESSAGE_BYTES": "4096",
     })
     assert s.buckets == (8, 64, 128)
     assert s.exclude_tokens == ("[a]", "[b]")
     assert s.normalize is False and s.trust_remote_code is True
     assert s.batch_caps == {8: 4, 64: 2}
     assert s.pooling == "cls"
+    assert (s.max_message_bytes, s.http_max_body_bytes) == (4096, 8192)
+    assert Settings.from_env({"POOLING": "cls+Mean"}).pooling == "cls+mean"
 
 
 @pytest.mark.parametrize(
     "env, message",
     [
         ({"GRPC_PORT": "abc"}, "GRPC_PORT='abc': expected an integer"),
-        ({"POOLING": "max"}, "POOLING='max': expected one of mean, cls, last"),
+        ({"POOLING": "maxi"}, "POOLING='maxi': expected one of cls, mean, max, lasttoken"),
+        ({"POOLING": "mean+"}, "POOLING='mean\\+': expected one of"),
         ({"BUCKETS": "64,32"}, "BUCKETS"),
         ({"NORMALIZE": "maybe"}, "NORMALIZE='maybe'"),
         ({"MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE=0: must be >= 1"),

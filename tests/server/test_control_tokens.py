@@ -1,6 +1,9 @@
 """EXCLUDE_TOKENS, captured-shape padding (STATIC_SHAPES on CPU) and TRUNCATE=false, on a copy of
 the packaged model whose tokenizer learned control tokens."""
 
+import shutil
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -24,6 +27,9 @@ def control_model(tmp_path_factory, model_dir):
     model.resize_token_embeddings(len(tok))
     tok.save_pretrained(out)
     model.save_pretrained(out)
+    for name in ("modules.json", "sentence_bert_config.json", "1_Pooling"):  # served as the original declares
+        src = Path(model_dir) / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, out / name)
     return str(out)
 
 
@@ -53,7 +59,7 @@ def test_over_long_text_is_rejected_when_truncation_is_off(control_server):
     with pytest.raises(grpc.RpcError) as e:
         stub.Embed(pb.EmbedRequest(texts=["short", "word " * 600]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "texts[1] is longer than 512 tokens" in e.value.details()
+    assert "texts[1] is longer than 256 tokens (the model's max_seq_length" in e.value.details()
     ids = np.ones((1, 600), "<i4")
     with pytest.raises(grpc.RpcError) as e:
         stub.Infer(pb.InferRequest(input_ids=ids.tobytes(), attention_mask=ids.tobytes(), shape=[1, 600]))

@@ -10,9 +10,9 @@ import torch
 
 from embedserve.batching import length_ladder
 from embedserve.engine import Engine, split_by_bucket
-from embedserve.errors import ModelFailure
+from embedserve.errors import DeviceUnresponsive, ModelFailure
 from embedserve.estimator import Estimator
-from embedserve.worker import WarmupPlan
+from embedserve.worker import WarmupPlan, Watchdog
 
 BUCKETS = (4, 8, 16)
 POISON = 13
@@ -56,9 +56,10 @@ def as_tensor(rows):
     return torch.from_numpy(ids), np.array([len(r) for r in rows])
 
 
-async def started_engine(runner, static=False, caps=None, lookahead=2):
+async def started_engine(runner, static=False, caps=None, lookahead=2, **kwargs):
     plan = WarmupPlan(BUCKETS, 64, 1024, static, caps or {4: 8, 8: 8, 16: 8}, 0, 100)
-    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4, lookahead=lookahead)
+    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4, lookahead=lookahead,
+                    **kwargs)
     await engine.start()
     return engine
 
@@ -125,6 +126,41 @@ async def test_a_failing_batch_fails_only_its_requests():
     assert engine.estimator.snapshot().queued_tokens == 0
     later = engine.submit(*as_tensor([[7, 7]]))
     assert (await later.future).tolist() == [[14.0, 2.0]]
+    await engine.stop()
+
+
+async def test_batch_caps_off_the_captured_sizes_are_clamped_and_nothing_new_is_met_while_serving(caplog):
+    """BATCH_CAPS=4:20,8:100 with static shapes: 20 rows is no captured batch size and 100 is more
+    than MAX_BATCH_SIZE (64) allows; both run as the largest captured size below, said in the log."""
+    runner = RowSums()
+    engine = await started_engine(runner, static=True, caps={4: 20, 8: 100, 16: 8})
+    assert engine.caps == {4: 16, 8: 64, 16: 8}
+    assert "BATCH_CAPS 4:20 runs as 4:16" in caplog.text and "BATCH_CAPS 8:100 runs as 8:64" in caplog.text
+    rng = np.random.default_rng(3)
+    futures = [engine.submit(*as_tensor(random_rows(rng, int(rng.integers(1, 40))))).future for _ in range(60)]
+    await asyncio.gather(*futures)
+    assert set(runner.batches) <= runner.warmed  # no shape met for the first time after warm-up
+    await engine.stop()
+
+
+async def test_a_hung_device_fails_every_waiting_request_and_reports_it():
+    """A kernel that hangs raises nothing: the watchdog fails the batch on the device and all the
+    work waiting for it with UNAVAILABLE's error, and says so (liveness restarts the pod)."""
+    runner = RowSums()
+    failing = []
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1}, watchdog=Watchdog(multiple=1, floor_s=0.2),
+                                  on_failing=failing.append)
+    runner.gate.clear()  # the device hangs on the next batch
+    stuck = [engine.submit(*as_tensor([[1, 2, 3]])) for _ in range(6)]
+    for request in stuck:
+        with pytest.raises(DeviceUnresponsive):
+            await asyncio.wait_for(request.future, 10)
+    assert engine.failing and engine.hung and failing == [True]
+    assert all(not engine.queues.rows[b] for b in BUCKETS)
+    runner.gate.set()  # the device comes back late: nothing is delivered twice, nothing raises
+    while engine.in_worker:
+        await asyncio.sleep(0.01)
+    assert failing == [True]
     await engine.stop()
 
 

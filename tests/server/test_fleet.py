@@ -104,6 +104,39 @@ async def test_sigterm_to_one_of_two_pods_under_steady_load_loses_no_request(dns
             p.stop()
 
 
+async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
+    """A round-robin client's retry lands on another pod, where nothing is booked for it: the
+    Client waits where its call landed instead, so a burst over a fleet completes in about the
+    fleet's compute time, refused nowhere."""
+    from tests.server.test_client import burst_texts
+
+    pods = [pod(host, port, MODEL_PATH="sim:4000") for host in ("127.0.0.2", "127.0.0.3")]
+    try:
+        for p in pods:
+            p.wait_ready()
+        dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]
+        async with Client(dns.target(NAME, port)) as client:  # pods that have seen traffic (chars per token)
+            for texts in burst_texts(20, seed=9):
+                await client.embed(texts)
+        # ~4 s of each pod's compute, inside the 10 s reservation horizon: nothing need be refused
+        requests = burst_texts(600, seed=3)
+        busy0 = [counter(p.http, "embedfleet_model_busy_seconds_total") for p in pods]
+        t0 = time.perf_counter()
+        async with Client(dns.target(NAME, port)) as client:
+            results = await asyncio.gather(*(client.embed(t) for t in requests))
+        elapsed = time.perf_counter() - t0
+        busy = [counter(p.http, "embedfleet_model_busy_seconds_total") - b for p, b in zip(pods, busy0)]
+        assert [r.shape[0] for r in results] == [len(t) for t in requests]
+        # Waited where they landed (how many on each pod depends on which connections were up:
+        # they age out every 2 s here).
+        assert sum(counter(p.http, "embedfleet_held_requests_total") for p in pods) > 100
+        assert sum(counter(p.http, "embedfleet_rejected_requests_total", reason="drain_time") for p in pods) == 0
+        assert elapsed <= 1.5 * max(busy), (elapsed, busy)
+    finally:
+        for p in pods:
+            p.stop()
+
+
 def test_http_keep_alive_connections_are_closed_after_their_age():
     """Behind a ClusterIP Service a keep-alive connection is one pod for as long as it lives: the
     server ends it after MAX_CONNECTION_AGE_S, at a response boundary, so no request is cut."""
@@ -129,3 +162,30 @@ def test_http_keep_alive_connections_are_closed_after_their_age():
         assert conn.getresponse().status == 200 and conn.sock is not sock
     finally:
         server.stop()
+
+
+async def test_connection_age_forgets_connections_in_constant_time():
+    """Clients without keep-alive open a connection per request: what the middleware remembers
+    stays bounded by the connections of the last two ages, each request costing O(1)."""
+    from embedserve.http_server import ConnectionAge
+
+    now = [0.0]
+    sent = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message):
+        sent.append(message)
+
+    age = ConnectionAge(app, max_age_s=1.0, clock=lambda: now[0])
+    for i in range(10_000):  # 10,000 one-request connections over 10 s
+        now[0] = i / 1000
+        await age({"type": "http", "client": ("10.0.0.1", 20_000 + i)}, None, send)
+    assert len(age._born) <= 2001  # two ages' worth at 1,000 connections/s
+    assert all((b"connection", b"close") not in m["headers"] for m in sent)
+    now[0] = 20.0
+    await age({"type": "http", "client": ("10.0.0.2", 1)}, None, send)
+    now[0] = 21.5  # the same connection, past its age: told to close
+    await age({"type": "http", "client": ("10.0.0.2", 1)}, None, send)
+    assert sent[-1]["headers"] == [(b"connection", b"close")]

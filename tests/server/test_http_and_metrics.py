@@ -98,7 +98,12 @@ def test_metrics_expose_every_contract_metric_with_labels(default_server):
         assert families.get(name) == kind, (name, families.get(name))
     assert 'embedfleet_requests_total{code="OK",rpc="Embed"}' in text
     assert 'embedfleet_tokens_total{kind="real"}' in text and 'embedfleet_tokens_total{kind="padded"}' in text
-    assert 'embedfleet_model_info{device="cpu",dimension="384",dtype="float32"' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info = next(f for f in text_string_to_metric_families(text) if f.name == "embedfleet_model_info").samples[0].labels
+    assert {k: info[k] for k in ("device", "dimension", "dtype", "pooling", "normalize", "max_length", "prompts")} == {
+        "device": "cpu", "dimension": "384", "dtype": "float32", "pooling": "mean", "normalize": "true",
+        "max_length": "256", "prompts": ""}  # all-MiniLM-L6-v2 as it declares itself
     busy = float(re.search(r"^embedfleet_model_busy_seconds_total (\S+)$", text, re.M).group(1))
     assert 0 < busy < default_server.health()[1]["uptime_seconds"]  # some model time, less than the uptime
 

@@ -89,7 +89,7 @@ def test_tei_embed(default_server):
     code, _, body = post(default_server.http + "/embed", {"inputs": "one", "normalize": False})
     assert code == 422  # a normalizing server's schema only allows normalize: true
     code, _, body = post(default_server.http + "/embed", {"inputs": "word " * 700, "truncate": False})
-    assert code == 400 and "longer than 512 tokens" in body["error"]["message"]
+    assert code == 400 and "longer than 256 tokens" in body["error"]["message"]
     code, _, body = post(default_server.http + "/embed", {"inputs": "word " * 700, "truncate": True})
     assert code == 200 and len(body[0]) == 384
     code, _, body = post(default_server.http + "/classify", {"inputs": "not a classifier"})

@@ -10,11 +10,18 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
-from embedserve.model_source import ModelSourceError, resolve
+from embedserve.model_source import ModelSourceError, needed, resolve
 from tests.conftest import ServerProcess, free_port
 
+# What serving needs of the packaged model (its README, .gitattributes and data_config.json are
+# not weights, configuration or tokenizer... data_config.json is JSON, so it comes along).
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.txt")
+               "special_tokens_map.json", "vocab.txt", "modules.json", "sentence_bert_config.json",
+               "config_sentence_transformers.json", "data_config.json", "1_Pooling/config.json")
+# Beside them in the bucket, as in real repositories: exports, a second copy of the weights, and
+# a sibling model whose name starts with this one's.
+NOT_NEEDED = ("onnx/model.onnx", "onnx/config.json", "openvino/openvino_model.xml", "pytorch_model.bin",
+              "rust_model.ot", "tf_model.h5", "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +40,9 @@ def s3(model_dir):
     client.create_bucket(Bucket="models")
     for name in MODEL_FILES:
         client.upload_file(str(Path(model_dir) / name), "models", f"minilm/v1/{name}")
+    for name in NOT_NEEDED:
+        client.put_object(Bucket="models", Key=f"minilm/v1/{name}", Body=b"not needed")
+    client.put_object(Bucket="models", Key="minilm/v1-large/config.json", Body=b"{}")
     yield env
     server.stop()
     for k, v in old.items():
@@ -44,7 +54,8 @@ def s3(model_dir):
 
 def test_s3_download_is_complete_and_cached(s3, model_dir, tmp_path):
     target = resolve("s3://models/minilm/v1", str(tmp_path))
-    assert sorted(p.name for p in target.iterdir() if not p.name.startswith(".")) == sorted(MODEL_FILES)
+    got = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert got == sorted(MODEL_FILES)  # no exports, no second copy, nothing of minilm/v1-large
     assert (target / "model.safetensors").read_bytes() == (Path(model_dir) / "model.safetensors").read_bytes()
     (target / "vocab.txt").write_text("changed")  # a second resolve uses the cache, no download
     assert resolve("s3://models/minilm/v1", str(tmp_path)) == target
@@ -52,7 +63,7 @@ def test_s3_download_is_complete_and_cached(s3, model_dir, tmp_path):
 
 
 def test_s3_errors_are_clear(s3, tmp_path):
-    with pytest.raises(ModelSourceError, match="no objects under that prefix"):
+    with pytest.raises(ModelSourceError, match="no model files under nothing-here/"):
         resolve("s3://models/nothing-here", str(tmp_path))
     with pytest.raises(ModelSourceError, match="S3 download failed"):
         resolve("s3://no-such-bucket/x", str(tmp_path))
@@ -66,6 +77,23 @@ def test_server_serves_a_model_from_s3(s3, tmp_path, reference):
         assert np.abs(out - reference.embed(["served from s3"])).max() <= 1e-5
     finally:
         assert server.stop() == 0
+
+
+def test_only_what_serving_needs_is_downloaded_from_a_repository_listing():
+    """sentence-transformers/all-MiniLM-L6-v2's files on the hub (2025), as the listing gives them."""
+    listing = [".gitattributes", "1_Pooling/config.json", "README.md", "config.json", "config_sentence_transformers.json",
+               "data_config.json", "model.safetensors", "modules.json", "onnx/model.onnx", "onnx/model_O1.onnx",
+               "onnx/model_qint8_avx512.onnx", "openvino/openvino_model.bin", "openvino/openvino_model.xml",
+               "pytorch_model.bin", "rust_model.ot", "sentence_bert_config.json", "special_tokens_map.json",
+               "tf_model.h5", "tokenizer.json", "tokenizer_config.json", "train_script.py", "vocab.txt"]
+    assert needed(listing) == [
+        "1_Pooling/config.json", "config.json", "config_sentence_transformers.json", "data_config.json",
+        "model.safetensors", "modules.json", "sentence_bert_config.json", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
+    # A module with only .bin weights keeps them; the repository's code only when trusted.
+    older = ["config.json", "pytorch_model.bin", "2_Dense/config.json", "2_Dense/pytorch_model.bin", "modeling_x.py"]
+    assert needed(older) == ["config.json", "pytorch_model.bin", "2_Dense/config.json", "2_Dense/pytorch_model.bin"]
+    assert "modeling_x.py" in needed(older, trust_remote_code=True)
 
 
 def test_hub_repo_offline_is_a_clear_error(tmp_path, monkeypatch):

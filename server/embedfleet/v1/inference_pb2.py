@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65mbedfleet/v1/inference.proto\x12\rembedfleet.v1\"\x1d\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"H\n\x0cInferRequest\x12\x11\n\tinput_ids\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ttention_mask\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\"2\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x14\n\x12HealthCheckRequest\"\xed\x02\n\x13HealthCheckResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pting_requests\x18\x02 \x01(\x08\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12#\n\x1bservice_rate_tokens_per_sec\x18\x04 \x01(\x01\x12#\n\x1b\x61rrival_rate_tokens_per_sec\x18\x05 \x01(\x01\x12\x1f\n\x17\x65stimated_drain_time_ms\x18\x06 \x01(\x01\x12\"\n\x1ap95_server_side_latency_ms\x18\x07 \x01(\x01\x12\x17\n\x0fgpu_queue_depth\x18\x08 \x01(\x03\x12\x1b\n\x13\x65mbedding_dimension\x18\t \x01(\x03\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x32\xe9\x01\n\tInference\x12\x42\n\x05\x45mbed\x12\x1b.embedfleet.v1.EmbedRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12\x42\n\x05Infer\x12\x1b.embedfleet.v1.InferRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12T\n\x0bHealthCheck\x12!.embedfleet.v1.HealthCheckRequest\x1a\".embedfleet.v1.HealthCheckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65mbedfleet/v1/inference.proto\x12\rembedfleet.v1\"2\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x13\n\x0bprompt_name\x18\x02 \x01(\t\"H\n\x0cInferRequest\x12\x11\n\tinput_ids\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ttention_mask\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\"2\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x14\n\x12HealthCheckRequest\"\xd3\x03\n\x13HealthCheckResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pting_requests\x18\x02 \x01(\x08\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12#\n\x1bservice_rate_tokens_per_sec\x18\x04 \x01(\x01\x12#\n\x1b\x61rrival_rate_tokens_per_sec\x18\x05 \x01(\x01\x12\x1f\n\x17\x65stimated_drain_time_ms\x18\x06 \x01(\x01\x12\"\n\x1ap95_server_side_latency_ms\x18\x07 \x01(\x01\x12\x17\n\x0fgpu_queue_depth\x18\x08 \x01(\x03\x12\x1b\n\x13\x65mbedding_dimension\x18\t \x01(\x03\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x12\x0f\n\x07pooling\x18\x0e \x01(\t\x12\x11\n\tnormalize\x18\x0f \x01(\x08\x12\x12\n\nmax_length\x18\x10 \x01(\x03\x12\x0f\n\x07prompts\x18\x11 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x12 \x01(\t2\xe9\x01\n\tInference\x12\x42\n\x05\x45mbed\x12\x1b.embedfleet.v1.EmbedRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12\x42\n\x05Infer\x12\x1b.embedfleet.v1.InferRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12T\n\x0bHealthCheck\x12!.embedfleet.v1.HealthCheckRequest\x1a\".embedfleet.v1.HealthCheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'embedfleet.v1.inference_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EMBEDREQUEST']._serialized_start=48
-  _globals['_EMBEDREQUEST']._serialized_end=77
-  _globals['_INFERREQUEST']._serialized_start=79
-  _globals['_INFERREQUEST']._serialized_end=151
-  _globals['_EMBEDRESPONSE']._serialized_start=153
-  _globals['_EMBEDRESPONSE']._serialized_end=203
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=205
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=225
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=228
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=593
-  _globals['_INFERENCE']._serialized_start=596
-  _globals['_INFERENCE']._serialized_end=829
+  _globals['_EMBEDREQUEST']._serialized_end=98
+  _globals['_INFERREQUEST']._serialized_start=100
+  _globals['_INFERREQUEST']._serialized_end=172
+  _globals['_EMBEDRESPONSE']._serialized_start=174
+  _globals['_EMBEDRESPONSE']._serialized_end=224
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=226
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=246
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=249
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=716
+  _globals['_INFERENCE']._serialized_start=719
+  _globals['_INFERENCE']._serialized_end=952
 # @@protoc_insertion_point(module_scope)

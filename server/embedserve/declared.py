@@ -1,0 +1,158 @@
+"""How a model's authors declared it should be served: the sentence-transformers files beside the
+weights (modules.json, 1_Pooling/config.json, Dense and Normalize modules, sentence_bert_config.json,
+config_sentence_transformers.json), read as `SentenceTransformer(model).encode(texts)` reads them,
+and the environment's overrides on top. sentence-transformers is the reference: an index built
+with it and queried through us must agree.
+
+`read()` is file reading; `resolve()` is a pure decision, with the log lines that say what the
+environment changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+# Pooling modes sentence-transformers offers for encoders (its names; "last" is our old alias).
+POOLING_MODES = ("cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens")
+ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens"}
+_LEGACY_POOLING = {  # sentence-transformers < 6 saved one boolean per mode, in this order
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
+}
+# Modules that change nothing at inference.
+_NO_OPS = {"Dropout"}
+
+
+class DeclarationError(ValueError):
+    """The model declares something this server cannot serve as declared."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """What the model directory says. `sentence_transformers` is False for a plain transformers
+    checkpoint, which sentence-transformers serves with mean pooling and no normalization."""
+
+    sentence_transformers: bool = False
+    pooling: tuple[str, ...] = ("mean",)
+    include_prompt: bool = True
+    dense: tuple[Path, ...] = ()  # Dense module directories, in order
+    normalize: bool = False
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: dict[str, str] = dataclasses.field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """What the server runs after the transformer, and how it prepares text: the effective
+    declaration (the model's, with the environment's overrides)."""
+
+    pooling: tuple[str, ...]
+    normalize: bool
+    dense: tuple[Path, ...]
+    max_length: int  # tokens per text, special tokens included
+    lower_case: bool
+    prompts: dict[str, str]
+    default_prompt_name: str | None
+
+    def prompt(self, name: str | None) -> str:
+        """The text put before each input: `name`'s prompt, else the default one, else none.
+        An unknown name is the caller's error (its message names the ones there are)."""
+        if name:
+            if name not in self.prompts:
+                known = ", ".join(sorted(self.prompts)) or "none"
+                raise KeyError(f"unknown prompt_name {name!r}; this model's prompts: {known}")
+            return self.prompts[name]
+        return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
+
+    def describe(self) -> dict:
+        return {"pooling": "+".join(self.pooling), "normalize": self.normalize, "max_length": self.max_length,
+                "dense_layers": len(self.dense), "prompts": sorted(self.prompts),
+                "default_prompt_name": self.default_prompt_name or ""}
+
+
+def _json(path: Path) -> dict | list | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pooling_modes(config: dict) -> tuple[str, ...]:
+    mode = config.get("pooling_mode")
+    if mode is None:  # the older format: one flag per mode
+        mode = [name for key, name in _LEGACY_POOLING.items() if config.get(key)] or ["mean"]
+    modes = (mode,) if isinstance(mode, str) else tuple(mode)
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad:
+        raise DeclarationError(f"1_Pooling declares pooling {bad}; this server pools {', '.join(POOLING_MODES)}")
+    return modes
+
+
+def read(model_dir: str | Path) -> Declared:
+    """The model directory's sentence-transformers declaration (a plain checkpoint: the defaults)."""
+    root = Path(model_dir)
+    modules = _json(root / "modules.json")
+    if not modules:
+        return Declared()
+    pooling, include_prompt, dense, normalize = ("mean",), True, [], False
+    unsupported = []
+    for i, module in enumerate(modules):
+        kind = module["type"].rsplit(".", 1)[-1]
+        path = root / module.get("path", "")
+        if kind == "Transformer" and i == 0:
+            continue
+        if kind == "Pooling":
+            config = _json(path / "config.json") or {}
+            pooling, include_prompt = _pooling_modes(config), bool(config.get("include_prompt", True))
+        elif kind == "Dense":
+            dense.append(path)
+        elif kind == "Normalize":
+            normalize = True
+        elif kind not in _NO_OPS:
+            unsupported.append(module["type"])
+    if unsupported:
+        raise DeclarationError(f"modules.json declares modules this server does not run: {', '.join(unsupported)}")
+    if not include_prompt:
+        raise DeclarationError("1_Pooling declares include_prompt: false (prompt tokens left out of pooling); "
+                               "this server pools every token of a prompted text")
+    bert = _json(root / "sentence_bert_config.json") or {}
+    st = _json(root / "config_sentence_transformers.json") or {}
+    prompts = {k: v for k, v in (st.get("prompts") or {}).items() if v is not None}
+    default = st.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise DeclarationError(f"default_prompt_name {default!r} is not among the prompts {sorted(prompts)}")
+    return Declared(True, pooling, include_prompt, tuple(dense), normalize, bert.get("max_seq_length"),
+                    bool(bert.get("do_lower_case", False)), prompts, default)
+
+
+def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_max_length: int | None,
+            max_positions: int | None, largest_bucket: int) -> tuple[Head, list[str]]:
+    """The effective head: the declaration, then POOLING / NORMALIZE where set (`pooling` "" and
+    `normalize` None: as declared). Tokens per text: the declared max_seq_length, else the
+    tokenizer's model_max_length, capped by the position table (as sentence-transformers), and
+    by the largest bucket (said in the log when that cuts what the model could read).
+    → (head, log lines)."""
+    notes = []
+    modes = declared.pooling
+    if pooling:
+        wanted = tuple(ALIASES.get(m, m) for m in pooling.split("+"))
+        if wanted != modes:
+            notes.append(f"POOLING={pooling} overrides the model's declared pooling {'+'.join(modes)}")
+        modes = wanted
+    norm = declared.normalize
+    if normalize is not None and normalize != norm:
+        notes.append(f"NORMALIZE={str(normalize).lower()} overrides the model's declaration ({'a' if norm else 'no'} Normalize module)")
+        norm = normalize
+    limits = [n for n in (declared.max_seq_length, tokenizer_max_length, max_positions) if n and n < 1_000_000]
+    model_max = min(limits) if limits else largest_bucket
+    if model_max > largest_bucket:
+        notes.append(f"the model reads {model_max} tokens per text; the largest bucket ({largest_bucket}) "
+                     "cuts texts shorter: add a bucket to serve them whole")
+    if not declared.sentence_transformers:
+        notes.append("no sentence-transformers modules.json: mean pooling, no normalization "
+                     "(as SentenceTransformer serves a plain checkpoint)")
+    head = Head(modes, norm, declared.dense, min(model_max, largest_bucket), declared.do_lower_case,
+                dict(declared.prompts), declared.default_prompt_name)
+    return head, notes

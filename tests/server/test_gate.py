@@ -1,0 +1,97 @@
+"""The gate on an injected clock: offers counted once, bookings claimed, early retries told the
+rest of their wait, held callers admitted at their moment, and a held caller that goes away
+freeing its room."""
+
+import asyncio
+
+import pytest
+
+from embedserve.admission import Policy
+from embedserve.errors import Overloaded
+from embedserve.estimator import Estimator
+from embedserve.gate import Caller, Gate
+
+POLICY = Policy(throughput=True, latency=False, max_drain_s=0.5, latency_soft_s=1, latency_hard_s=2, horizon_s=10)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class Seen:
+    def __init__(self):
+        self.rejections, self.holds = [], 0
+
+    def rejected(self, reason):
+        self.rejections.append(reason)
+
+    def held(self):
+        self.holds += 1
+
+
+def gate(queued=500):
+    clock = Clock()
+    estimator = Estimator(clock=clock)
+    estimator.seed_service_rate(1000)  # 1000 tokens/s: the 0.5 s budget is 500 tokens
+    estimator.enqueued(queued)
+    return Gate(estimator, POLICY, Seen()), clock
+
+
+async def test_a_refused_request_is_booked_and_its_retry_claims_the_room():
+    g, clock = gate()
+    with pytest.raises(Overloaded) as e:
+        await g.admit(key=1, cost=100, caller=Caller())
+    assert e.value.retry_after_ms == 100 and g.book.reserved_tokens == 100
+    clock.t += 0.1
+    await g.admit(1, 100, Caller(retry=True))  # on time: admitted though the queue is still full
+    assert g.book.reserved_tokens == 0
+    assert g.estimator.offered_total == 100  # one request, one offer
+
+
+async def test_a_retry_back_early_is_told_the_rest_of_its_wait_and_books_nothing_more():
+    g, clock = gate()
+    with pytest.raises(Overloaded):
+        await g.admit(1, 100, Caller())
+    clock.t += 0.04
+    with pytest.raises(Overloaded) as e:
+        await g.admit(1, 100, Caller(retry=True))
+    assert e.value.retry_after_ms == 60 and g.book.reserved_tokens == 100
+
+
+async def test_a_deadline_that_ends_first_books_nothing_and_fails_fast():
+    g, _ = gate()
+    with pytest.raises(Overloaded) as e:
+        await g.admit(1, 100, Caller(deadline_s=0.3, waits=True))
+    assert e.value.retry_after_ms == 600  # when it could be done: 0.1 s of wait + the 0.5 s budget
+    assert g.book.reserved_tokens == 0 and g.observer.holds == 0
+
+
+async def test_a_caller_that_waits_is_held_until_its_moment():
+    g, clock = gate()
+    held = asyncio.ensure_future(g.admit(1, 100, Caller(waits=True)))
+    await asyncio.sleep(0)
+    assert not held.done() and g.book.reserved_tokens == 100 and g.observer.holds == 1
+    await asyncio.wait_for(held, 2)  # the gate sleeps the booked 0.1 s of real time
+    assert g.book.reserved_tokens == 0 and g.observer.rejections == []
+
+
+async def test_a_held_caller_that_goes_away_frees_its_room():
+    g, _ = gate()
+    held = asyncio.ensure_future(g.admit(1, 100, Caller(waits=True)))
+    await asyncio.sleep(0)
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert g.book.reserved_tokens == 0 and len(g.book) == 0
+
+
+async def test_past_the_horizon_nobody_is_held():
+    g, _ = gate(queued=20_000)  # 20 s of work ahead
+    with pytest.raises(Overloaded) as e:
+        await g.admit(1, 100, Caller(waits=True))
+    assert g.observer.holds == 0 and g.book.reserved_tokens == 0
+    assert e.value.retry_after_ms == pytest.approx(19_600 - 10_000, abs=2)  # when booking is possible
