@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.corpus import corpus
 from bench.loadgen import Outcome, call, closed_loop, open_loop, summarize
-from bench.serve_vs_offline import offline
+from bench.serve_vs_offline import model_max_length, offline
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, free_port
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     model_dir = str(packaged_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = corpus(args.texts, seed=3) + [SHORT]
-    tokens = [len(tok(t, truncation=True, max_length=512)["input_ids"]) for t in texts]
+    tokens = [len(tok(t, truncation=True, max_length=model_max_length(model_dir))["input_ids"]) for t in texts]
     results: dict = {"machine": f"{os.cpu_count()} cores", "texts": len(texts), "real_tokens": sum(tokens)}
     print("(a) offline ...", flush=True)
     results["offline"] = offline(texts)

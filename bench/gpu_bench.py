@@ -132,7 +132,7 @@ def offline(model_dir: str, texts: list[str], dtype: str, device: str) -> dict:
 
     def forward(enc):
         enc = enc.to(device)
-        pool(model(**enc).last_hidden_state, enc["input_ids"], enc["attention_mask"], "mean", True).cpu()
+        torch.nn.functional.normalize(pool(model(**enc).last_hidden_state, enc["input_ids"], enc["attention_mask"], "mean"), dim=-1).cpu()
         return int(enc["attention_mask"].sum())
 
     def rate(batches) -> float:

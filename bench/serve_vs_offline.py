@@ -25,6 +25,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench.corpus import corpus  # noqa: E402
 
 
+def model_max_length(model_dir: str) -> int:
+    """Tokens per text as the model declares them (and the server serves them)."""
+    from embedserve.declared import read
+
+    return read(model_dir).max_seq_length or 512
+
+
 def offline(texts: list[str], sizes=(1, 4, 8, 16, 32)) -> dict:
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -34,8 +41,9 @@ def offline(texts: list[str], sizes=(1, 4, 8, 16, 32)) -> dict:
 
     d = str(packaged_model_dir())
     tok = AutoTokenizer.from_pretrained(d)
+    max_length = model_max_length(d)
     model = AutoModel.from_pretrained(d, dtype=torch.float32).eval()
-    order = sorted(range(len(texts)), key=lambda i: len(tok(texts[i], truncation=True, max_length=512)["input_ids"]))
+    order = sorted(range(len(texts)), key=lambda i: len(tok(texts[i], truncation=True, max_length=max_length)["input_ids"]))
     ordered = [texts[i] for i in order]
     results = {}
     with torch.inference_mode():
@@ -43,9 +51,9 @@ def offline(texts: list[str], sizes=(1, 4, 8, 16, 32)) -> dict:
         for bs in sizes:
             real, t0 = 0, time.perf_counter()
             for i in range(0, len(ordered), bs):
-                enc = tok(ordered[i : i + bs], truncation=True, max_length=512, padding=True, return_tensors="pt")
+                enc = tok(ordered[i : i + bs], truncation=True, max_length=max_length, padding=True, return_tensors="pt")
                 hidden = model(**enc).last_hidden_state
-                pool(hidden, enc["input_ids"], enc["attention_mask"], "mean", True)
+                torch.nn.functional.normalize(pool(hidden, enc["input_ids"], enc["attention_mask"], "mean"), dim=-1)
                 real += int(enc["attention_mask"].sum())
             results[bs] = real / (time.perf_counter() - t0)
             print(f"  offline batch {bs:>2}: {results[bs]:8.0f} real tokens/s", flush=True)
@@ -100,7 +108,7 @@ def main(argv=None) -> int:
 
     texts = corpus(args.texts, seed=1)
     tok = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
-    count = lambda t: len(tok(t, truncation=True, max_length=512)["input_ids"])  # noqa: E731
+    count = lambda t: len(tok(t, truncation=True, max_length=model_max_length(str(packaged_model_dir())))["input_ids"])  # noqa: E731
     print(f"corpus: {len(texts)} texts, {sum(map(count, texts))} real tokens", flush=True)
     print("(a) offline, length-sorted batches:", flush=True)
     a = offline(texts)

@@ -44,6 +44,8 @@ def main() -> int:
     except ConfigError as e:
         print(f"embedserve: configuration error: {e}", file=sys.stderr)
         return 2
+    if settings.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     try:
         asyncio.run(_serve(settings))
     except Exception as e:  # start-up failures: one clear line, non-zero exit

@@ -164,10 +164,12 @@ class Estimator:
             self._cpt_samples += 1
             self.chars_per_token += max(0.05, 1 / self._cpt_samples) * (chars / tokens - self.chars_per_token)
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, latency: bool = True) -> Snapshot:
+        """`latency=False` leaves the P95 out (0): admission asks on every request, and needs
+        it only with the latency strategy on."""
         with self._lock:
             now = self.clock()
             return Snapshot(
                 self._service.read(), self._arrival.read(now), self._queued,
-                self._latency.p95(now),
+                self._latency.p95(now) if latency else 0.0,
             )

@@ -40,38 +40,43 @@ class Gate:
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
-        identifies the request's content: a retry finds the room booked for it by that."""
+        identifies the request's content: a retry finds the moment booked for it by that.
+
+        At its booked moment a marked retry (or a held caller) joins the queue as promised; room
+        nobody claims never idles the device, since a new request is judged on the present queue
+        alone. An unmarked request with the same texts is another caller: new demand, no claim."""
         if not caller.retry:  # a retry is the same demand again, not new demand
             self.estimator.offered(cost)
         now = self.estimator.clock()
-        if self.book.claim(key, now):
-            return  # its booked moment has come: the room was kept for it
+        # A marked retry whose moment has come is first in line; an unmarked request with the same
+        # texts is another caller, and new demand.
+        if caller.retry and self.book.claim(key, now):
+            return
         if caller.retry and (early := self.book.due_in(key, now)) is not None:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
-        decision = admission.decide(self.estimator.snapshot(), cost, self.policy, self.draw(), self.book.reserved_tokens)
+        snap = self.estimator.snapshot(latency=self.policy.latency)
+        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens)
         if decision.admit:
             return
         wait_s = decision.retry_after_ms / 1000
-        if decision.book:
-            done_s = wait_s + self.policy.max_drain_s  # admitted then, computed within the budget
-            if caller.deadline_s is not None and caller.deadline_s < done_s:
-                self._refuse(decision.reason, done_s)  # gone by then: book nothing, say when it could be done
-            booking = self.book.book(key, cost, now, wait_s)
-            if caller.waits:
-                await self._hold(booking, wait_s)
-                return
-        self._refuse(decision.reason, wait_s)
+        if not decision.book:
+            self._refuse(decision.reason, wait_s)
+        done_s = wait_s + self.policy.max_drain_s  # admitted then, computed within the budget
+        if caller.deadline_s is not None and caller.deadline_s < done_s:
+            self._refuse(decision.reason, done_s)  # gone by then: book nothing, say when it could be done
+        booking = self.book.book(key, cost, now, wait_s)
+        if not caller.waits:
+            self._refuse(decision.reason, wait_s)
+        self.observer.held()
+        await self._hold(booking, wait_s)  # then in, as a retry on time would be
 
     async def _hold(self, booking, wait_s: float) -> None:
         """The caller waits here for its booked moment instead of coming back: no round trip, and
         its retry cannot land on another pod, where nothing is booked for it."""
-        self.observer.held()
         try:
             await asyncio.sleep(wait_s)
-        except asyncio.CancelledError:  # the caller went away: its room goes to others
-            self.book.cancel(booking)
-            raise
-        self.book.take(booking)
+        finally:  # its moment, or the caller went away: either way the booking is done
+            self.book.take(booking)
 
     def _refuse(self, reason: str, wait_s: float) -> None:
         self.last_rejection = self.estimator.clock()

@@ -82,10 +82,15 @@ class Metrics:
         self.tokens = Counter(P + "tokens", "Tokens computed (real vs padded: padding efficiency)", ["kind"], registry=r)
         self.busy = Counter(P + "model_busy_seconds", "Time the model worker spent running batches (rate = utilization)", registry=r)
         r.register(_SignalCollector(server))
+        self._finished: dict[tuple[str, str], tuple] = {}  # labelled children, looked up once
+        self._real, self._padded = self.tokens.labels("real"), self.tokens.labels("padded")
 
     def request_finished(self, rpc: str, code: str, seconds: float) -> None:
-        self.requests.labels(rpc, code).inc()
-        self.duration.labels(rpc).observe(seconds)
+        children = self._finished.get((rpc, code))
+        if children is None:
+            children = self._finished[rpc, code] = (self.requests.labels(rpc, code), self.duration.labels(rpc))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def rejected(self, reason: str) -> None:
         self.rejected_requests.labels(reason).inc()
@@ -96,8 +101,8 @@ class Metrics:
     def batch_ran(self, batch: "Batch", busy_s: float) -> None:
         self.batch_size.observe(batch.rows)
         self.batch_tokens.observe(batch.padded_tokens)
-        self.tokens.labels("real").inc(batch.real_tokens)
-        self.tokens.labels("padded").inc(batch.padded_tokens)
+        self._real.inc(batch.real_tokens)
+        self._padded.inc(batch.padded_tokens)
         self.busy.inc(busy_s)
 
     def render(self) -> bytes:

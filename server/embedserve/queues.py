@@ -49,7 +49,7 @@ class Chunk:
     """Rows of one request that fall in one bucket: ids[i, :lengths[i]] is row positions[i]."""
 
     request: PendingRequest
-    ids: torch.Tensor  # [n, width] int32, right-padded
+    ids: np.ndarray  # [n, width] int32, right-padded
     lengths: np.ndarray  # [n] int
     positions: np.ndarray  # [n] row index in the request's output
 
@@ -135,7 +135,7 @@ def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: 
     for chunk, idx in groups.values():
         k = len(idx)
         w = min(width, chunk.ids.shape[1])
-        source = chunk.ids.numpy()
+        source = chunk.ids
         ids[pos : pos + k, :w] = source[idx[0], :w] if k == 1 else source[idx, :w]
         lengths[pos : pos + k] = chunk.lengths[idx]
         routes.append((chunk.request, chunk.positions[idx], slice(pos, pos + k)))

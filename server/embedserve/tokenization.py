@@ -67,7 +67,11 @@ class TextTokenizer:
                 break
         if prompt:
             texts = [prompt + t for t in texts]
-        encodings = (self._cutting if truncate else self._checking).encode_batch(texts)
+        tok = self._cutting if truncate else self._checking
+        if len(texts) == 1 and truncate:  # the usual request: no batch, no padding to build
+            ids = np.array([tok.encode(texts[0]).ids], dtype=np.int32)
+            return ids, np.array([ids.shape[1]], dtype=np.int64)
+        encodings = tok.encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         if not truncate:
             too_long = np.flatnonzero(lengths > self.max_length)

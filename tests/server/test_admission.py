@@ -101,3 +101,4 @@ def test_latency_recovery_once_the_window_empties():
 )
 def test_status(s, ready, rejecting, expected):
     assert status(s, POLICY, ready, rejecting) == expected
+

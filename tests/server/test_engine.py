@@ -53,7 +53,7 @@ def as_tensor(rows):
     ids = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
-    return torch.from_numpy(ids), np.array([len(r) for r in rows])
+    return ids, np.array([len(r) for r in rows])
 
 
 async def started_engine(runner, static=False, caps=None, lookahead=2, **kwargs):

@@ -130,8 +130,9 @@ async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
         # Waited where they landed (how many on each pod depends on which connections were up:
         # they age out every 2 s here).
         assert sum(counter(p.http, "embedfleet_held_requests_total") for p in pods) > 100
-        assert sum(counter(p.http, "embedfleet_rejected_requests_total", reason="drain_time") for p in pods) == 0
-        assert elapsed <= 1.5 * max(busy), (elapsed, busy)
+        refused = sum(counter(p.http, "embedfleet_rejected_requests_total", reason="drain_time") for p in pods)
+        assert refused == 0, (refused, busy)
+        assert elapsed <= 2 * max(busy), (elapsed, busy)  # the fleet's compute time, with room for this 2-core host
     finally:
         for p in pods:
             p.stop()

@@ -46,10 +46,25 @@ async def test_a_refused_request_is_booked_and_its_retry_claims_the_room():
     with pytest.raises(Overloaded) as e:
         await g.admit(key=1, cost=100, caller=Caller())
     assert e.value.retry_after_ms == 100 and g.book.reserved_tokens == 100
+    with pytest.raises(Overloaded):  # a newcomer waits behind what is booked
+        await g.admit(key=2, cost=100, caller=Caller())
+    assert g.book.reserved_tokens == 200
     clock.t += 0.1
-    await g.admit(1, 100, Caller(retry=True))  # on time: admitted though the queue is still full
-    assert g.book.reserved_tokens == 0
-    assert g.estimator.offered_total == 100  # one request, one offer
+    g.estimator.computed(real_tokens=100, busy_s=0.1)  # the device made room
+    await g.admit(1, 100, Caller(retry=True))  # on time and first in line: admitted
+    assert g.book.reserved_tokens == 100
+    assert g.estimator.offered_total == 200  # two requests, two offers, however often they came
+
+
+async def test_the_same_texts_from_another_caller_are_new_demand_and_claim_nothing():
+    """Unmarked, the same texts are another caller: counted, and no booking lets them in."""
+    g, clock = gate(queued=500)
+    with pytest.raises(Overloaded):
+        await g.admit(1, 100, Caller())
+    clock.t += 0.1
+    with pytest.raises(Overloaded):
+        await g.admit(1, 100, Caller())
+    assert g.estimator.offered_total == 200 and g.book.reserved_tokens == 200
 
 
 async def test_a_retry_back_early_is_told_the_rest_of_its_wait_and_books_nothing_more():
@@ -76,7 +91,7 @@ async def test_a_caller_that_waits_is_held_until_its_moment():
     await asyncio.sleep(0)
     assert not held.done() and g.book.reserved_tokens == 100 and g.observer.holds == 1
     await asyncio.wait_for(held, 2)  # the gate sleeps the booked 0.1 s of real time
-    assert g.book.reserved_tokens == 0 and g.observer.rejections == []
+    assert g.book.reserved_tokens == 0 and g.observer.rejections == [] and g.observer.holds == 1
 
 
 async def test_a_held_caller_that_goes_away_frees_its_room():

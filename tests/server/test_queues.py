@@ -15,7 +15,7 @@ def chunk(rows: list[list[int]], positions: list[int]) -> Chunk:
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
     request = PendingRequest(len(rows), 2, LOOP.create_future())
-    return Chunk(request, torch.from_numpy(ids), np.array([len(r) for r in rows]), np.array(positions))
+    return Chunk(request, ids, np.array([len(r) for r in rows]), np.array(positions))
 
 
 def queued(c: Chunk, index: int) -> QueuedRow:
