@@ -149,6 +149,7 @@ class Server:
             **(self.head.describe() if self.head else {}),
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",
+            "attention": self.placement.attention if self.placement else "",
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }

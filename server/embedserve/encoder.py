@@ -25,6 +25,7 @@ class Placement:
     compile: bool  # torch.compile (inductor) each shape
     static_shapes: bool
     cuda_graphs: bool = False  # replay one captured CUDA graph per shape
+    attention: str = "padded"  # padded rows, or "packed" rows with variable-length attention
 
 
 def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: bool) -> Placement:

@@ -59,7 +59,7 @@ class _SignalCollector(Collector):
             info.add_metric([], {
                 "model": self.server.model_name, "device": str(self.server.placement.device),
                 "dtype": str(self.server.placement.dtype).removeprefix("torch."),
-                "dimension": str(self.server.engine.dim),
+                "dimension": str(self.server.engine.dim), "attention": self.server.placement.attention,
                 **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
                    for k, v in head.items()},
             })
