@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from lightkube.utils.quantity import parse_quantity
+
 from embedop import crd
 
 GRPC_PORT, HTTP_PORT = 50051, 8001
@@ -48,6 +50,15 @@ def _meta(owner: Owner, name: str | None = None) -> dict:
     }
 
 
+def cpu_for(resources: dict) -> str:
+    """The pod's CPU: as given, and with FRONTENDS set at least a core per front end plus two for
+    the model process (its event loop and its worker thread)."""
+    cpu = str(resources["cpu"])
+    if resources.get("frontends") and parse_quantity(cpu) < resources["frontends"] + 2:
+        return str(resources["frontends"] + 2)
+    return cpu
+
+
 def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> list[dict]:
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
@@ -73,6 +84,7 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
         # The server stops admitting at SIGTERM and finishes in-flight work within this.
         "SHUTDOWN_GRACE_S": max(1, grace_seconds - 10),
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        **({"FRONTENDS": spec["resources"]["frontends"]} if spec["resources"].get("frontends") else {}),
     }
     env = [{"name": k, "value": str(v).lower() if isinstance(v, bool) else str(v)} for k, v in values.items()]
     extra = {e["name"]: e for e in spec.get("env", [])}
@@ -164,7 +176,7 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
                http_port: int = HTTP_PORT) -> dict:
     """`image`: spec.image, else the default image in force for this service (server_image)."""
     res = spec["resources"]
-    limits = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
+    limits = {"cpu": cpu_for(res), "memory": str(res["memory"])}
     if res["gpu"] > 0:
         limits["nvidia.com/gpu"] = str(res["gpu"])
     http_get = {"path": "/health", "port": "http"}

@@ -1,4 +1,8 @@
-"""`python -m embedserve`: serve until SIGTERM/SIGINT, then drain gracefully and exit 0."""
+"""`python -m embedserve`: serve until SIGTERM/SIGINT, then drain gracefully and exit 0.
+
+FRONTENDS=1: one process does everything. FRONTENDS=N > 1: this process is the model's (admission,
+batching, the device) and starts N front-end processes that serve the ports (embedserve.frontend);
+SIGTERM drains the front ends first (their requests are still computed here), then the model."""
 
 from __future__ import annotations
 
@@ -6,30 +10,102 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 
-from embedserve.config import ConfigError, Settings
+from embedserve.config import ConfigError, Settings, frontend_count
+
+log = logging.getLogger("embedserve")
+
+
+async def _until_stopped(start_coro) -> tuple[asyncio.Task, asyncio.Event]:
+    """Start; return when it fails, or when SIGTERM/SIGINT comes (before or after it is ready)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(start_coro)
+    await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    return start, stop
 
 
 async def _serve(settings: Settings) -> None:
     from embedserve.app import Server
 
     server = Server(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(server.start())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    start, stop = await _until_stopped(server.start())
     if start.done() and start.exception() is not None:
         await server.stop(grace=0)
         raise start.exception()
     if not start.done():
         start.cancel()
     await stop.wait()
-    logging.getLogger("embedserve").info("signal received: draining")
+    log.info("signal received: draining")
     await server.stop()
+
+
+class FrontEnds:
+    """The front-end processes: started, restarted if one dies while serving, and on stop asked
+    to drain (SIGTERM), waited for, killed only past the grace period."""
+
+    def __init__(self, count: int, ipc_path: str):
+        self.count, self.env = count, {**os.environ, "EMBEDSERVE_IPC": ipc_path}
+        self.procs: list[subprocess.Popen] = []
+        self.stopping = False
+
+    def start(self) -> None:
+        self.procs = [self._spawn() for _ in range(self.count)]
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=self.env)
+
+    async def watch(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(1.0)
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None and not self.stopping:
+                    log.error("front end %d exited with %s: starting another", p.pid, p.returncode)
+                    self.procs[i] = self._spawn()
+
+    async def stop(self, grace: float) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                await asyncio.to_thread(p.wait, max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -> None:
+    from embedserve.app import Server
+    from embedserve.door import ModelDoor
+
+    server = Server(settings, listen=False)
+    door = ModelDoor(server, ipc_path)
+    door.start()
+    fronts = FrontEnds(count, ipc_path)
+    fronts.start()
+    watcher = asyncio.create_task(fronts.watch())
+    try:
+        start, stop = await _until_stopped(server.start())
+        if start.done() and start.exception() is not None:
+            raise start.exception()
+        await stop.wait()
+        start.cancel()
+        log.info("signal received: draining %d front ends, then the model", count)
+        t0 = time.monotonic()
+        await fronts.stop(settings.shutdown_grace_s)
+        await server.stop(grace=max(0.0, settings.shutdown_grace_s - (time.monotonic() - t0)))
+    finally:
+        watcher.cancel()
+        await fronts.stop(0)
+        await door.close()
 
 
 def main() -> int:
@@ -46,10 +122,18 @@ def main() -> int:
         return 2
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    count = frontend_count(settings)
     try:
-        asyncio.run(_serve(settings))
+        if count == 1:
+            asyncio.run(_serve(settings))
+        else:
+            # Before prometheus_client is imported: counters and histograms of every process of the
+            # pod go to files in one directory, and any front end's /metrics renders their sum.
+            workdir = tempfile.mkdtemp(prefix="embedserve-")
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = workdir
+            asyncio.run(_serve_with_frontends(settings, count, os.path.join(workdir, "model.ipc")))
     except Exception as e:  # start-up failures: one clear line, non-zero exit
-        logging.getLogger("embedserve").error("start-up failed: %s", e, exc_info=True)
+        log.error("start-up failed: %s", e, exc_info=True)
         return 1
     return 0
 

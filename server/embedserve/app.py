@@ -5,22 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from embedserve import admission, grpc_server, http_server, simulated
-from embedserve.config import PACKAGED_MODEL, Settings
+from embedserve import admission, metrics, simulated
+from embedserve.config import Settings, served_model_name
 from embedserve.declared import Head
 from embedserve.encoder import Encoder, Placement, choose_placement
 from embedserve.engine import Engine
 from embedserve.estimator import Estimator
 from embedserve.metrics import Metrics
 from embedserve.prepare import prepare
-from embedserve.service import EmbeddingService, Limits
+from embedserve.service import EmbeddingService
+from embedserve.shaping import Limits
 from embedserve.threads import in_daemon_thread
+from embedserve.transports import Transports
 from embedserve.worker import WarmupPlan, Watchdog
 
 log = logging.getLogger(__name__)
@@ -38,23 +41,15 @@ def policy_from(settings: Settings, largest_batch_s: float) -> admission.Policy:
     )
 
 
-def served_model_name(settings: Settings) -> str:
-    """The model id HTTP clients name (OpenAI `model`): SERVED_MODEL_NAME, else from MODEL_PATH."""
-    if settings.served_model_name:
-        return settings.served_model_name
-    path = settings.model_path
-    if path == PACKAGED_MODEL:
-        return path.split(":", 1)[1]
-    return path.rstrip("/").split("/")[-1] if path.startswith(("/", ".", "s3://")) else path
-
-
 class Server:
-    """One serving process. Transports come up first (reporting "starting"), then the model."""
+    """The model's process: estimator, admission, engine and device. With `listen` (one process,
+    FRONTENDS=1) it also serves gRPC and HTTP: the transports come up first (reporting
+    "starting"), then the model. Without, front-end processes serve them (embedserve.door)."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, listen: bool = True):
         self.settings = settings
         self.estimator = Estimator(latency_window_s=settings.latency_window_s)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(lambda: metrics.signal(self), os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.service: EmbeddingService | None = None
         self.engine: Engine | None = None
         self.placement: Placement | None = None
@@ -63,31 +58,30 @@ class Server:
         self.task = "embed"
         self.labels: list[str] = []
         self.head: Head | None = None  # what the model declares, with the environment's overrides
+        self.model_dir = ""
         self.started_at = time.monotonic()
         self.draining = False
+        self.loaded = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
-        servicer = grpc_server.InferenceServicer(lambda: self.service, self.health_fields, self.metrics.request_finished)
-        self.grpc, self.grpc_health, self.grpc_port = grpc_server.build_server(
-            servicer, settings.host, settings.grpc_port, settings.max_message_bytes,
-            settings.max_connection_age_s, settings.max_connection_age_grace_s,
-        )
-        self.http = http_server.HttpServer(self, settings.host, settings.http_port, settings.max_connection_age_s)
+        self.transports = Transports(self) if listen else None
 
     async def start(self) -> None:
-        await grpc_server.set_serving(self.grpc_health, False)  # grpc's default is SERVING
-        await self.grpc.start()
-        await self.http.start()
-        log.info("gRPC on :%d, HTTP on :%d; loading %s", self.grpc_port, self.http.port, self.model_name)
+        if self.transports:
+            await self.transports.start()
+            log.info("gRPC on :%d, HTTP on :%d; loading %s", self.transports.grpc_port, self.transports.http.port,
+                     self.model_name)
         await self._load()
-        self.http.install_api(self)
-        await grpc_server.set_serving(self.grpc_health, True)
+        self.loaded.set()
+        if self.transports:
+            self.transports.install_api()
+            await self.transports.serving(True)
         log.info("ready: dimension %d on %s", self.engine.dim, self.placement.device)
 
     async def _load(self) -> None:
         s = self.settings
         sim_rate = simulated.parse(s.model_path)
         m = await in_daemon_thread(prepare, s, name="prepare")  # download, config, tokenizer, declaration
-        self.task, self.labels, self.head = m.task, m.labels, m.head
+        self.task, self.labels, self.head, self.model_dir = m.task, m.labels, m.head, m.model_dir
         cuda = torch.cuda.is_available() and not sim_rate
         self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
         if sim_rate:
@@ -121,7 +115,11 @@ class Server:
 
     def _failing(self, failing: bool) -> None:
         log.error("model worker %s", "failing: reporting NOT_SERVING" if failing else "recovered")
-        self._health_task = asyncio.ensure_future(grpc_server.set_serving(self.grpc_health, not failing))
+        if self.transports:  # front ends follow /health's healthy instead
+            self._health_task = asyncio.ensure_future(self.transports.serving(not failing))
+
+    async def refresh(self) -> None:
+        """The model's state is this process's own: always fresh (a front end fetches it)."""
 
     @property
     def healthy(self) -> bool:
@@ -149,7 +147,7 @@ class Server:
             **(self.head.describe() if self.head else {}),
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",
-            "attention": self.placement.attention if self.placement else "",
+            "attention": self.engine.attention if self.engine and self.engine.warmup else "",
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }
@@ -163,20 +161,10 @@ class Server:
         finish within the grace period, then stop the model worker."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         self.draining = True
-        if self.service:
+        if self.transports:
+            await self.transports.stop(grace)
+        elif self.service:
             self.service.draining = True
-        await grpc_server.set_serving(self.grpc_health, False)
-        # The listeners stay open while in-flight requests finish: a request that arrives now
-        # (endpoints lag SIGTERM in Kubernetes) gets a retryable UNAVAILABLE from the service
-        # rather than a transport-level CANCELLED from a closing server.
-        deadline = time.monotonic() + grace
-        if self.service:
-            try:
-                await asyncio.wait_for(self.service.drained(), grace)
-            except asyncio.TimeoutError:
-                log.warning("grace period over: %d requests still in flight are cancelled", self.service.in_flight)
-        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
-        await self.http.stop()
         if self.engine:
             await self.engine.stop()
         self._executor.shutdown(wait=False)

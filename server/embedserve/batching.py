@@ -133,3 +133,74 @@ def select_rows(lengths: Sequence[int], cap: int, max_tokens: int, pad_to: int |
         chosen.append(i)
         longest = width
     return sorted(chosen)
+
+
+# Packed rows (ATTENTION=packed): a batch is one stream of tokens, its rows end to end, so a row
+# costs its own length whatever the others' lengths are. Only the stream's total is a shape.
+
+def token_ladder(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
+    """Total-token counts CUDA graphs are captured for, up to `max_tokens` (always included):
+    each power of two and its quarter points (64, 80, 96, 112, 128, 160, ...), so a stream pads
+    at most a fifth of its tokens to the next size, for ~4 graphs per doubling (37 up to 32768)."""
+    sizes, base = set(), smallest
+    while base <= max_tokens:
+        sizes.update(s for s in (base, base * 5 // 4, base * 3 // 2, base * 7 // 4) if s <= max_tokens)
+        base *= 2
+    return tuple(sorted(sizes | {max_tokens}))
+
+
+def packed_slots(tokens: int, max_rows: int, max_len: int) -> int:
+    """Entries of a stream's cu_seqlens (minus the leading 0): up to `max_rows` real rows, then
+    the stream's padding tail cut into rows of at most `max_len` tokens (the kernel's pinned
+    longest row), then zero-length rows. A fixed count per stream size, as a captured graph
+    needs: the kernels read the rows' bounds from the device, never their number."""
+    return min(max_rows, tokens) + -(-tokens // max_len)
+
+
+def next_packed_drain(views: Sequence[BucketView], now: float, deadline_s: float, worker_idle: bool,
+                      queued_tokens: int, token_budget: int, max_rows: int) -> Drain:
+    """When to form a packed batch. Any queued row can join any batch, so the question is only
+    when: at once if a row is stale or the queue holds a full batch (the token budget or the row
+    cap), or the worker is idle; otherwise at the oldest row's deadline. The bucket returned is
+    the oldest row's (the batch starts there)."""
+    waiting = [v for v in views if v.rows > 0]
+    if not waiting:
+        return Drain(None)
+    oldest = min(waiting, key=lambda v: v.oldest)
+    if now - oldest.oldest >= deadline_s:
+        return Drain(oldest.length, "stale")
+    if queued_tokens >= token_budget or sum(v.rows for v in waiting) >= max_rows:
+        return Drain(oldest.length, "full")
+    if worker_idle:
+        return Drain(oldest.length, "idle")
+    return Drain(None, wake_at=oldest.oldest + deadline_s)
+
+
+def pack_rows(heads: Sequence[tuple[np.ndarray, np.ndarray]], token_budget: int, max_rows: int) -> list[np.ndarray]:
+    """Choose a packed batch from the heads of the bucket queues: per bucket, its first rows'
+    (lengths, enqueue times), oldest first. Rows go oldest first across all buckets (so stale
+    rows always lead, and the oldest row always goes), each taken if it still fits the token
+    budget and the row cap: first fit in age order, as text-embeddings-inference fills its
+    batches, except that a row too long for what is left is passed over rather than ending the
+    batch (it is older than the rows behind it, so it leads a later batch). Returns, per
+    bucket, the indices taken (ascending). Vectorised: each round takes the longest prefix that
+    fits, then drops the rows that can no longer fit at all."""
+    lengths = np.concatenate([h[0] for h in heads]).astype(np.int64)
+    if not len(lengths):
+        return [np.zeros(0, dtype=np.int64) for _ in heads]
+    ages = np.concatenate([h[1] for h in heads])
+    owner = np.repeat(np.arange(len(heads)), [len(h[0]) for h in heads])
+    index = np.concatenate([np.arange(len(h[0])) for h in heads])
+    pool = np.argsort(ages, kind="stable")
+    chosen = [pool[:1]]  # the oldest row goes even if the budget is smaller than it
+    left, rows, pool = token_budget - int(lengths[pool[0]]), max_rows - 1, pool[1:]
+    while len(pool) and rows > 0:
+        pool = pool[lengths[pool] <= left]
+        if not len(pool):
+            break
+        total = np.cumsum(lengths[pool])
+        k = min(int(np.searchsorted(total, left, side="right")), rows)
+        chosen.append(pool[:k])
+        left, rows, pool = left - int(total[k - 1]), rows - k, pool[k:]
+    taken = np.concatenate(chosen)
+    return [np.sort(index[taken[owner[taken] == b]]) for b in range(len(heads))]

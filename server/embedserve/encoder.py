@@ -1,5 +1,6 @@
-"""The model on its device: loading, dtype, torch.compile / CUDA graphs, and one forward pass +
-pooling per batch. Constructed and used only on the model-worker thread (compiled graphs live there)."""
+"""The model on its device: loading, dtype, attention layout, torch.compile / CUDA graphs, and one
+forward pass + pooling per batch (padded rows, or packed rows: embedserve.packing, .varlen).
+Constructed and used only on the model-worker thread (compiled graphs live there)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import logging
 import numpy as np
 import torch
 
-from embedserve.config import Settings
+from embedserve import varlen
+from embedserve.config import ConfigError, Settings
 from embedserve.cuda_graphs import CudaGraphs
 from embedserve.declared import Head
+from embedserve.packing import PackedBatch
 from embedserve.pooling import Pooler
 from embedserve.queues import Batch
 
@@ -29,7 +32,9 @@ class Placement:
 
 
 def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: bool) -> Placement:
-    """DEVICE/DTYPE/COMPILE/STATIC_SHAPES → what the worker runs (pure)."""
+    """DEVICE/DTYPE/COMPILE/STATIC_SHAPES/ATTENTION → what the worker runs (pure). `attention`
+    is what the settings ask for; the Encoder keeps it only for a model the kernels serve
+    (ATTENTION=auto falls back to padded, ATTENTION=packed refuses to start)."""
     name = settings.device
     if name == "auto":
         name = "cuda" if cuda_available else "cpu"
@@ -43,8 +48,10 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
     compile_ = mode == "true"
     graphs = on_gpu and mode in ("graphs", "true")
     static = (graphs or compile_) if settings.static_shapes == "auto" else settings.static_shapes == "true"
+    # Packed rows by default where FlashAttention-2 runs them: CUDA, half precision.
+    packed = settings.attention == "packed" or (settings.attention == "auto" and on_gpu and dtype in varlen.HALF)
     # Without static shapes every new batch shape would capture (or compile) another graph.
-    return Placement(device, dtype, compile_, static, graphs and static)
+    return Placement(device, dtype, compile_, static, graphs and static, "packed" if packed else "padded")
 
 
 class Encoder:
@@ -61,22 +68,59 @@ class Encoder:
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
         loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
-        model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code)
+        self.attention = self._attention(model_dir, settings, placement, task)
+        extra = {"attn_implementation": varlen.NAME} if self.attention == "packed" else {}
+        model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code, **extra)
         self.model = model.to(placement.device).eval()
+        self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
         self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
         # Output width: the embedding dimension (after any Dense layers), or one logit per label.
         hidden = int(self.model.config.hidden_size)
         self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
-        self._forward = self._eager
+        self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
             # eager after its default 8 recompilations.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-            self._forward = torch.compile(self._eager, dynamic=False)
+            self._forward = torch.compile(self._forward, dynamic=False)
         if placement.cuda_graphs:
             self._forward = CudaGraphs(self._forward, placement.device)
+
+    @staticmethod
+    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> str:
+        """The attention layout this model runs: the placement's, unless the kernels cannot serve
+        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed)."""
+        if placement.attention != "packed":
+            return "padded"
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=settings.trust_remote_code)
+        on_gpu = placement.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(placement.device) if on_gpu else None
+        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability)
+        if reason is None and on_gpu:
+            heads = int(config.num_attention_heads)
+            reason = varlen.self_check(placement.device, placement.dtype, heads, int(config.hidden_size) // heads,
+                                       placement.cuda_graphs)
+        if reason is None:
+            varlen.register()
+            log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
+                     "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
+            return "packed"
+        if settings.attention == "packed":
+            raise ConfigError(f"ATTENTION=packed: {reason}")
+        log.info("attention: padded rows (%s)", reason)
+        return "padded"
+
+    def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_len: int) -> torch.Tensor:
+        """One stream of rows end to end ([T] tensors, see embedserve.packing) → [S, dim]."""
+        hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
+                            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
+                            max_length_k=max_len).last_hidden_state[0]
+        return self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.task == "classify":
@@ -84,16 +128,21 @@ class Encoder:
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.pooler(hidden, ids, mask)
 
-    def run(self, batch: Batch) -> np.ndarray:
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray:
         dev = self.placement.device
+        if isinstance(batch, PackedBatch) != (self.attention == "packed"):
+            raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
+        if isinstance(batch, PackedBatch):
+            tensors, extra = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens), (batch.max_len,)
+        else:
+            tensors, extra = (batch.input_ids, batch.attention_mask), ()
         with torch.inference_mode():
-            ids, mask = batch.input_ids, batch.attention_mask
             if dev.type == "cuda":  # pinned host memory: the copies to the device run async
-                ids, mask = ids.pin_memory(), mask.pin_memory()
+                tensors = tuple(t.pin_memory() for t in tensors)
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
-                    ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+                    tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
-            return self._forward(ids, mask)[: batch.rows].cpu().numpy()
+            return self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
 
     def memory(self) -> dict[str, int]:
         if self.placement.device.type != "cuda":

@@ -1,6 +1,8 @@
 """The batching engine: token rows in, embeddings out. Rows wait in length buckets; one asyncio
 task (the batcher) drains them by priority into the model worker's queue; results come back
-from the worker thread and are routed to each request's rows, in order."""
+from the worker thread and are routed to each request's rows, in order. Padded rows: a batch
+takes one bucket's rows; packed rows (a runner of `attention = "packed"`): a batch takes the
+oldest rows of every bucket up to a token budget."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from typing import Callable
 
 import numpy as np
 
-from embedserve.batching import choose_bucket, fit_length, ladder_size, length_ladder, next_drain, select_rows
+from embedserve.batching import (choose_bucket, fit_length, ladder_size, length_ladder, next_drain, next_packed_drain,
+                                 pack_rows, select_rows)
 from embedserve.errors import DeviceUnresponsive, ModelFailure
 from embedserve.estimator import Estimator
+from embedserve.packing import PackedBatch, assemble_packed
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
 from embedserve.threads import in_daemon_thread
 from embedserve.worker import ModelWorker, Runner, WarmupPlan, WarmupResult, Watchdog
@@ -69,6 +73,16 @@ class Engine:
         return self.hung or self.failed_batches >= FAILING_AFTER
 
     @property
+    def packing(self):
+        """How packed batches are shaped (a PackSpec), or None for padded rows; known after start."""
+        return self.warmup.packing if self.warmup else None
+
+    @property
+    def attention(self) -> str:
+        """The layout the model runs ("packed" or "padded"), as /health reports it."""
+        return "packed" if self.packing else "padded"
+
+    @property
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
 
@@ -81,10 +95,13 @@ class Engine:
         if self.worker.failure is not None:
             raise self.worker.failure
         self.warmup = self.worker.warmup
-        self.caps = self.warmup.caps
         self.dim = self.worker.runner.dim
         self.estimator.seed_service_rate(self.warmup.service_rate)
-        log.info("batch caps per bucket: %s", self.caps)
+        if self.packing:  # any row may join a batch: every bucket is "full" at the row cap
+            self.caps = {b: self.packing.max_rows for b in self.plan.buckets}
+        else:
+            self.caps = self.warmup.caps
+            log.info("batch caps per bucket: %s", self.caps)
         self._task = asyncio.create_task(self._batcher(), name="batcher")
         self._watch = asyncio.create_task(self._watchdog(), name="watchdog")
 
@@ -126,7 +143,11 @@ class Engine:
     async def _batcher(self) -> None:
         while True:
             self._wake.clear()
-            timeout = self._form_batches()
+            try:
+                timeout = self._form_batches()
+            except Exception:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
+                log.exception("the batcher failed; this server serves nothing more")
+                raise
             try:
                 async with asyncio.timeout(timeout):  # no task per wait, as wait_for would make
                     await self._wake.wait()
@@ -138,10 +159,15 @@ class Engine:
         wait for news)."""
         while self.in_worker <= self.lookahead and not self.hung:
             now = self.clock()
-            drain = next_drain(self.queues.views(self.caps), now, self.deadline_s, self.in_worker == 0)
+            views, idle = self.queues.views(self.caps), self.in_worker == 0
+            if self.packing:
+                drain = next_packed_drain(views, now, self.deadline_s, idle, self.queues.queued_tokens,
+                                          self.warmup.token_budget, self.packing.max_rows)
+            else:
+                drain = next_drain(views, now, self.deadline_s, idle)
             if drain.bucket is None:
                 return None if drain.wake_at is None else max(0.0, drain.wake_at - now)
-            self.worker.submit(self._form(drain.bucket))
+            self.worker.submit(self._form_packed() if self.packing else self._form(drain.bucket))
             self.in_worker += 1
         return None
 
@@ -155,10 +181,22 @@ class Engine:
         width = fit_length(max(r.length for r in taken), self.lengths)
         return assemble(taken, self.plan.pad_id, width, ladder_size(len(taken)))
 
-    def _report_from_worker(self, batch: Batch, out, busy_s: float) -> None:
+    def _form_packed(self) -> PackedBatch:
+        """The oldest rows of all buckets up to the token budget (batching.pack_rows). Of each
+        bucket only the first rows are looked at, as many as could fit the budget and the row cap
+        (a GPU's queue holds thousands of rows)."""
+        spec, budget = self.packing, self.warmup.token_budget
+        buckets = list(self.queues.rows)
+        heads = [self.queues.head(b, max(1, min(spec.max_rows, budget // (below + 1))))
+                 for b, below in zip(buckets, [0, *buckets[:-1]])]
+        chosen = pack_rows(heads, budget, spec.max_rows)
+        taken = [row for b, idx in zip(buckets, chosen) if len(idx) for row in self.queues.take(b, idx.tolist())]
+        return assemble_packed(taken, self.plan.pad_id, spec)
+
+    def _report_from_worker(self, batch: Batch | PackedBatch, out, busy_s: float) -> None:
         self._loop.call_soon_threadsafe(self._deliver, batch, out, busy_s)
 
-    def _deliver(self, batch: Batch, out, busy_s: float) -> None:
+    def _deliver(self, batch: Batch | PackedBatch, out, busy_s: float) -> None:
         self.in_worker -= 1
         self.estimator.computed(batch.real_tokens, busy_s)
         self.on_batch(batch, busy_s)
@@ -189,7 +227,7 @@ class Engine:
             if running and time.monotonic() - running[1] > self.watchdog.limit_s(running[0], self.warmup):
                 self._device_hung(running[0], time.monotonic() - running[1])
 
-    def _device_hung(self, batch: Batch, ran_s: float) -> None:
+    def _device_hung(self, batch: Batch | PackedBatch, ran_s: float) -> None:
         """Every request waiting on the device fails with UNAVAILABLE (a client retries on another
         pod); health reports NOT_SERVING, so the liveness probe restarts this one."""
         log.error("a batch of %d rows has run %.1f s, past the watchdog's %.1f s: the device is not "

@@ -29,3 +29,26 @@ class WrongTask(RuntimeError):
 class DeviceUnresponsive(NotReady):
     """A batch outran the watchdog: the device is lost until the pod restarts (UNAVAILABLE / HTTP
     503; clients retry on another pod)."""
+
+
+# The errors a request can end with, by name: how they cross from the model process to a front
+# end (FRONTENDS > 1), which raises them again for its transport to map.
+_BY_NAME = {"invalid": InvalidInput, "overloaded": Overloaded, "unavailable": NotReady,
+            "device": DeviceUnresponsive, "model_failure": ModelFailure, "wrong_task": WrongTask}
+
+
+def to_wire(error: Exception) -> dict:
+    name = next(n for n, cls in reversed(list(_BY_NAME.items())) if isinstance(error, cls))
+    wire = {"error": name, "message": str(error)}
+    if isinstance(error, Overloaded):
+        wire.update(reason=error.reason, retry_after_ms=error.retry_after_ms)
+    return wire
+
+
+def from_wire(wire: dict) -> Exception:
+    if wire["error"] == "overloaded":
+        return Overloaded(wire["reason"], wire["retry_after_ms"])
+    return _BY_NAME.get(wire["error"], ModelFailure)(wire["message"])
+
+
+KNOWN = tuple(_BY_NAME.values())

@@ -96,12 +96,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
-                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 10.0):
-    """→ (server, health servicer, bound port). Health starts NOT_SERVING."""
+                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 10.0,
+                 reuse_port: bool = False):
+    """→ (server, health servicer, bound port). Health starts NOT_SERVING. `reuse_port`: front
+    ends share the port (one process alone must not: a second server on it would be an error)."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
     ]
     if max_connection_age_s > 0:
         # A client keeps its HTTP/2 connections and only re-resolves when one closes: without an

@@ -29,10 +29,12 @@ def build_app(server: "Server") -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         """The shared signal and readiness; 503 while starting, draining, or failing batches."""
+        await server.refresh()
         return JSONResponse(server.health_fields(), status_code=200 if server.healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await server.refresh()
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -85,9 +87,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, server: "Server", host: str, port: int, max_connection_age_s: float = 0.0):
+    def __init__(self, server: "Server", host: str, port: int, max_connection_age_s: float = 0.0,
+                 reuse_port: bool = False):
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # front ends share the port; the kernel spreads the connections
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self._socket.bind((host, port))  # bound now, so port 0 resolves before start
         self.port = self._socket.getsockname()[1]
         self.app = build_app(server)

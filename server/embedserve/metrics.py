@@ -24,54 +24,80 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 32768, 65536, 262144)
 
 
+def signal(server: "Server") -> dict:
+    """The shared signal's values, in one unit (real tokens), read from the estimator at scrape
+    time (never a second copy). Plain values: a front end (FRONTENDS > 1) gets them from the
+    model process and renders the same families."""
+    snap, now = server.estimator.snapshot(), server.estimator.clock()
+    service, engine, placement = server.service, server.engine, server.placement
+    runner = engine.worker.runner if engine else None
+    info = {}
+    if engine and engine.dim:
+        head = server.head.describe() if server.head else {}
+        info = {"model": server.model_name, "device": str(placement.device),
+                "dtype": str(placement.dtype).removeprefix("torch."), "dimension": str(engine.dim),
+                "attention": engine.attention,
+                **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
+                   for k, v in head.items()}}
+    return {
+        "service_rate_tokens_per_second": snap.service_rate,
+        "arrival_rate_tokens_per_second": snap.arrival_rate,
+        "queued_tokens": snap.queued_tokens,
+        "reserved_tokens": service.gate.book.reserved(now) if service else 0.0,
+        "estimated_drain_seconds": min(snap.drain_s, 1e9),
+        "offered_tokens": server.estimator.offered_total,
+        "gpu_memory_bytes": runner.memory() if runner else {},
+        "model": info,
+    }
+
+
+_GAUGES = (  # One unit: real (unpadded) tokens. Padding is the server's own cost and shows as a
+    # lower service rate, so offered / service rate is the busy fraction.
+    ("service_rate_tokens_per_second", "Capacity: real (unpadded) tokens computed per second of "
+     "model-busy time (EMA); arrival / service rate = utilization"),
+    ("arrival_rate_tokens_per_second", "EMA of offered real tokens per second, admitted and rejected "
+     "(retries not counted again)"),
+    ("queued_tokens", "Real tokens admitted and not yet computed"),
+    ("reserved_tokens", "Real tokens booked for requests that did not fit the drain budget (held, or told retry-after-ms)"),
+    ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate"),
+)
+
+
 class _SignalCollector(Collector):
-    def __init__(self, server: "Server"):
-        self.server = server
+    def __init__(self, values):
+        self.values = values  # () → the signal dict
 
     def collect(self):
-        snap = self.server.estimator.snapshot()
-        service = self.server.service
-        # One unit: real (unpadded) tokens. Padding is the server's own cost and shows as a lower
-        # service rate, so offered / service rate is the busy fraction.
-        for name, doc, value in (
-            ("service_rate_tokens_per_second", "Capacity: real (unpadded) tokens computed per second of "
-             "model-busy time (EMA); arrival / service rate = utilization", snap.service_rate),
-            ("arrival_rate_tokens_per_second", "EMA of offered real tokens per second, admitted and rejected "
-             "(retries not counted again)", snap.arrival_rate),
-            ("queued_tokens", "Real tokens admitted and not yet computed", snap.queued_tokens),
-            ("reserved_tokens", "Real tokens booked for requests that did not fit the drain budget (held, or told retry-after-ms)",
-             service.gate.book.reserved(self.server.estimator.clock()) if service else 0.0),
-            ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate", min(snap.drain_s, 1e9)),
-        ):
-            yield GaugeMetricFamily(P + name, doc, value=value)
+        v = self.values()
+        for name, doc in _GAUGES:
+            yield GaugeMetricFamily(P + name, doc, value=v[name])
         # The autoscaler's demand: its rate over any interval is that interval's exact mean, where
         # the arrival-rate gauge is an EMA seen at one instant.
         yield CounterMetricFamily(P + "offered_tokens", "Real tokens offered, admitted and rejected, each request once "
-                                  "(estimated before tokenization)", value=self.server.estimator.offered_total)
+                                  "(estimated before tokenization)", value=v["offered_tokens"])
         memory = GaugeMetricFamily(P + "gpu_memory_bytes", "Device memory held by the model worker", labels=["type"])
-        runner = self.server.engine.worker.runner if self.server.engine else None
-        for kind, value in (runner.memory() if runner else {}).items():
+        for kind, value in v["gpu_memory_bytes"].items():
             memory.add_metric([kind], value)
         yield memory
-        if self.server.engine and self.server.engine.dim:
+        if v["model"]:
             info = InfoMetricFamily(P + "model", "What this server serves")
-            head = self.server.head.describe() if self.server.head else {}
-            info.add_metric([], {
-                "model": self.server.model_name, "device": str(self.server.placement.device),
-                "dtype": str(self.server.placement.dtype).removeprefix("torch."),
-                "dimension": str(self.server.engine.dim), "attention": self.server.placement.attention,
-                **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
-                   for k, v in head.items()},
-            })
+            info.add_metric([], v["model"])
             yield info
 
 
 class Metrics:
     """Implements the core's Observer; `render()` is the /metrics body."""
 
-    def __init__(self, server: "Server"):
+    def __init__(self, values, multiprocess_dir: str | None = None):
+        """`values`: () → the signal dict (`signal(server)`, or a front end's copy of it).
+        `multiprocess_dir` (FRONTENDS > 1): counters and histograms live in files every process
+        of the pod writes, and /metrics (in any front end) renders their sum."""
         self.registry = CollectorRegistry()
-        r = self.registry
+        r = None if multiprocess_dir else self.registry
+        if multiprocess_dir:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
         self.requests = Counter(P + "requests", "Finished requests by outcome", ["rpc", "code"], registry=r)
         self.rejected_requests = Counter(P + "rejected_requests", "Admission rejections", ["reason"], registry=r)
         self.held_requests = Counter(P + "held_requests", "Requests that waited server-side for booked room "
@@ -81,7 +107,7 @@ class Metrics:
         self.batch_tokens = Histogram(P + "batch_padded_tokens", "Padded tokens per forward pass", buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter(P + "tokens", "Tokens computed (real vs padded: padding efficiency)", ["kind"], registry=r)
         self.busy = Counter(P + "model_busy_seconds", "Time the model worker spent running batches (rate = utilization)", registry=r)
-        r.register(_SignalCollector(server))
+        self.registry.register(_SignalCollector(values))
         self._finished: dict[tuple[str, str], tuple] = {}  # labelled children, looked up once
         self._real, self._padded = self.tokens.labels("real"), self.tokens.labels("padded")
 

@@ -1,7 +1,8 @@
 """Token states → one vector per row, on the model's device, for the whole batch: the pooling modes
 sentence-transformers offers (concatenated when several are declared), then its Dense layers and
 Normalize, as the model declares them (embedserve.declared). Rows are right-padded. Sums run in
-float32 whatever the model's dtype."""
+float32 whatever the model's dtype. Packed rows (embedserve.packing) pool per segment of one
+token stream, with the same arithmetic, then the same head."""
 
 from __future__ import annotations
 
@@ -39,6 +40,33 @@ def pool(hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Te
     summed = torch.bmm(weights.unsqueeze(1).to(hidden.dtype), hidden).squeeze(1).float()
     total = weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
     return summed / (total.sqrt() if mode == "mean_sqrt_len_tokens" else total)
+
+
+def pool_segments(hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+                  cu_seqlens: torch.Tensor, mode: str, exclude_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed rows: [T, H] states of rows laid end to end → [S, H] float32, row i being tokens
+    cu_seqlens[i]:cu_seqlens[i + 1] (`segments`: each token's row; `positions`: 0, 1, ... within
+    it). What pool() computes on the padded layout, by scatter instead of a padded reduction, and
+    with no host synchronisation (it runs inside a CUDA graph). Zero-length rows give garbage,
+    never an error: the caller keeps only its real rows."""
+    slots, total, width = cu_seqlens.numel() - 1, hidden.shape[0], hidden.shape[1]
+    if mode == "cls":
+        return hidden[cu_seqlens[:-1].long().clamp(max=total - 1)].float()
+    if mode == "lasttoken":
+        return hidden[(cu_seqlens[1:].long() - 1).clamp(min=0)].float()
+    if mode == "max":
+        out = hidden.new_full((slots, width), float("-inf"), dtype=torch.float32)
+        return out.scatter_reduce_(0, segments.unsqueeze(1).expand(-1, width), hidden.float(), "amax")
+    if mode not in ("mean", "mean_sqrt_len_tokens", "weightedmean"):
+        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    weights = torch.ones(total, dtype=torch.float32, device=hidden.device)
+    if exclude_ids is not None and exclude_ids.numel():
+        weights = weights * ~torch.isin(input_ids, exclude_ids)
+    if mode == "weightedmean":  # position 1, 2, ... within each row
+        weights = weights * (positions + 1)
+    summed = hidden.new_zeros((slots, width), dtype=torch.float32).index_add_(0, segments, hidden.float() * weights[:, None])
+    count = weights.new_zeros(slots).index_add_(0, segments, weights).clamp(min=1e-9).unsqueeze(1)
+    return summed / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
 
 
 def _activation(name: str) -> nn.Module:
@@ -79,7 +107,16 @@ class Pooler(nn.Module):
         self.register_buffer("exclude", exclude_ids if exclude_ids is not None else torch.zeros(0, dtype=torch.int64))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        pooled = [pool(hidden, input_ids, attention_mask, m, self.exclude) for m in self.modes]
+        return self.head([pool(hidden, input_ids, attention_mask, m, self.exclude) for m in self.modes])
+
+    def packed(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+               cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed rows ([T, H] states) → [S, dim]; see pool_segments."""
+        return self.head([pool_segments(hidden, input_ids, positions, segments, cu_seqlens, m, self.exclude)
+                          for m in self.modes])
+
+    def head(self, pooled: list[torch.Tensor]) -> torch.Tensor:
+        """One pooled [rows, H] tensor per mode → concatenated, Dense layers, Normalize."""
         out = self.dense(pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1))
         return F.normalize(out, p=2, dim=-1) if self.normalize else out
 

@@ -13,7 +13,7 @@ from embedserve.config import Settings
 from embedserve.declared import Head
 from embedserve.encoder import task_of
 from embedserve.model_source import resolve
-from embedserve.tokenization import TextTokenizer
+from embedserve.tokenization import TextTokenizer, vocab_ids
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ def prepare(s: Settings) -> Prepared:
     for note in notes:
         log.info("%s", note)
     log.info("serving as declared: %s", head.describe())
-    tokenizer = TextTokenizer(hf_tok, head.max_length, s.truncate, head.lower_case)
-    exclude = tokenizer.token_ids(s.exclude_tokens)
+    tokenizer = TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case)
+    exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(
             f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {'+'.join(head.pooling)}")

@@ -82,6 +82,11 @@ class BucketQueues:
             BucketView(b, len(q), q[0].enqueued if q else 0.0, caps[b]) for b, q in self.rows.items()
         ]
 
+    def head(self, bucket: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, enqueue times) of the bucket's first `limit` rows, oldest first."""
+        q = self.rows[bucket][:limit]
+        return np.fromiter((r.length for r in q), np.int64, len(q)), np.fromiter((r.enqueued for r in q), np.float64, len(q))
+
     def take(self, bucket: int, indices: list[int]) -> list[QueuedRow]:
         q = self.rows[bucket]
         keep = set(indices)

@@ -32,11 +32,14 @@ def _lowercasing(tok: Tokenizer) -> None:
 
 
 class TextTokenizer:
-    def __init__(self, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False):
-        # Private copies of the Rust tokenizer with our settings instead of the model repo's: no
-        # padding; one cuts at max_length, the other one past it, to detect over-long input.
+    def __init__(self, tokenizer_json: str, pad_id: int, vocab_size: int, max_length: int, truncate: bool,
+                 lower_case: bool = False):
+        """`tokenizer_json`: the model's Rust tokenizer, serialized (a front end gets it from the
+        model process: no model files, no transformers, no torch there)."""
+        # Private copies with our settings instead of the model repo's: no padding; one cuts at
+        # max_length, the other one past it, to detect over-long input.
         def copy(limit: int) -> Tokenizer:
-            tok = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+            tok = Tokenizer.from_str(tokenizer_json)
             tok.no_padding()
             tok.enable_truncation(limit)
             if lower_case:
@@ -50,9 +53,15 @@ class TextTokenizer:
         # Tokens the model adds to every text ([CLS] and [SEP] for BERT): a text's token count
         # is its characters' share plus these.
         self.specials = len(self._cutting.encode("").ids)
-        self.pad_id = int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0)
-        self.vocab_size = len(hf_tokenizer)
-        self._hf = hf_tokenizer
+        self.pad_id, self.vocab_size = pad_id, vocab_size
+        self.spec = {"tokenizer_json": tokenizer_json, "pad_id": pad_id, "vocab_size": vocab_size,
+                     "max_length": max_length, "lower_case": lower_case}
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False) -> "TextTokenizer":
+        pad = hf_tokenizer.pad_token_id
+        return cls(hf_tokenizer.backend_tokenizer.to_str(), int(pad if pad is not None else 0), len(hf_tokenizer),
+                   max_length, truncate, lower_case)
 
     def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "") -> tuple[np.ndarray, np.ndarray]:
         """→ ids [n, longest] int32 (pad id after each row), lengths [n], the prompt's tokens
@@ -86,14 +95,16 @@ class TextTokenizer:
             row[: len(e.ids)] = e.ids
         return ids, lengths
 
-    def token_ids(self, tokens: tuple[str, ...]) -> list[int]:
-        """EXCLUDE_TOKENS strings → ids; a token the vocabulary lacks is a start-up error."""
-        vocab = self._hf.get_vocab()
-        missing = [t for t in tokens if t not in vocab]
-        if missing:
-            raise ValueError(f"EXCLUDE_TOKENS: not in the model's vocabulary: {', '.join(missing)} "
-                             f"(tokens are strings of its vocabulary, e.g. {self._hf.cls_token!r})")
-        return [vocab[t] for t in tokens]
+
+
+def vocab_ids(hf_tokenizer, tokens: tuple[str, ...]) -> list[int]:
+    """EXCLUDE_TOKENS strings → ids; a token the vocabulary lacks is a start-up error."""
+    vocab = hf_tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"EXCLUDE_TOKENS: not in the model's vocabulary: {', '.join(missing)} "
+                         f"(tokens are strings of its vocabulary, e.g. {hf_tokenizer.cls_token!r})")
+    return [vocab[t] for t in tokens]
 
 
 def validate_texts(texts, max_texts: int) -> list[str]:

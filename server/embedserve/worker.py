@@ -14,7 +14,9 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from embedserve.batching import bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop
+from embedserve.batching import (bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop,
+                                 token_ladder)
+from embedserve.packing import PackedBatch, PackSpec, random_packed
 from embedserve.queues import Batch
 
 log = logging.getLogger(__name__)
@@ -27,9 +29,9 @@ SWEEP_MAX_REPEATS = 5
 
 
 class Runner(Protocol):
-    dim: int
+    dim: int  # and optionally `attention`: "packed" for a runner of packed rows (default padded)
 
-    def run(self, batch: Batch) -> np.ndarray: ...
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray: ...
 
     def memory(self) -> dict[str, int]: ...
 
@@ -47,8 +49,11 @@ class WarmupPlan:
 
 @dataclasses.dataclass
 class WarmupResult:
-    caps: dict[int, int]
-    rates: dict[int, float]  # tokens/s at each bucket's cap (warm-up rows are full: real = padded)
+    caps: dict[int, int]  # padded rows: each bucket's batch cap
+    rates: dict[int, float]  # tokens/s at each bucket's cap (warm-up rows are full: real = padded);
+    # packed rows: at the token budget
+    packing: PackSpec | None = None  # packed rows: how batches are shaped
+    token_budget: int = 0  # packed rows: most real tokens per batch
 
     @property
     def service_rate(self) -> float:
@@ -57,6 +62,8 @@ class WarmupResult:
     @property
     def largest_batch_s(self) -> float:
         """How long the longest batch the batcher forms runs (admission holds one back)."""
+        if self.packing:
+            return self.token_budget / self.rates[self.token_budget] if self.rates.get(self.token_budget) else 0.0
         return max((b * self.caps[b] / r for b, r in self.rates.items() if r > 0), default=0.0)
 
 
@@ -84,6 +91,8 @@ def fixed_cap(bucket: int, wanted: int, limit: int, static: bool) -> int:
 
 def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.perf_counter) -> WarmupResult:
     """Run every shape once (compiling it), time it, and cap each bucket's batch size."""
+    if getattr(runner, "attention", "padded") == "packed":
+        return warm_up_packed(runner, plan, clock)
     rng = np.random.default_rng(0)
     caps, rates = {}, {}
     for b in plan.buckets:
@@ -116,7 +125,36 @@ def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.
     return WarmupResult(caps, rates)
 
 
-def _best_time(runner: Runner, batch: Batch, clock: Callable[[], float]) -> float:
+def warm_up_packed(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.perf_counter) -> WarmupResult:
+    """Packed rows: run (capture) every stream size of the ladder up to the token budget, timing
+    each on rows of random lengths; the budget is the smallest size within 5% of the best rate
+    (as bucket caps are chosen). BATCH_CAPS skips the sweep: the budget is then
+    MAX_TOKENS_PER_BATCH (with static shapes every size up to it is still captured)."""
+    spec = PackSpec.for_plan(plan.buckets[-1], plan.max_batch_size, plan.max_tokens_per_batch, plan.static)
+    rng = np.random.default_rng(0)
+    fixed = bool(plan.fixed_caps)
+    budget = max(plan.max_tokens_per_batch, plan.buckets[-1])
+    sizes = (budget,) if fixed and not spec.ladder else spec.ladder or token_ladder(budget)
+    if fixed:
+        log.warning("BATCH_CAPS: packed rows have no per-bucket caps; the token budget is MAX_TOKENS_PER_BATCH (%d)", budget)
+    sweep: list[tuple[int, float]] = []
+    for tokens in sizes:
+        batch = random_packed(tokens, spec, plan.vocab_size, rng)
+        runner.run(batch)  # first run compiles / captures; not timed
+        if fixed and tokens != sizes[-1]:
+            continue
+        dt = _best_time(runner, batch, clock)
+        sweep.append((tokens, batch.real_tokens / dt))
+        # A budget must hold the longest row: the sweep goes at least that far.
+        if not fixed and tokens >= spec.max_len and (sweep_should_stop(sweep) or dt > SWEEP_MAX_BATCH_S):
+            break
+    budget = sizes[-1] if fixed else choose_cap([(t, r) for t, r in sweep if t >= spec.max_len])
+    log.info("packed rows: token budget %d, at most %d rows (sweep %s)", budget, spec.max_rows,
+             ", ".join(f"{s}:{r:.0f} tok/s" for s, r in sweep))
+    return WarmupResult({}, {budget: dict(sweep).get(budget, sweep[-1][1])}, spec, budget)
+
+
+def _best_time(runner: Runner, batch: Batch | PackedBatch, clock: Callable[[], float]) -> float:
     best, spent = float("inf"), 0.0
     for _ in range(SWEEP_MAX_REPEATS):
         t0 = clock()
@@ -148,7 +186,7 @@ class Watchdog:
     multiple: float = 20.0
     floor_s: float = 30.0
 
-    def limit_s(self, batch: Batch, warmup: WarmupResult) -> float:
+    def limit_s(self, batch: Batch | PackedBatch, warmup: WarmupResult) -> float:
         slowest = min(warmup.rates.values(), default=0.0)
         expected = max(warmup.largest_batch_s, batch.padded_tokens / slowest if slowest > 0 else 0.0)
         return max(self.floor_s, self.multiple * expected)

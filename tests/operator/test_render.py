@@ -241,3 +241,19 @@ def test_a_new_deployment_in_mode_hpa_starts_with_the_count(spec, start):
 def test_spec_replicas_mirrors_the_live_count_in_modes_operator_and_hpa(mode, replicas, live, mirrored):
     s = specs.defaulted({"model": "m", "replicas": replicas, "autoscaling": {"mode": mode}})
     assert render.mirrored_replicas(s, live) == mirrored
+
+
+@pytest.mark.parametrize("resources, cpu, frontends", [
+    ({"gpu": 1, "cpu": "4", "memory": "16Gi"}, "4", None),  # unset: the server sizes from its cores
+    ({"gpu": 1, "cpu": "4", "memory": "16Gi", "frontends": 6}, "8", "6"),  # 6 front ends + 2
+    ({"gpu": 1, "cpu": "16", "memory": "16Gi", "frontends": 6}, "16", "6"),  # already enough
+    ({"gpu": 1, "cpu": "3500m", "memory": "16Gi", "frontends": 1}, "3500m", "1"),
+])
+def test_front_ends_get_the_cpu_they_need(resources, cpu, frontends):
+    spec = specs.defaulted({"model": "m", "resources": resources})
+    d = render.deployment(render.Owner("x", "ns", "uid"), spec, "img", 1, 45)
+    container = d["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["cpu"] == container["resources"]["limits"]["cpu"] == cpu
+    assert env_of(d).get("FRONTENDS") == frontends
+    server = Settings.from_env({k: v for k, v in env_of(d).items() if isinstance(v, str)})
+    assert server.frontends == int(frontends or 0)

@@ -12,8 +12,12 @@ from embedserve.batching import (
     ladder_size,
     length_ladder,
     next_drain,
+    next_packed_drain,
+    pack_rows,
+    packed_slots,
     select_rows,
     sweep_should_stop,
+    token_ladder,
 )
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -162,3 +166,92 @@ def test_choose_cap_is_smallest_batch_near_the_best(sweep, cap):
 def test_sweep_stops_once_throughput_clearly_falls():
     assert not sweep_should_stop([(1, 100), (2, 180), (4, 170)])
     assert sweep_should_stop([(1, 100), (2, 180), (4, 140)])
+
+
+# Packed rows: one batch takes rows of every bucket up to a token budget.
+
+
+def test_token_ladder_steps_by_quarters_of_each_power_of_two_up_to_the_budget():
+    ladder = token_ladder(32768)
+    assert ladder[:9] == (64, 80, 96, 112, 128, 160, 192, 224, 256)
+    assert ladder[-1] == 32768 and len(ladder) == 37
+    assert max(b / a for a, b in zip(ladder, ladder[1:])) <= 1.25  # a stream pads at most a fifth
+    assert token_ladder(1000)[-3:] == (768, 896, 1000)  # the budget itself is the top
+    assert token_ladder(40) == (40,)
+
+
+def test_packed_slots_hold_the_real_rows_and_the_tail_in_rows_no_longer_than_the_pin():
+    assert packed_slots(32768, 512, 512) == 512 + 64
+    assert packed_slots(64, 512, 512) == 64 + 1  # no more rows than tokens
+    assert packed_slots(1000, 8, 256) == 8 + 4
+
+
+def pv(length, rows, oldest):
+    return BucketView(length, rows, oldest, 0)
+
+
+@pytest.mark.parametrize(
+    "views, queued, idle, bucket, reason",
+    [
+        ([pv(16, 0, 0), pv(32, 0, 0)], 0, True, None, ""),
+        # a stale row goes at once, and the batch starts from the oldest row's bucket
+        ([pv(16, 3, 0.99), pv(64, 1, 0.90)], 100, False, 64, "stale"),
+        # the queue holds a full batch: by tokens, or by rows
+        ([pv(16, 3, 0.99), pv(512, 2, 0.98)], 1000, False, 512, "full"),
+        ([pv(16, 8, 0.99), pv(32, 8, 0.995)], 200, False, 16, "full"),
+        # idle worker: no waiting out the deadline
+        ([pv(16, 1, 0.999)], 10, True, 16, "idle"),
+    ],
+)
+def test_next_packed_drain(views, queued, idle, bucket, reason):
+    d = next_packed_drain(views, 1.0, DEADLINE, idle, queued, token_budget=1000, max_rows=16)
+    assert (d.bucket, d.reason) == (bucket, reason)
+
+
+def test_next_packed_drain_waits_for_the_oldest_rows_deadline_when_busy():
+    d = next_packed_drain([pv(16, 2, 0.99), pv(64, 1, 0.97)], 1.0, DEADLINE, False, 100, 1000, 16)
+    assert d.bucket is None and d.wake_at == pytest.approx(0.97 + DEADLINE)
+
+
+def spec_pack_rows(heads, budget, max_rows):
+    """The rule in plain Python, one row at a time: every queued row, oldest first (ties: the
+    lower bucket, then queue order); the oldest always; then each row that still fits."""
+    rows = sorted((age, b, i, n) for b, (lengths, ages) in enumerate(heads) for i, (n, age) in enumerate(zip(lengths, ages)))
+    chosen, used = [], 0
+    for k, (_, b, i, n) in enumerate(rows):
+        if len(chosen) == max_rows:
+            break
+        if k == 0 or used + n <= budget:
+            chosen.append((b, i))
+            used += n
+    return [sorted(i for bb, i in chosen if bb == b) for b in range(len(heads))]
+
+
+def random_heads(rng, buckets=(16, 64, 256)):
+    heads, below = [], 0
+    for b in buckets:
+        n = int(rng.integers(0, 40))
+        ages = np.sort(rng.choice(1000, n, replace=False) / 1000.0)  # distinct, FIFO within a bucket
+        heads.append((rng.integers(below + 1, b + 1, n), ages))
+        below = b
+    return heads
+
+
+def test_pack_rows_agrees_with_the_plain_rule_on_random_queues():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        heads = random_heads(rng)
+        budget, max_rows = int(rng.integers(256, 3000)), int(rng.integers(1, 60))
+        got = [idx.tolist() for idx in pack_rows(heads, budget, max_rows)]
+        assert got == spec_pack_rows(heads, budget, max_rows)
+
+
+def test_pack_rows_takes_stale_rows_of_every_bucket_first_and_fills_around_a_long_one():
+    heads = [(np.array([5, 5, 5]), np.array([0.10, 0.50, 0.60])),
+             (np.array([200, 40]), np.array([0.20, 0.30]))]
+    # oldest first: 5 (0.10), 200 (0.20), then 40 (0.30) does not fit 240 - 205, the later 5s do
+    assert [i.tolist() for i in pack_rows(heads, 240, 16)] == [[0, 1, 2], [0]]
+    assert [i.tolist() for i in pack_rows(heads, 250, 16)] == [[0, 1], [0, 1]]  # 250 exactly
+    assert [i.tolist() for i in pack_rows(heads, 250, 2)] == [[0], [0]]  # the row cap
+    assert [i.tolist() for i in pack_rows(heads, 4, 16)] == [[0], []]  # the oldest goes even over budget
+    assert [i.tolist() for i in pack_rows([(np.zeros(0), np.zeros(0))], 100, 4)] == [[]]

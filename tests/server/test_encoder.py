@@ -28,6 +28,23 @@ def test_placement_follows_the_settings(env, on_cuda, expected):
     assert (str(p.device), p.dtype, p.compile, p.static_shapes, p.cuda_graphs) == expected
 
 
+@pytest.mark.parametrize(
+    "env, on_cuda, attention",
+    [
+        ({}, True, "packed"),  # CUDA in bf16: FlashAttention-2 over packed rows
+        ({"DTYPE": "float16", "COMPILE": "false"}, True, "packed"),
+        ({}, False, "padded"),
+        ({"DTYPE": "float32"}, True, "padded"),  # auto packs only where FlashAttention runs
+        ({"DEVICE": "cpu"}, True, "padded"),
+        ({"ATTENTION": "padded"}, True, "padded"),
+        ({"ATTENTION": "packed"}, False, "packed"),  # CPU: the reference attention, on request
+        ({"ATTENTION": "packed", "DTYPE": "float32"}, True, "packed"),
+    ],
+)
+def test_placement_asks_for_packed_rows_where_the_kernels_run(env, on_cuda, attention):
+    assert choose_placement(Settings.from_env(env), on_cuda, True).attention == attention
+
+
 def test_cuda_graphs_are_never_used_without_static_shapes():
     """Every new batch shape would otherwise capture another graph: memory without bound."""
     for compile_ in ("auto", "graphs", "true"):

@@ -88,6 +88,41 @@ async def test_concurrent_requests_get_their_own_rows_in_order(static, lookahead
     await engine.stop()
 
 
+class PackedRowSums:
+    """RowSums for packed rows: the same (sum, length) per row, read from the stream's bounds."""
+
+    dim = 2
+    attention = "packed"
+
+    def __init__(self):
+        self.batches: list = []
+
+    def run(self, batch):
+        cu, ids = batch.cu_seqlens.tolist(), batch.input_ids
+        if batch.routes:
+            self.batches.append(batch)
+        return np.array([[int(ids[a:b].sum()), b - a] for a, b in zip(cu, cu[1 : batch.rows + 1])], np.float32)
+
+    def memory(self):
+        return {}
+
+
+@pytest.mark.parametrize("static, lookahead", [(False, 0), (True, 2)])
+async def test_packed_batches_take_rows_of_every_bucket_and_route_them_home(static, lookahead):
+    runner = PackedRowSums()
+    engine = await started_engine(runner, static, caps={4: 1}, lookahead=lookahead)
+    assert engine.attention == "packed" and engine.warmup.token_budget == 1024
+    rng = np.random.default_rng(2)
+    requests = [random_rows(rng, int(rng.integers(1, 9))) for _ in range(200)]
+    results = await asyncio.gather(*(engine.submit(*as_tensor(rows)).future for rows in requests))
+    for rows, out in zip(requests, results):
+        np.testing.assert_array_equal(out, expected(rows))
+    assert engine.estimator.snapshot().queued_tokens == 0
+    assert all(b.real_tokens <= 1024 and b.rows <= 64 for b in runner.batches)
+    assert max(len(set(np.searchsorted(BUCKETS, np.diff(b.cu_seqlens[: b.rows + 1].numpy())))) for b in runner.batches) > 1
+    await engine.stop()
+
+
 async def test_dropped_requests_never_reach_the_model_and_leave_the_backlog():
     runner = RowSums()
     engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1})

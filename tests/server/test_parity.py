@@ -45,7 +45,10 @@ def variant(model_dir, out, pooling, dense=False, normalize=True, max_seq_length
     return str(out)
 
 
-VARIANTS = ["packaged", "cls-no-normalize", "max", "cls+mean-dense", "prompts"]
+VARIANTS = ["packaged", "cls-no-normalize", "max", "cls+mean-dense", "prompts", "packed"]
+# Packed rows on CPU (the reference attention; every other part is what a GPU runs), streams
+# padded to the token ladder as with CUDA graphs, batches mixing lengths up to a small budget.
+PACKED = {"ATTENTION": "packed", "STATIC_SHAPES": "true", "MAX_TOKENS_PER_BATCH": "1024"}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +63,11 @@ def served(request, model_dir, tmp_path_factory):
         "max": lambda: variant(model_dir, out, "max"),
         "cls+mean-dense": lambda: variant(model_dir, out, ("cls", "mean"), dense=True),
         "prompts": lambda: variant(model_dir, out, "weightedmean", prompts=PROMPTS, default="query"),
+        "packed": lambda: variant(model_dir, out, ("cls", "mean"), dense=True),
     }[request.param]()
-    server = ServerProcess({"MODEL_PATH": path, "BATCH_CAPS": CAPS, "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    env = PACKED if request.param == "packed" else {}
+    server = ServerProcess({"MODEL_PATH": path, "BATCH_CAPS": CAPS, "MAX_DRAIN_TIME_MS": "600000", **env}).wait_ready()
+    assert server.health()[1]["attention"] == ("packed" if env else "padded")
     yield server, SentenceTransformer(path, device="cpu")
     server.stop()
 

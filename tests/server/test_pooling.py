@@ -7,7 +7,8 @@ from sentence_transformers.base.modules import Dense, Normalize
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 from embedserve.declared import POOLING_MODES, DeclarationError
-from embedserve.pooling import Pooler, pool
+from embedserve.packing import PackSpec, layout
+from embedserve.pooling import Pooler, pool, pool_segments
 
 
 @pytest.fixture
@@ -67,3 +68,38 @@ def test_row_of_only_excluded_tokens_is_zero_not_nan(batch):
 def test_unknown_mode():
     with pytest.raises(ValueError, match="unknown pooling"):
         pool(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), "median")
+
+
+def packed_layout(hidden, ids, mask, spec):
+    """The padded batch's rows laid end to end as embedserve.packing lays them (tail rows and
+    zero-length rows included), with random states in the tail."""
+    lengths = mask.sum(1).numpy()
+    cu, positions, segments, size = layout(lengths, spec)
+    flat_hidden = torch.randn(size, hidden.shape[2])
+    flat_ids = torch.full((size,), 0, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        flat_hidden[cu[i] : cu[i] + n] = hidden[i, :n]
+        flat_ids[cu[i] : cu[i] + n] = ids[i, :n]
+    return flat_hidden, flat_ids, torch.from_numpy(positions), torch.from_numpy(segments), torch.from_numpy(cu)
+
+
+@pytest.mark.parametrize("spec", [PackSpec(5, 8, None), PackSpec(5, 8, (16, 20))], ids=["exact", "static"])
+@pytest.mark.parametrize("mode", POOLING_MODES)
+def test_packed_rows_pool_as_padded_rows_do(batch, mode, spec):
+    """Each mode per segment of one stream equals the padded pool(), control tokens excluded
+    from the mean modes; the tail and zero-length rows change nothing of the real ones."""
+    hidden, ids, mask = batch
+    flat = packed_layout(hidden, ids, mask, spec)
+    exclude = torch.tensor([900])
+    got = pool_segments(*flat, mode, exclude)[:3]
+    torch.testing.assert_close(got, pool(hidden, ids, mask, mode, exclude))
+
+
+def test_packed_rows_go_through_the_same_head(batch, tmp_path):
+    hidden, ids, mask = batch
+    dense = Dense(8, 3, activation_function=torch.nn.GELU())
+    (tmp_path / "2_Dense").mkdir()
+    dense.save(str(tmp_path / "2_Dense"))
+    pooler = Pooler(("cls", "weightedmean"), (tmp_path / "2_Dense",), normalize=True, exclude_ids=torch.tensor([900]))
+    flat = packed_layout(hidden, ids, mask, PackSpec(5, 8, (16,)))
+    torch.testing.assert_close(pooler.packed(*flat)[:3], pooler(hidden, ids, mask))

@@ -1,0 +1,166 @@
+"""A front-end process (FRONTENDS > 1): gRPC and HTTP on the pod's ports (SO_REUSEPORT: the kernel
+spreads connections over the front ends), validation and tokenization, and the token rows handed
+to the model process over IPC, which admits, batches and computes them (embedserve.door).
+A single event loop tops out at ~1,300-2,500 single-text requests/s: several front ends feed
+one device that can do far more. `python -m embedserve.frontend`, started by the model process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from embedserve import ipc
+from embedserve.config import Settings, served_model_name
+from embedserve.declared import Head
+from embedserve.errors import from_wire
+from embedserve.gate import Caller
+from embedserve.metrics import Metrics
+from embedserve.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.tokenization import TextTokenizer
+from embedserve.transports import Transports
+
+log = logging.getLogger(__name__)
+STATE_EVERY_S = 0.25  # how fresh a front end's /health, gRPC health and shared signal are
+
+
+class RemoteService(PreTokenized):
+    """What the transports call, as EmbeddingService: the rows go to the model process."""
+
+    def __init__(self, link: ipc.Link, tokenizer: TextTokenizer, limits: Limits, head: Head | None, task: str,
+                 executor):
+        super().__init__()
+        self.link, self.tokenizer, self.limits, self.head, self.task = link, tokenizer, limits, head, task
+        self.executor = executor
+
+    def require_task(self, task: str) -> None:
+        require_task(self.task, task)
+
+    async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                          prompt_name: str | None = None) -> Result:
+        with self._tracked():
+            r = texts_request(texts, self.limits, self.head, truncate, prompt_name)
+            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+            return await self._rows(ids, lengths, r.key, caller)
+
+    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+        ids, lengths = cut(ids, lengths, self.limits)
+        header = {"op": "rows", "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
+                  "waits": caller.waits, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
+        reply, data = await self.link.call(header, np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        if "error" in reply:
+            raise from_wire(reply)
+        return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
+
+
+class Frontend:
+    """The hub the transports serve, in a front end: the model's state comes from the model
+    process, refreshed every STATE_EVERY_S."""
+
+    def __init__(self, settings: Settings, path: str):
+        self.settings = settings
+        self.link = ipc.Link(path)
+        self.state: dict = {"health": {"status": "starting"}, "healthy": False, "signal": None}
+        self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.service: RemoteService | None = None
+        self.served_name, self.model_name = served_model_name(settings), settings.model_path
+        self.task, self.labels, self.head = "embed", [], None
+        self.started_at = time.monotonic()
+        self.draining = False
+        self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
+        self.transports = Transports(self, reuse_port=True)
+        self._refresher: asyncio.Task | None = None
+
+    def _signal(self) -> dict:
+        return self.state["signal"] or {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
+                                        "queued_tokens": 0, "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0,
+                                        "offered_tokens": 0.0, "gpu_memory_bytes": {}, "model": {}}
+
+    @property
+    def healthy(self) -> bool:
+        return self.service is not None and not self.draining and self.state["healthy"]
+
+    def health_fields(self) -> dict:
+        return {**self.state["health"], "frontend_pid": os.getpid(),
+                "frontend_in_flight_requests": self.service.in_flight if self.service else 0}
+
+    async def start(self) -> None:
+        await self.transports.start()
+        hello, _ = await self.link.call({"op": "hello"})  # answered once the model is ready
+        head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
+        s = self.settings
+        tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
+        self.task, self.labels, self.head = hello["task"], hello["labels"], head
+        self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
+                                     None if hello["simulated"] else head, self.task, self._executor)
+        await self._refresh()
+        self.transports.install_api()
+        self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
+        log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
+                 self.transports.http.port)
+
+    async def refresh(self) -> None:
+        """/health and /metrics read the model process's state as it is now."""
+        if self.service is not None:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        state, _ = await self.link.call({"op": "state"})
+        was = self.healthy
+        self.state = state
+        if self.healthy != was:
+            await self.transports.serving(self.healthy)
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(STATE_EVERY_S)
+            try:
+                await asyncio.wait_for(self._refresh(), 5.0)
+            except asyncio.TimeoutError:  # the model process does not answer: not healthy
+                self.state = {**self.state, "healthy": False}
+                await self.transports.serving(False)
+
+    async def stop(self, grace: float) -> None:
+        self.draining = True
+        if self._refresher:
+            self._refresher.cancel()
+        await self.transports.stop(grace)
+        await self.link.close()
+        self._executor.shutdown(wait=False)
+
+
+async def _serve(settings: Settings, path: str) -> None:
+    import signal
+
+    frontend = Frontend(settings, path)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(frontend.start())
+    await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done() and start.exception() is not None:
+        raise start.exception()
+    await stop.wait()
+    start.cancel()
+    await frontend.stop(settings.shutdown_grace_s)
+
+
+def main() -> int:
+    import sys
+
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
+    settings = Settings.from_env()
+    if settings.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    asyncio.run(_serve(settings, os.environ["EMBEDSERVE_IPC"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

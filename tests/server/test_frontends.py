@@ -1,0 +1,106 @@
+"""FRONTENDS=2: two front-end processes on the same ports feeding one model process, end to end:
+the same vectors as one process, both front ends serving, one admission view and one signal,
+metrics summed over the processes, cancellation reaching the model, and a graceful stop."""
+
+import asyncio
+import json
+import re
+import signal
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.client import decode_embeddings
+from tests.conftest import ServerProcess, make_text
+from tests.server.test_client import counter
+
+SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:8,128:8,256:4,512:2"}
+
+
+@pytest.fixture(scope="module")
+def fronted():
+    server = ServerProcess({**SIM, "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    yield server
+    server.stop()
+
+
+def embed(target, texts):
+    with grpc.insecure_channel(target) as channel:  # a new connection: any front end may take it
+        return decode_embeddings(pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=texts)))
+
+
+def test_the_same_vectors_as_one_process_and_both_front_ends_serve(fronted):
+    single = ServerProcess(SIM).wait_ready()
+    try:
+        texts = ["front ends tokenize", "the model process computes", "one admission view"]
+        np.testing.assert_array_equal(embed(fronted.target, texts), embed(single.target, texts))
+    finally:
+        single.stop()
+    pids = {fronted.health()[1]["frontend_pid"] for _ in range(30)}  # a new HTTP connection each
+    assert len(pids) == 2, pids
+    body = json.dumps({"inputs": ["over http"]}).encode()
+    req = urllib.request.Request(fronted.http + "/embed", body, {"Content-Type": "application/json"})
+    assert len(json.loads(urllib.request.urlopen(req).read())[0]) == 384
+
+
+def test_metrics_sum_over_the_processes_and_the_signal_is_one(fronted):
+    before = counter(fronted.http, "embedfleet_requests_total", code="OK", rpc="Embed")
+    offered0 = counter(fronted.http, "embedfleet_offered_tokens_total")
+    computed0 = counter(fronted.http, "embedfleet_tokens_total", kind="real")
+    for i in range(20):
+        embed(fronted.target, [f"request {i}"])
+    assert counter(fronted.http, "embedfleet_requests_total", code="OK", rpc="Embed") == before + 20
+    # Front ends tokenize before the model admits: offered load is counted in real tokens, exactly.
+    offered = counter(fronted.http, "embedfleet_offered_tokens_total") - offered0
+    assert offered == counter(fronted.http, "embedfleet_tokens_total", kind="real") - computed0 > 0
+    text = urllib.request.urlopen(fronted.http + "/metrics").read().decode()
+    assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second ", text, re.M)) == 1  # one signal
+
+
+async def test_one_admission_view_across_front_ends_and_cancellation_reaches_the_model():
+    """A slow device and a small budget: whichever front end a request lands on, the model
+    process refuses what does not fit; a caller that gives up takes its rows out of the queue."""
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "150"}).wait_ready()
+    try:
+        rng = np.random.default_rng(0)
+        texts = [make_text(rng, 30) for _ in range(40)]
+
+        async def one(text):
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                try:
+                    await pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=[text]), timeout=0.5)
+                    return "OK"
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+
+        codes = await asyncio.gather(*(one(t) for t in texts))
+        assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes  # refused by the one model-side budget
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+        for _ in range(100):  # callers past their deadline: rows left the model's queue
+            if server.health()[1]["queued_tokens"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert server.health()[1]["queued_tokens"] == 0
+        assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") > 0
+    finally:
+        server.stop()
+
+
+async def test_sigterm_drains_the_front_ends_then_the_model_and_loses_nothing():
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:2000", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    channel = grpc.aio.insecure_channel(server.target)
+    stub = pb_grpc.InferenceStub(channel)
+    calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=[f"in flight {i} " * 20]), timeout=30))
+             for i in range(12)]
+    while server.health()[1]["queued_tokens"] == 0:  # admitted and waiting for the device
+        await asyncio.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    await channel.close()
+    assert [r.shape[0] if not isinstance(r, BaseException) else repr(r) for r in results] == [1] * 12
+    assert server.proc.wait(30) == 0
+    server.stop()
