@@ -5,7 +5,7 @@ Each replica is a FIFO device of fixed capacity (tokens/s) that becomes ready ST
 is created. Every request goes to a random ready replica, whose admission is the server's real
 `embedserve.admission.decide` (throughput strategy, MAX_DRAIN_TIME_MS budget); the replica's
 offered-load rate is the server's real `DecayingRate`, beside its offered-tokens counter. Policies:
-  ours       embedop.autoscale.decide (the operator's real function), every 15 s
+  ours       embedop.autoscale.decide (the operator's real function), every 5 s (the CRD default intervalSeconds)
   hpa-util   Kubernetes HPA on busy fraction, target 70%: 15 s sync, 10% tolerance, scale-up
              max(100%, 4 pods) per 15 s, 300 s scale-down stabilization
   ray-serve  target ongoing requests per replica, upscale delay 30 s, downscale delay 600 s
