@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import time
 from embedserve.config import ConfigError, Settings, frontend_count
 
 log = logging.getLogger("embedserve")
+RESTART_YOUNG_S = 10.0  # a front end that dies sooner than this after its start died young
+RESTART_MAX_DELAY_S = 30.0
 
 
 async def _until_stopped(start_coro) -> tuple[asyncio.Task, asyncio.Event]:
@@ -46,6 +49,15 @@ async def _serve(settings: Settings) -> None:
     await server.stop()
 
 
+def restart_delay(lived_s: float, delay_s: float) -> float:
+    """How long the next restart of a front end waits after its start, given how long it lived
+    and the wait before it: none after a long life, else doubled (1, 2, 4 … 30 s) so a front end
+    that cannot start does not spin. Pure."""
+    if lived_s >= RESTART_YOUNG_S + delay_s:
+        return 0.0
+    return min(RESTART_MAX_DELAY_S, max(1.0, 2 * delay_s))
+
+
 class FrontEnds:
     """The front-end processes: started, restarted if one dies while serving, and on stop asked
     to drain (SIGTERM), waited for, killed only past the grace period."""
@@ -54,9 +66,14 @@ class FrontEnds:
         self.count, self.env = count, {**os.environ, "EMBEDSERVE_IPC": ipc_path}
         self.procs: list[subprocess.Popen] = []
         self.stopping = False
+        # Per slot: when its process started and how long to wait before the next restart
+        # (doubled while it keeps dying young, so a front end that cannot start does not spin).
+        self._since: list[float] = []
+        self._delay: list[float] = []
 
     def start(self) -> None:
         self.procs = [self._spawn() for _ in range(self.count)]
+        self._since, self._delay = [time.monotonic()] * self.count, [0.0] * self.count
 
     def _spawn(self) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=self.env)
@@ -64,10 +81,14 @@ class FrontEnds:
     async def watch(self) -> None:
         while not self.stopping:
             await asyncio.sleep(1.0)
+            now = time.monotonic()
             for i, p in enumerate(self.procs):
-                if p.poll() is not None and not self.stopping:
-                    log.error("front end %d exited with %s: starting another", p.pid, p.returncode)
-                    self.procs[i] = self._spawn()
+                if p.poll() is None or self.stopping or now < self._since[i] + self._delay[i]:
+                    continue
+                self._delay[i] = restart_delay(now - self._since[i], self._delay[i])
+                log.error("front end %d exited with %s: starting another%s", p.pid, p.returncode,
+                          f" (it died young: the next restart waits {self._delay[i]:.0f} s)" if self._delay[i] else "")
+                self.procs[i], self._since[i] = self._spawn(), now
 
     async def stop(self, grace: float) -> None:
         self.stopping = True
@@ -131,7 +152,10 @@ def main() -> int:
             # pod go to files in one directory, and any front end's /metrics renders their sum.
             workdir = tempfile.mkdtemp(prefix="embedserve-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = workdir
-            asyncio.run(_serve_with_frontends(settings, count, os.path.join(workdir, "model.ipc")))
+            try:
+                asyncio.run(_serve_with_frontends(settings, count, os.path.join(workdir, "model.ipc")))
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
     except Exception as e:  # start-up failures: one clear line, non-zero exit
         log.error("start-up failed: %s", e, exc_info=True)
         return 1

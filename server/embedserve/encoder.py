@@ -14,7 +14,7 @@ from embedserve import varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.cuda_graphs import CudaGraphs
 from embedserve.declared import Head
-from embedserve.packing import PackedBatch
+from embedserve.packing import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.pooling import Pooler
 from embedserve.queues import Batch
 
@@ -54,6 +54,15 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
     return Placement(device, dtype, compile_, static, graphs and static, "packed" if packed else "padded")
 
 
+def _declined(settings: Settings, reason: str) -> str:
+    """Packed rows cannot serve this model here: padded rows under ATTENTION=auto (said in the
+    log and in /health), a start-up error under ATTENTION=packed."""
+    if settings.attention == "packed":
+        raise ConfigError(f"ATTENTION=packed: {reason}")
+    log.warning("attention: padded rows (%s)", reason)
+    return "padded"
+
+
 class Encoder:
     """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify);
     `run(batch)` → float32 [rows, dim] numpy."""
@@ -79,6 +88,9 @@ class Encoder:
         # Output width: the embedding dimension (after any Dense layers), or one logit per label.
         hidden = int(self.model.config.hidden_size)
         self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
+        if self.attention == "packed" and (reason := self._check_packed()) is not None:
+            self.attention = _declined(settings, reason)
+            self.model.set_attn_implementation("sdpa")
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
@@ -104,15 +116,39 @@ class Encoder:
             heads = int(config.num_attention_heads)
             reason = varlen.self_check(placement.device, placement.dtype, heads, int(config.hidden_size) // heads,
                                        placement.cuda_graphs)
-        if reason is None:
-            varlen.register()
-            log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
-                     "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
-            return "packed"
-        if settings.attention == "packed":
-            raise ConfigError(f"ATTENTION=packed: {reason}")
-        log.info("attention: padded rows (%s)", reason)
-        return "padded"
+        if reason is not None:
+            return _declined(settings, reason)
+        varlen.register()
+        log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
+                 "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
+        return "packed"
+
+    def _check_packed(self) -> str | None:
+        """The loaded model on a few packed rows (a padding tail and empty rows as served)
+        against the same rows padded, through transformers' own SDPA. Catches what the kernel's
+        check cannot: a model class that ignores the row bounds (remote code) and so attends
+        across rows, or that refuses the packed keywords. None: they agree."""
+        config, dev = self.model.config, self.placement.device
+        longest = min(64, int(config.max_position_embeddings) - self.position_offset)
+        spec = PackSpec(max_len=longest, max_rows=8, ladder=(4 * longest,))
+        batch = random_packed(3 * longest, spec, int(config.vocab_size), np.random.default_rng(0))
+        ids, mask = (t.to(dev) for t in padded_rows(batch))
+        packed = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens)
+        try:
+            with torch.inference_mode():
+                got = self._packed(*(t.to(dev) for t in packed), batch.max_len)[: batch.rows].float()
+                self.model.set_attn_implementation("sdpa")
+                try:
+                    want = self._eager(ids, mask).float()
+                finally:
+                    self.model.set_attn_implementation(varlen.NAME)
+        except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
+            return f"packed rows fail on this model ({type(e).__name__}: {e})"
+        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+        tolerance = 2e-2 if self.placement.dtype in varlen.HALF else 1e-4
+        if not error <= tolerance:  # NaN fails too
+            return f"packed rows differ from padded rows by {error:.3g} (relative; > {tolerance})"
+        return None
 
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_len: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from embedserve.transports import Transports
 
 log = logging.getLogger(__name__)
 STATE_EVERY_S = 0.25  # how fresh a front end's /health, gRPC health and shared signal are
+STATE_TIMEOUT_S = 2.0  # a model process that does not answer a state request this fast is unhealthy
 
 
 class RemoteService(PreTokenized):
@@ -98,19 +99,24 @@ class Frontend:
         self.task, self.labels, self.head = hello["task"], hello["labels"], head
         self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
                                      None if hello["simulated"] else head, self.task, self._executor)
+        self.transports.install_api()  # with the service, in one step: no window where API paths 404
         await self._refresh()
-        self.transports.install_api()
         self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
         log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
                  self.transports.http.port)
 
     async def refresh(self) -> None:
-        """/health and /metrics read the model process's state as it is now."""
+        """/health and /metrics read the model process's state as it is now (or, if it does not
+        answer within STATE_TIMEOUT_S, report it unhealthy: a probe never hangs)."""
         if self.service is not None:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        state, _ = await self.link.call({"op": "state"})
+        try:
+            state, _ = await asyncio.wait_for(self.link.call({"op": "state"}), STATE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer, or a broken one: not healthy
+            log.warning("the model process did not answer a state request", exc_info=True)
+            state = {**self.state, "healthy": False}
         was = self.healthy
         self.state = state
         if self.healthy != was:
@@ -119,11 +125,7 @@ class Frontend:
     async def _keep_fresh(self) -> None:
         while True:
             await asyncio.sleep(STATE_EVERY_S)
-            try:
-                await asyncio.wait_for(self._refresh(), 5.0)
-            except asyncio.TimeoutError:  # the model process does not answer: not healthy
-                self.state = {**self.state, "healthy": False}
-                await self.transports.serving(False)
+            await self._refresh()
 
     async def stop(self, grace: float) -> None:
         self.draining = True

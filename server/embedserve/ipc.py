@@ -37,6 +37,11 @@ class _Endpoint:
     def __init__(self, kind: int):
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(kind)
+        # No high-water mark: at ZeroMQ's default (1000 messages) a ROUTER drops replies to a
+        # busy front end without a word, and that request would never be answered. What is in
+        # flight is bounded by admission, not here.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         self._receiver: asyncio.Task | None = None
 
     async def close(self) -> None:

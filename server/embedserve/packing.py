@@ -114,7 +114,10 @@ def random_packed(tokens: int, spec: PackSpec, vocab_size: int, rng: np.random.G
     lengths: list[int] = []
     left = tokens
     while left > 0 and len(lengths) < spec.max_rows:
-        n = min(left, int(rng.integers(shortest, spec.max_len + 1)))
+        # Rows long enough that the row cap still lets them fill the stream (a small
+        # MAX_BATCH_SIZE would otherwise leave it mostly tail and time a near-empty batch).
+        low = min(spec.max_len, max(shortest, -(-left // (spec.max_rows - len(lengths)))))
+        n = min(left, int(rng.integers(low, spec.max_len + 1)))
         lengths.append(n)
         left -= n
     row_lengths = np.asarray(lengths, dtype=np.int64)
@@ -124,3 +127,15 @@ def random_packed(tokens: int, spec: PackSpec, vocab_size: int, rng: np.random.G
     max_len = spec.max_len if spec.ladder else int(row_lengths.max())
     return PackedBatch(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(segments),
                        torch.from_numpy(cu), max_len, len(lengths), int(row_lengths.sum()), [])
+
+
+def padded_rows(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed batch's real rows, right-padded: (input_ids, attention_mask), as the padded
+    path lays them out (with pad id 0). For checking one layout against the other."""
+    cu, stream = batch.cu_seqlens.tolist(), batch.input_ids
+    lengths = [cu[i + 1] - cu[i] for i in range(batch.rows)]
+    ids = torch.zeros((batch.rows, max(lengths)), dtype=torch.int64)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = stream[cu[i] : cu[i] + n]
+    mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    return ids, mask

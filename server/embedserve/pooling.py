@@ -1,8 +1,9 @@
 """Token states → one vector per row, on the model's device, for the whole batch: the pooling modes
 sentence-transformers offers (concatenated when several are declared), then its Dense layers and
-Normalize, as the model declares them (embedserve.declared). Rows are right-padded. Sums run in
-float32 whatever the model's dtype. Packed rows (embedserve.packing) pool per segment of one
-token stream, with the same arithmetic, then the same head."""
+Normalize, as the model declares them (embedserve.declared). Rows are right-padded; sums
+accumulate in float32 (one bmm in the model's dtype, its result rounded to that dtype, as
+sentence-transformers' own sum is). Packed rows (embedserve.packing) pool per segment of one
+token stream, in float32 throughout, then the same head."""
 
 from __future__ import annotations
 

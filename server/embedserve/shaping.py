@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -48,6 +49,17 @@ class Texts:
     key: int
 
 
+def content_key(*parts) -> int:
+    """A request's content → a 63-bit key, the same in every process (Python's hash() of str and
+    bytes is salted per process: a retry landing on another front end would miss its booking)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        data = part if isinstance(part, (bytes, memoryview)) else str(part).encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | None, prompt_name: str | None) -> Texts:
     truncate = limits.truncate if truncate is None else truncate
     texts = validate_texts(texts, limits.max_texts)
@@ -55,7 +67,7 @@ def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | Non
         prompt = head.prompt(prompt_name) if head else ""
     except KeyError as e:
         raise InvalidInput(e.args[0]) from None
-    return Texts(texts, truncate, prompt, hash((truncate, prompt, *texts)))
+    return Texts(texts, truncate, prompt, content_key(truncate, prompt, *texts))
 
 
 async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts) -> tuple[np.ndarray, np.ndarray]:
@@ -149,13 +161,13 @@ class PreTokenized(InFlight):
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
         with self._tracked():
             ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
-            return await self._rows(ids, lengths, hash((input_ids, attention_mask, *shape)), caller)
+            return await self._rows(ids, lengths, content_key(input_ids, attention_mask, *shape), caller)
 
     async def infer_ids(self, rows: list[list[int]], caller: Caller = Caller()) -> Result:
         """Token id lists (HTTP input) → the same path as Infer."""
         with self._tracked():
             ids, lengths = id_lists(rows, self.limits, self.tokenizer.vocab_size)
-            return await self._rows(ids, lengths, hash(tuple(map(tuple, rows))), caller)
+            return await self._rows(ids, lengths, content_key(np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(lengths).tobytes(), *ids.shape), caller)
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         raise NotImplementedError

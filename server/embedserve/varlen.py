@@ -14,8 +14,7 @@ inside a CUDA graph. On CPU, a reference: SDPA row by row (reads the bounds on t
 
 from __future__ import annotations
 
-import itertools
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,49 +99,6 @@ def cuda_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
         scale=scale)[0][0]
 
 
-def self_check(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, graphs: bool,
-               kernel=cuda_kernel, max_len: int = 512) -> str | None:
-    """Run the kernel on rows of random lengths (an empty one among them, the longest row pinned
-    above the real ones, as served) against the reference, eagerly and, when the server uses CUDA
-    graphs, replayed from a graph on fresh inputs. None: it agrees; else why not. At start-up,
-    before the model trusts the kernel: a torch build or GPU whose kernel fails or differs falls
-    back to padded rows (ATTENTION=auto) instead of serving wrong vectors or crash-looping."""
-    lengths = [5, 0, 37, 1, 90]
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-    gen = torch.Generator().manual_seed(0)
-
-    def rows():
-        return [torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(device, dtype) for _ in range(3)]
-
-    def worst(inputs, got) -> float:
-        want = reference_attention(*(x.float() for x in inputs), cu, None)
-        return float((got.float() - want).abs().max())
-
-    tolerance = 2e-2 if dtype in HALF else 1e-4
-    try:
-        inputs = rows()
-        errors = [worst(inputs, kernel(*inputs, cu, cu, max_len, max_len, None))]
-        if graphs:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                kernel(*inputs, cu, cu, max_len, max_len, None)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = kernel(*inputs, cu, cu, max_len, max_len, None)
-            fresh = rows()
-            for static, new in zip(inputs, fresh):
-                static.copy_(new)
-            graph.replay()
-            errors.append(worst(fresh, out))
-    except Exception as e:  # noqa: BLE001 - any failure means "not on this device"
-        return f"the varlen kernel fails here ({type(e).__name__}: {e})"
-    if max(errors) > tolerance:
-        return f"the varlen kernel differs from the reference attention by {max(errors):.3g} (> {tolerance})"
-    return None
-
-
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         scale: float | None) -> torch.Tensor:
     """[T, H, D] → [T, H, D], SDPA over each row alone. Reads the bounds on the host: for CPU
@@ -154,3 +110,53 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
             rows = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
             out[start:end] = F.scaled_dot_product_attention(*rows, scale=scale).transpose(0, 1)
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, graphs: bool,
+               kernel=cuda_kernel) -> str | None:
+    """Run the kernel on a stream laid out as served (rows of random lengths, the padding tail
+    cut into rows, empty rows at the end, the longest row pinned above the real ones) against
+    the reference, eagerly and, when the server uses CUDA graphs, replayed from a graph on fresh
+    inputs. None: it agrees; else why not. At start-up, before the model trusts the kernel: a
+    torch build or GPU whose kernel fails or differs gets padded rows (ATTENTION=auto) instead
+    of wrong vectors or a crash loop."""
+    from embedserve.packing import PackSpec, layout
+
+    spec = PackSpec(max_len=128, max_rows=8, ladder=(256,))
+    cu_host, _, _, size = layout(np.array([5, 37, 1, 90]), spec)
+    cu = torch.from_numpy(cu_host).to(device)
+    gen = torch.Generator().manual_seed(0)
+
+    def rows():
+        return [torch.randn(size, heads, head_dim, generator=gen).to(device, dtype) for _ in range(3)]
+
+    def error(inputs, got) -> float:
+        want = reference_attention(*(x.float() for x in inputs), cu, None)
+        return float((got.float() - want).abs().max())
+
+    def run(inputs):
+        return kernel(*inputs, cu, cu, spec.max_len, spec.max_len, None)
+
+    tolerance = 2e-2 if dtype in HALF else 1e-4
+    try:
+        inputs = rows()
+        errors = [error(inputs, run(inputs))]
+        if graphs:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                run(inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = run(inputs)
+            fresh = rows()
+            for static, new in zip(inputs, fresh):
+                static.copy_(new)
+            graph.replay()
+            errors.append(error(fresh, out))
+    except Exception as e:  # noqa: BLE001 - any failure means "not on this device"
+        return f"the varlen kernel fails here ({type(e).__name__}: {e})"
+    if not all(e <= tolerance for e in errors):  # NaN fails too
+        return f"the varlen kernel differs from the reference attention by {max(errors, key=abs):.3g} (> {tolerance})"
+    return None

@@ -104,3 +104,14 @@ async def test_sigterm_drains_the_front_ends_then_the_model_and_loses_nothing():
     assert [r.shape[0] if not isinstance(r, BaseException) else repr(r) for r in results] == [1] * 12
     assert server.proc.wait(30) == 0
     server.stop()
+
+
+def test_a_front_end_that_keeps_dying_young_is_restarted_ever_more_slowly():
+    from embedserve.__main__ import RESTART_MAX_DELAY_S, restart_delay
+
+    delays, delay = [], 0.0
+    for _ in range(7):  # dies at once, again and again
+        delay = restart_delay(0.5 + delay, delay)
+        delays.append(delay)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, RESTART_MAX_DELAY_S, RESTART_MAX_DELAY_S]
+    assert restart_delay(3600.0, RESTART_MAX_DELAY_S) == 0.0  # a long life resets it

@@ -17,6 +17,7 @@ from embedserve.declared import POOLING_MODES, Head
 from embedserve.encoder import Encoder, choose_placement
 from embedserve.engine import Engine
 from embedserve.estimator import Estimator
+from embedserve import packing
 from embedserve.packing import PackedBatch, PackSpec, assemble_packed, layout, random_packed
 from embedserve.queues import Batch, Chunk, PendingRequest, QueuedRow
 from embedserve.worker import WarmupPlan, warm_up
@@ -71,13 +72,7 @@ def encoders(model_dir):
 
 def padded_rows(batch: PackedBatch) -> Batch:
     """The packed batch's real rows, padded (the padded path's own layout)."""
-    cu, ids = batch.cu_seqlens.tolist(), batch.input_ids
-    lengths = [cu[i + 1] - cu[i] for i in range(batch.rows)]
-    out = torch.zeros((batch.rows, max(lengths)), dtype=torch.int64)
-    for i, n in enumerate(lengths):
-        out[i, :n] = ids[cu[i] : cu[i] + n]
-    mask = (torch.arange(out.shape[1]) < torch.tensor(lengths)[:, None]).long()
-    return Batch(out, mask, batch.rows, batch.real_tokens, [])
+    return Batch(*packing.padded_rows(batch), batch.rows, batch.real_tokens, [])
 
 
 @pytest.mark.parametrize("ladder", [None, (256, 320, 384, 448, 512, 640)], ids=["exact", "static"])

@@ -128,3 +128,22 @@ def test_the_start_up_self_check_passes_the_reference_and_catches_a_kernel_that_
     assert varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=reference) is None
     assert "differs from the reference attention" in varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=across_rows)
     assert "fails here (RuntimeError: no kernel image" in varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=broken)
+
+
+def test_a_kernel_that_returns_nan_fails_the_self_check():
+    def nan(q, *_):
+        return torch.full_like(q, float("nan"))
+
+    assert "differs from the reference attention" in varlen.self_check(torch.device("cpu"), torch.float32, 4, 16, False,
+                                                                        kernel=nan)
+
+
+def test_a_model_that_attends_across_rows_is_served_padded_under_auto_and_refused_under_packed(tmp_path):
+    """The check of the loaded model: packed rows against the same rows padded. A model whose
+    attention ignores the row bounds (as remote code may: here transformers' own SDPA, which
+    reads no cu_seq_lens and so attends across the whole stream) fails it."""
+    path = tiny(tmp_path, "bert")
+    good = encoder(path, "packed")
+    assert good.attention == "packed" and good._check_packed() is None
+    good.model.set_attn_implementation("sdpa")  # the loaded model now ignores the row bounds
+    assert "packed rows differ from padded rows" in good._check_packed()
