@@ -77,10 +77,14 @@ class Encoder:
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
         loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
+
+        def load(**extra):
+            model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code,
+                                           **extra)
+            return model.to(placement.device).eval()
+
         self.attention = self._attention(model_dir, settings, placement, task)
-        extra = {"attn_implementation": varlen.NAME} if self.attention == "packed" else {}
-        model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code, **extra)
-        self.model = model.to(placement.device).eval()
+        self.model = load(**({"attn_implementation": varlen.NAME} if self.attention == "packed" else {}))
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
@@ -90,7 +94,7 @@ class Encoder:
         self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention = _declined(settings, reason)
-            self.model.set_attn_implementation("sdpa")
+            self.model = load()  # afresh, as the model loads by default (switching back may not take)
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
@@ -134,20 +138,23 @@ class Encoder:
         batch = random_packed(3 * longest, spec, int(config.vocab_size), np.random.default_rng(0))
         ids, mask = (t.to(dev) for t in padded_rows(batch))
         packed = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens)
+        padded = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         try:
             with torch.inference_mode():
                 got = self._packed(*(t.to(dev) for t in packed), batch.max_len)[: batch.rows].float()
-                self.model.set_attn_implementation("sdpa")
+                self.model.set_attn_implementation(padded)
                 try:
                     want = self._eager(ids, mask).float()
                 finally:
                     self.model.set_attn_implementation(varlen.NAME)
         except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
             return f"packed rows fail on this model ({type(e).__name__}: {e})"
-        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
-        tolerance = 2e-2 if self.placement.dtype in varlen.HALF else 1e-4
+        # Per row, the error's length relative to the vector's: blind to scale (unnormalized
+        # models) and to where in the vector bf16 rounds; attending across rows is far above it.
+        error = float(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max())
+        tolerance = 5e-2 if self.placement.dtype in varlen.HALF else 1e-4
         if not error <= tolerance:  # NaN fails too
-            return f"packed rows differ from padded rows by {error:.3g} (relative; > {tolerance})"
+            return f"packed rows differ from padded rows by {error:.3g} (relative, per row; > {tolerance})"
         return None
 
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -27,7 +27,8 @@ from embedserve.transports import Transports
 
 log = logging.getLogger(__name__)
 STATE_EVERY_S = 0.25  # how fresh a front end's /health, gRPC health and shared signal are
-STATE_TIMEOUT_S = 2.0  # a model process that does not answer a state request this fast is unhealthy
+STATE_TIMEOUT_S = 2.0  # how long a front end waits for the model process's state
+STATE_MISSES = 2  # unanswered state requests in a row that make the model process unhealthy
 
 
 class RemoteService(PreTokenized):
@@ -76,6 +77,7 @@ class Frontend:
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
         self.transports = Transports(self, reuse_port=True)
         self._refresher: asyncio.Task | None = None
+        self._missed = 0  # state requests unanswered in a row
 
     def _signal(self) -> dict:
         return self.state["signal"] or {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
@@ -107,16 +109,22 @@ class Frontend:
 
     async def refresh(self) -> None:
         """/health and /metrics read the model process's state as it is now (or, if it does not
-        answer within STATE_TIMEOUT_S, report it unhealthy: a probe never hangs)."""
+        answer within STATE_TIMEOUT_S STATE_MISSES times in a row, report it unhealthy: a probe never
+        hangs)."""
         if self.service is not None:
             await self._refresh()
 
     async def _refresh(self) -> None:
         try:
             state, _ = await asyncio.wait_for(self.link.call({"op": "state"}), STATE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - no answer, or a broken one: not healthy
-            log.warning("the model process did not answer a state request", exc_info=True)
-            state = {**self.state, "healthy": False}
+            self._missed = 0
+        except Exception:  # noqa: BLE001 - no answer, or a broken one
+            self._missed += 1
+            log.warning("the model process did not answer a state request (%d in a row)", self._missed, exc_info=True)
+            if self._missed < STATE_MISSES:  # one late answer from a busy process is not an outage
+                return
+            state = {**self.state, "healthy": False,
+                     "health": {**self.state["health"], "status": "unresponsive"}}
         was = self.healthy
         self.state = state
         if self.healthy != was:

@@ -158,5 +158,6 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, head_dim: i
     except Exception as e:  # noqa: BLE001 - any failure means "not on this device"
         return f"the varlen kernel fails here ({type(e).__name__}: {e})"
     if not all(e <= tolerance for e in errors):  # NaN fails too
-        return f"the varlen kernel differs from the reference attention by {max(errors, key=abs):.3g} (> {tolerance})"
+        worst = float("nan") if any(e != e for e in errors) else max(errors)
+        return f"the varlen kernel differs from the reference attention by {worst:.3g} (> {tolerance})"
     return None

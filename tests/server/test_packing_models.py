@@ -138,10 +138,53 @@ def test_a_kernel_that_returns_nan_fails_the_self_check():
                                                                         kernel=nan)
 
 
-def test_a_model_that_attends_across_rows_is_served_padded_under_auto_and_refused_under_packed(tmp_path):
-    """The check of the loaded model: packed rows against the same rows padded. A model whose
-    attention ignores the row bounds (as remote code may: here transformers' own SDPA, which
-    reads no cu_seq_lens and so attends across the whole stream) fails it."""
+REMOTE_CODE = """
+from transformers import BertModel
+
+
+class DropsRowBounds(BertModel):
+    \"\"\"Remote code as it may be: a forward that does not pass transformers' packed-sequence
+    keywords on, so its attention never sees the rows' bounds.\"\"\"
+
+    def forward(self, *args, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+        return super().forward(*args, **kwargs)
+"""
+
+
+def remote_code_model(tmp_path) -> str:
+    import json
+
+    path = tiny(tmp_path, "bert")
+    (tmp_path / "bert" / "modeling_drops.py").write_text(REMOTE_CODE)
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_drops.DropsRowBounds"}
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_model_that_ignores_the_row_bounds_is_served_padded_under_auto_and_refused_under_packed(tmp_path):
+    """The check of the loaded model (packed rows against the same rows padded) at start-up:
+    with a model whose code drops the row bounds, ATTENTION=auto reloads it and serves padded
+    rows, whose vectors are the plain model's; ATTENTION=packed refuses to start, saying why."""
+    path = remote_code_model(tmp_path)
+    asked = Placement(torch.device("cpu"), torch.float32, False, False, False, "packed")
+
+    def build(attention):
+        settings = Settings.from_env({"ATTENTION": attention, "TRUST_REMOTE_CODE": "true"})
+        return Encoder(path, settings, asked, [], "embed", HEAD)
+
+    served = build("auto")
+    assert served.attention == "padded" and type(served.model).__name__ == "DropsRowBounds"
+    plain = encoder(path, "padded")
+    ids = torch.randint(5, 500, (2, 9))
+    batch = Batch(ids, torch.ones_like(ids), 2, 18, [])
+    np.testing.assert_allclose(served.run(batch), plain.run(batch), atol=1e-6)
+    with pytest.raises(ConfigError, match="ATTENTION=packed: packed rows fail on this model"):
+        build("packed")
+
+
+def test_the_model_check_catches_attention_across_rows(tmp_path):
+    """transformers' own SDPA reads no row bounds: on a packed stream it attends across rows."""
     path = tiny(tmp_path, "bert")
     good = encoder(path, "packed")
     assert good.attention == "packed" and good._check_packed() is None
