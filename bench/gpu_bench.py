@@ -41,9 +41,10 @@ import numpy as np
 import torch
 
 from bench import gpu_served
+from bench.serve_vs_offline import model_max_length
 from embedserve.config import Settings
 from embedserve.encoder import Encoder, choose_placement
-from embedserve.packing import PackedBatch, PackSpec, layout
+from embedserve.packing import PackedBatch, PackSpec, layout, padded_rows
 from embedserve.worker import WarmupPlan, dummy_batch
 
 BUCKETS = (16, 64, 128, 256, 512)
@@ -140,13 +141,7 @@ def padded_like(batch: PackedBatch):
     """A packed batch's rows as one padded batch (the padded model's own layout)."""
     from embedserve.queues import Batch
 
-    cu = batch.cu_seqlens.tolist()
-    lengths = [cu[i + 1] - cu[i] for i in range(batch.rows)]
-    ids = torch.zeros((batch.rows, max(lengths)), dtype=torch.int64)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = batch.input_ids[cu[i] : cu[i] + n]
-    mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
-    return Batch(ids, mask, batch.rows, batch.real_tokens, [])
+    return Batch(*padded_rows(batch), batch.rows, batch.real_tokens, [])
 
 
 def kernels(model_dir: str, rows: list[np.ndarray], cuda: bool, budget_s: float, reps: int, mfu) -> list[dict]:
@@ -215,7 +210,7 @@ def offline(model_dir: str, texts: list[str], rows: list[np.ndarray], dtype: str
     ordered = sorted(texts, key=len)
 
     def encode(chunk):
-        return tok(chunk, truncation=True, max_length=512, padding=True, return_tensors="pt")
+        return tok(chunk, truncation=True, max_length=model_max_length(model_dir), padding=True, return_tensors="pt")
 
     def forward(enc):
         enc = enc.to(device)
@@ -381,7 +376,8 @@ def main() -> None:
         save_model(model_dir, a.tokenizer, a.model, a.dry_run)
         texts = corpus(60000 if cuda else 300, seed=1)
         rows = [np.asarray(ids, dtype=np.int64) for ids in
-                AutoTokenizer.from_pretrained(model_dir)(texts, truncation=True, max_length=512)["input_ids"]]
+                AutoTokenizer.from_pretrained(model_dir)(texts, truncation=True,
+                                                         max_length=model_max_length(model_dir))["input_ids"]]
         counts = [len(r) for r in rows]
         per_token = flops_per_token(AutoConfig.from_pretrained(model_dir), counts)
         results.update(corpus={"texts": len(texts), "real_tokens": sum(counts)}, flops_per_token=per_token)

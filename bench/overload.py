@@ -19,8 +19,7 @@ from bench.loadgen import call, open_loop
 from bench.serve_vs_offline import model_max_length
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess
-from tests.server.test_client import counter
+from tests.conftest import ServerProcess, counter
 
 
 async def measure(server: ServerProcess, texts: list[str], tokens: list[int], rates: list[float]) -> None:

@@ -97,6 +97,22 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def counter(http: str, name: str, **labels) -> float:
+    """One sample of a server's /metrics, by its exact name and labels (0 when absent), read
+    with prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(http + "/metrics", timeout=10).read().decode()
+    want = {k: str(v) for k, v in labels.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == want:
+                return sample.value
+    return 0.0
+
+
 class LoopbackDNS:
     """A real DNS server on loopback (dnslib) answering A records with a 1 s TTL: the stand-in for
     a headless Service, whose name resolves to every ready pod. gRPC targets it as

@@ -89,7 +89,7 @@ SPEC = obj(
             "memory": quantity("Memory request and limit, e.g. 16Gi.", "16Gi"),
             "frontends": integer("Front-end processes per pod serving gRPC/HTTP and tokenizing for the one model "
                                  "process (FRONTENDS). Unset: 1 on CPU, on a GPU the pod's cores less two (1-8). "
-                                 "When set, the CPU request is at least frontends + 2 cores.", None, 1, 32),
+                                 "Above 1, the CPU request is raised to at least frontends + 2 cores.", None, 1, 32),
         }, default={}),
         "batching": obj("How each server groups token rows into forward passes.", {
             "buckets": {"type": "array", "description": "Padded sequence lengths, ascending; each row goes to the smallest that holds it.",

@@ -167,7 +167,8 @@ class Kube:
         """Replace the service's finalizers, guarded by the resourceVersion they were read at."""
         body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
         async with _errors(f"patch {crd.KIND}/{name} finalizers"):
-            await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE)
+            await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE,
+                                          field_manager=FIELD_MANAGER)
 
     async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
         """Merge-patch the service's spec.replicas through its scale subresource, guarded: for a
@@ -176,7 +177,8 @@ class Kube:
         way, and RBAC can grant it alone."""
         body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
         async with _errors(f"patch {crd.KIND}/{name}/scale"):
-            await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE)
+            await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE,
+                                          field_manager=FIELD_MANAGER)
 
     async def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         """Merge-patch the service's status, guarded: the patch carries the resourceVersion it was
@@ -185,5 +187,6 @@ class Kube:
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
         async with _errors(f"patch {crd.KIND}/{name}/status"):
             out = await self.client.patch(EmbeddingService.Status, name, body, namespace=namespace,
-                                          patch_type=PatchType.MERGE)
+                                          patch_type=PatchType.MERGE,
+                                          field_manager=FIELD_MANAGER)
         return _plain(out)

@@ -51,11 +51,13 @@ def _meta(owner: Owner, name: str | None = None) -> dict:
 
 
 def cpu_for(resources: dict) -> str:
-    """The pod's CPU: as given, and with FRONTENDS set at least a core per front end plus two for
-    the model process (its event loop and its worker thread)."""
+    """The pod's CPU: as given, and with several front ends at least a core per front end plus two
+    for the model process (its event loop and its worker thread). One front end is one process
+    doing everything: the CPU stays as given."""
     cpu = str(resources["cpu"])
-    if resources.get("frontends") and parse_quantity(cpu) < resources["frontends"] + 2:
-        return str(resources["frontends"] + 2)
+    frontends = resources.get("frontends") or 0
+    if frontends > 1 and parse_quantity(cpu) < frontends + 2:
+        return str(frontends + 2)
     return cpu
 
 

@@ -17,28 +17,18 @@ import tempfile
 import time
 
 from embedserve.config import ConfigError, Settings, frontend_count
+from embedserve.lifecycle import until_stopped
 
 log = logging.getLogger("embedserve")
 RESTART_YOUNG_S = 10.0  # a front end that dies sooner than this after its start died young
 RESTART_MAX_DELAY_S = 30.0
 
 
-async def _until_stopped(start_coro) -> tuple[asyncio.Task, asyncio.Event]:
-    """Start; return when it fails, or when SIGTERM/SIGINT comes (before or after it is ready)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(start_coro)
-    await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    return start, stop
-
-
 async def _serve(settings: Settings) -> None:
     from embedserve.app import Server
 
     server = Server(settings)
-    start, stop = await _until_stopped(server.start())
+    start, stop = await until_stopped(server.start())
     if start.done() and start.exception() is not None:
         await server.stop(grace=0)
         raise start.exception()
@@ -114,7 +104,7 @@ async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -
     fronts.start()
     watcher = asyncio.create_task(fronts.watch())
     try:
-        start, stop = await _until_stopped(server.start())
+        start, stop = await until_stopped(server.start())
         if start.done() and start.exception() is not None:
             raise start.exception()
         await stop.wait()

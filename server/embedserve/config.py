@@ -138,7 +138,7 @@ class Settings:
     gil_switch_interval_ms: float = 1.0
     """GIL_SWITCH_INTERVAL_MS: how long a thread may hold the GIL while another waits for it
     (Python's default is 5). The busy event loop holds it; the model worker waits for it to hand
-    every batch over. 1 ms: host path 0.63 of a bare gRPC server's single-text rate against
+    every batch over. 1 ms: host path 0.58-0.63 of a bare gRPC server's single-text rate against
     0.56 at 5 ms (bench/host_path.py, RESULTS)."""
     shutdown_grace_s: float = 20.0
     """SHUTDOWN_GRACE_S: how long SIGTERM waits for in-flight requests."""

@@ -20,6 +20,7 @@ from embedserve.config import Settings, served_model_name
 from embedserve.declared import Head
 from embedserve.errors import from_wire
 from embedserve.gate import Caller
+from embedserve.lifecycle import until_stopped
 from embedserve.metrics import Metrics
 from embedserve.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
 from embedserve.tokenization import TextTokenizer
@@ -145,14 +146,8 @@ class Frontend:
 
 
 async def _serve(settings: Settings, path: str) -> None:
-    import signal
-
     frontend = Frontend(settings, path)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(frontend.start())
-    await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    start, stop = await until_stopped(frontend.start())
     if start.done() and start.exception() is not None:
         raise start.exception()
     await stop.wait()

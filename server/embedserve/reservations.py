@@ -67,7 +67,7 @@ class ReservationBook:
         return queue[0].at - now if queue else None
 
     def take(self, booking: Booking) -> None:
-        """Consume this booking (its holder is admitted now, or has gone)."""
+        """Consume this booking (its holder is admitted now, or has gone: the room is freed the same way)."""
         if booking.claimed:
             return
         booking.claimed = True
@@ -77,8 +77,6 @@ class ReservationBook:
             if not queue:
                 del self._by_key[booking.key]
         self.reserved_tokens -= booking.tokens
-
-    cancel = take  # a holder that went away frees its room the same way
 
     def claim(self, key: int, now: float) -> bool:
         """A request with this content arrived: True when a booking for it is due (consumed:

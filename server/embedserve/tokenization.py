@@ -2,7 +2,8 @@
 sentence-transformers prepares them: the prompt put before each text, lower-cased when the model
 declares do_lower_case, cut at its max_seq_length.
 
-Called from a worker pool, never on the event loop: the Rust tokenizer releases the GIL.
+Short requests are encoded on the event loop, longer ones on the tokenizer threads (the Rust
+tokenizer releases the GIL there): embedserve.shaping.tokenize decides.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ class TextTokenizer:
         for row, e in zip(ids, encodings):
             row[: len(e.ids)] = e.ids
         return ids, lengths
-
 
 
 def vocab_ids(hf_tokenizer, tokens: tuple[str, ...]) -> list[int]:

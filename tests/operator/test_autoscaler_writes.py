@@ -79,7 +79,11 @@ def warnings(emulator, reason) -> list[dict]:
             if e.get("involvedObject", {}).get("name") == NAME and e.get("reason") == reason]
 
 
-def test_no_scrapable_pod_is_a_condition_and_a_warning(emulator, operator_):
+def test_unscrapable_then_scraped_then_scaled_and_switched_off(emulator, operator_, pod_metrics):
+    """One service through three stages, in order (each needs the one before): no pod can be
+    scraped (a condition and a Warning, the count held); a pod serves its signal (the condition
+    clears); the autoscaler grows the fleet and a switch of the mode alone to off keeps it."""
+    # 1. No scrapable pod is a condition and a warning.
     emulator.request("POST", service_path(NS), new_service(NAME, {
         "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
         "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 1}}))
@@ -96,16 +100,14 @@ def test_no_scrapable_pod_is_a_condition_and_a_warning(emulator, operator_):
     assert event["type"] == "Warning" and f"{NAME}-0" in event["message"]
     assert emulator.get(DEPLOY)["spec"]["replicas"] == 1  # the count is held
 
-
-def test_the_condition_clears_once_a_pod_can_be_scraped(emulator, operator_, pod_metrics):
+    # 2. The condition clears once a pod can be scraped.
     pod_metrics()
     eventually(lambda: condition(emulator, "MetricsUnavailable").get("status") == "False", timeout=30)
     assert condition(emulator, "MetricsUnavailable")["reason"] == "Scraped"
 
-
-def test_the_autoscalers_count_is_written_into_spec_replicas_and_kept_by_a_switch_to_off(emulator, operator_):
-    """The reported bug: spec.replicas 1, the autoscaler grows the fleet to 6, a patch of the mode
-    alone to off applied spec.replicas (1), killing five pods."""
+    # 3. The autoscaler's count is written into spec.replicas and kept by a switch to off (the
+    # reported bug: spec.replicas 1, the autoscaler grows the fleet to 6, a patch of the mode
+    # alone to off applied spec.replicas (1), killing five pods).
     eventually(lambda: emulator.get(DEPLOY)["spec"]["replicas"] == 6, timeout=60)
     eventually(lambda: emulator.get(service_path(NS, NAME))["spec"]["replicas"] == 6)
     mark = len(em.applies)

@@ -248,6 +248,7 @@ def test_spec_replicas_mirrors_the_live_count_in_modes_operator_and_hpa(mode, re
     ({"gpu": 1, "cpu": "4", "memory": "16Gi", "frontends": 6}, "8", "6"),  # 6 front ends + 2
     ({"gpu": 1, "cpu": "16", "memory": "16Gi", "frontends": 6}, "16", "6"),  # already enough
     ({"gpu": 1, "cpu": "3500m", "memory": "16Gi", "frontends": 1}, "3500m", "1"),
+    ({"gpu": 0, "cpu": "100m", "memory": "1Gi", "frontends": 1}, "100m", "1"),  # one process: CPU as given
 ])
 def test_front_ends_get_the_cpu_they_need(resources, cpu, frontends):
     spec = specs.defaulted({"model": "m", "resources": resources})

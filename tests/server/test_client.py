@@ -1,9 +1,7 @@
 """The library client and the openai client against a real server: bursts are scheduled and\ncomplete, deadlines are honoured, calls balance across pods."""
 
 import asyncio
-import re
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -11,17 +9,9 @@ import pytest
 
 from embedserve.client import Client, retry_after_s
 from embedserve.grpc_server import is_retry
-from tests.conftest import ServerProcess, free_port, make_text
+from tests.conftest import ServerProcess, counter, free_port, make_text
 
 SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
-
-
-def counter(http, name, **labels):
-    text = urllib.request.urlopen(http + "/metrics").read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    labelled = rf"\{{{re.escape(want)}\}}" if want else ""
-    m = re.search(rf"^{name}{labelled} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 @pytest.mark.parametrize(

@@ -64,13 +64,14 @@ def test_a_hung_device_fails_its_requests_and_health_asks_for_a_restart():
 
 def test_sigterm_while_warming_up_exits_at_once():
     server = ServerProcess({"MODEL_PATH": "sim:200", "BATCH_CAPS": "16:64,32:64,64:64,128:64,256:64"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # up and "starting": the warm-up takes tens of seconds
+    deadline, status = time.monotonic() + 60, None
+    while time.monotonic() < deadline and status != "starting":  # up, warming up for tens of seconds
         try:
-            if server.health()[1].get("status") == "starting":
-                break
+            status = server.health()[1].get("status")
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
+    assert status == "starting"
     assert stopped_within(server, 2.0) == 0
 
 
@@ -83,11 +84,10 @@ def test_sigterm_while_downloading_exits_at_once():
     server = ServerProcess({"MODEL_PATH": "s3://models/stuck", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
                             "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"})
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline, status = time.monotonic() + 60, None
+        while time.monotonic() < deadline and status is None:
             try:
                 status, _ = server.health()
-                break
             except OSError:
                 time.sleep(0.05)
         assert status == 503

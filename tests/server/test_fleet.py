@@ -9,8 +9,7 @@ import time
 import pytest
 
 from embedserve.client import Client
-from tests.conftest import ServerProcess, free_port
-from tests.server.test_client import counter
+from tests.conftest import ServerProcess, counter, free_port
 
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 NAME = "pods.test"

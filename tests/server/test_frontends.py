@@ -15,8 +15,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
-from tests.conftest import ServerProcess, make_text
-from tests.server.test_client import counter
+from tests.conftest import ServerProcess, counter, make_text
 
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:8,128:8,256:4,512:2"}
 

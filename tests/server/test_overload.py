@@ -13,8 +13,7 @@ import pytest
 from bench.loadgen import call, open_loop
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, make_text
-from tests.server.test_client import counter
+from tests.conftest import ServerProcess, counter, make_text
 
 SIM_RATE = 4000  # padded tokens/s of the simulated device
 MAX_DRAIN_MS = 400

@@ -73,8 +73,8 @@ def served(request, model_dir, tmp_path_factory):
 
 
 def embed(server, texts, prompt_name=""):
-    stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
-    return decode_embeddings(stub.Embed(pb.EmbedRequest(texts=texts, prompt_name=prompt_name)))
+    with grpc.insecure_channel(server.target) as channel:
+        return decode_embeddings(pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=texts, prompt_name=prompt_name)))
 
 
 @pytest.mark.parametrize("served", VARIANTS, indirect=True)
