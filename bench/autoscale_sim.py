@@ -29,6 +29,7 @@ import numpy as np
 
 from embedop import autoscale
 from embedserve import admission
+from embedserve.batching import reorder_window
 from embedserve.estimator import DecayingRate, Snapshot
 
 CAPACITY = 10_000.0  # tokens/s per replica
@@ -40,7 +41,10 @@ MAX_DRAIN_S = 0.5
 BASE = 2.2 * 0.7 * CAPACITY
 INITIAL = math.ceil(BASE / (0.7 * CAPACITY))  # every policy starts with the base load's fleet
 MIN_R, MAX_R = 1, 30
-POLICY = admission.Policy(throughput=True, latency=False, max_drain_s=MAX_DRAIN_S, latency_soft_s=1, latency_hard_s=2)
+# As a GPU server admits: its batches run for milliseconds, so the reorder window held back from
+# the budget is DEADLINE_WAIT_MS's 50 ms (embedserve.batching.reorder_window).
+POLICY = admission.Policy(throughput=True, latency=False, max_drain_s=MAX_DRAIN_S, latency_soft_s=1, latency_hard_s=2,
+                          reorder_s=reorder_window(0.05, MAX_DRAIN_S))
 
 
 @dataclasses.dataclass
@@ -91,7 +95,8 @@ class Ours:
     def __call__(self, fleet, t):
         samples = [autoscale.PodSample(str(id(r)), r.ready(t), r.ready(t), CAPACITY if r.ready(t) else 0.0,
                                        r.arrival.read(t), r.queued(t), r.offered_total,
-                                       STARTUP_S if r.ready(t) else None) for r in fleet]
+                                       STARTUP_S if r.ready(t) else None,
+                                       backlog_limit_s=MAX_DRAIN_S - POLICY.reorder_s) for r in fleet]
         d = autoscale.decide(samples, len(fleet), self.policy, self.history, t)
         self.history = d.history
         return d.desired

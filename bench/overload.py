@@ -40,10 +40,10 @@ async def measure(server: ServerProcess, texts: list[str], tokens: list[int], ra
             busy = (counter(server.http, "embedfleet_model_busy_seconds_total") - busy0) / elapsed
             ok = [o for o in outcomes if o.code == "OK"]
             client = np.array([o.latency_s * 1000 for o in ok])
-            server = np.array([o.server_ms for o in ok if o.server_ms is not None])
+            inside = np.array([o.server_ms for o in ok if o.server_ms is not None])
             print(f"{rate:>7.0f}{len(outcomes):>6}{len(ok):>6}{sum(o.tokens for o in ok) / elapsed:>9.0f}"
                   f"{np.percentile(client, 50):>10.0f} / {np.percentile(client, 99):<6.0f}"
-                  f"{np.percentile(server, 50):>10.0f} / {np.percentile(server, 99):<6.0f}{busy:>6.2f}")
+                  f"{np.percentile(inside, 50):>10.0f} / {np.percentile(inside, 99):<6.0f}{busy:>6.2f}")
 
 
 def main(argv: list[str]) -> int:

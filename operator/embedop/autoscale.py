@@ -53,6 +53,7 @@ class PodSample:
     offered_total: float | None = None  # the offered-tokens counter (None: not exported)
     busy_seconds: float | None = None  # model-busy seconds served (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
+    backlog_limit_s: float | None = None  # the queue its admission lets grow, s of model time (None: not exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +165,17 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     startups = [s.startup_s for s in samples if s.startup_s is not None]
     startup_s = statistics.median(startups) if startups else history.startup_s
     # Backlog counts only beyond the queue a pod holds at target utilization: admission lets a
-    # queue grow to max_drain_s of work, and a pod busy `target_utilization` of the time holds
-    # its share of that, coming and going. Only a queue above it, at two reads in a row, says
-    # the pod is saturated (its offered rate, rejections included, says by how much).
-    held = policy.target_utilization * policy.max_drain_s
+    # queue grow to the pod's backlog limit (its drain budget less the batcher's reorder window;
+    # the whole budget for a pod that does not say), and a pod busy `target_utilization` of the
+    # time holds its share of that, coming and going. Only a queue above it, at two reads in a
+    # row, says the pod is saturated (its offered rate, rejections included, says by how much).
+    def held(s: PodSample) -> float:
+        limit = policy.max_drain_s if s.backlog_limit_s is None else s.backlog_limit_s
+        return policy.target_utilization * limit * (s.service_rate or capacity or 0.0)
+
     seen = {p.name: p for p in history.pods}
     offered = {s.name: offered_rate(s, seen.get(s.name), now) for s in scraped}
-    demand = sum(offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name))
-                                       - held * (s.service_rate or capacity or 0.0)) / policy.target_drain_s
+    demand = sum(offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name)) - held(s)) / policy.target_drain_s
                  for s in scraped)
     # A pod not scraped this time keeps its last reading, so the next rate spans both intervals.
     pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(

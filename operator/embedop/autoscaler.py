@@ -31,6 +31,7 @@ METRICS = {
     "embedfleet_queued_tokens": "queued_tokens",
     "embedfleet_offered_tokens_total": "offered_total",
     "embedfleet_model_busy_seconds_total": "busy_seconds",
+    "embedfleet_admission_backlog_limit_seconds": "backlog_limit_s",
 }
 
 

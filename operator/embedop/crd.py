@@ -97,12 +97,12 @@ SPEC = obj(
                         "default": [16, 32, 64, 128, 256, 512]},
             "maxBatchSize": integer("Most rows in one forward pass.", 512, 1, 4096),
             "maxTokensPerBatch": integer("Most padded tokens (rows x length) in one forward pass.", 32768, 16, 1048576),
-            "deadlineWaitMs": integer("Age of a bucket's oldest row that makes it drain before fuller buckets.", 50, 0, 10000),
+            "deadlineWaitMs": integer("Age of a bucket's oldest row that makes it drain before fuller buckets. Keep it at most half of admission.maxDrainTimeMs: its excess adds to the accepted latency bound.", 50, 0, 10000),
         }, default={}),
         "admission": obj("Admission control: refuse work that cannot finish in time (RESOURCE_EXHAUSTED with retry-after-ms).", {
             "throughput": boolean("Refuse a request when the backlog would take longer than maxDrainTimeMs to compute.", True),
             "latency": boolean("Shed 25% of requests above latencySoftMs P95, all above latencyHardMs.", False),
-            "maxDrainTimeMs": integer("Backlog, in milliseconds of model time, a server accepts.", 500, 1, 600000),
+            "maxDrainTimeMs": integer("Drain budget, in milliseconds of model time: accepted requests finish within it plus their batch. The queue a request may join at once is this less the batcher's reorder window (exported as embedfleet_admission_backlog_limit_seconds).", 500, 1, 600000),
             "latencySoftMs": integer("P95 server-side latency above which 25% of requests are shed.", 500, 1, 600000),
             "latencyHardMs": integer("P95 server-side latency above which every request is shed.", 2000, 1, 600000),
         }, default={}, **{"x-kubernetes-validations": [

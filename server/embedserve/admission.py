@@ -31,9 +31,9 @@ class Policy:
     max_drain_s: float
     latency_soft_s: float
     latency_hard_s: float
-    # How long the longest batch the batcher forms runs. A batch takes a bucket's rows together,
-    # so a row can be overtaken by one batch of rows admitted after it: that much time is held
-    # back from the drain budget, so accepted requests finish within MAX_DRAIN_TIME_MS.
+    # The batcher's reorder window (batching.reorder_window): rows admitted up to this much
+    # after a row may run before it, so that much time is held back from the drain budget and
+    # accepted requests finish within MAX_DRAIN_TIME_MS plus their own batch.
     reorder_s: float = 0.0
     horizon_s: float = 10.0  # furthest future a refused request may book (RESERVATION_HORIZON_MS)
 
@@ -59,10 +59,7 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
         rate = snap.service_rate
         if rate <= 0:
             return Decision(False, "drain_time", _ms(policy.max_drain_s))
-        # Never hold back more than half the budget: with batches that long (a slow device, a
-        # tiny budget) the bound cannot hold anyway, and admission must not degenerate into
-        # "only when idle".
-        hold = min(policy.reorder_s, 0.5 * policy.max_drain_s) * rate
+        hold = policy.reorder_s * rate
         budget = policy.max_drain_s * rate
         if snap.queued_tokens + cost_tokens + hold > budget:
             # Admission is work-conserving: the present queue alone decides, so booked room that

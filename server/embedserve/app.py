@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -29,9 +30,9 @@ from embedserve.worker import WarmupPlan, Watchdog
 log = logging.getLogger(__name__)
 
 
-def policy_from(settings: Settings, largest_batch_s: float) -> admission.Policy:
+def policy_from(settings: Settings, window_s: float) -> admission.Policy:
     return admission.Policy(
-        reorder_s=largest_batch_s,
+        reorder_s=window_s,
         horizon_s=settings.reservation_horizon_ms / 1000,
         throughput=settings.backpressure_throughput,
         latency=settings.backpressure_latency,
@@ -102,13 +103,14 @@ class Server:
         self.engine = Engine(
             plan, load, self.estimator,
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
+            s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # no budget: no bound to keep
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
             on_batch=self.metrics.batch_ran, on_failing=self._failing,
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
         )
         await self.engine.start()
         self.service = EmbeddingService(
-            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.warmup.largest_batch_s),
+            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
         )

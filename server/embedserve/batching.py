@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -72,6 +74,38 @@ def sweep_should_stop(sweep: Sequence[tuple[int, float]], drop: float = 0.85) ->
     """Stop measuring larger batches once throughput has clearly fallen from its best."""
     best = max(rate for _, rate in sweep)
     return sweep[-1][1] < drop * best
+
+
+def reorder_window(deadline_s: float, max_drain_s: float, largest_batch_s: float = 0.0) -> float:
+    """W: how much later than a batch's oldest row its other rows may have been admitted.
+    Admission holds the same W back from the drain budget.
+
+    Why a request admitted at once then finishes within the budget plus its own batch (and its
+    own tokenization): the rows that run before a row R are either older (queued when R was
+    admitted: at most budget - W of work) or admitted after R. Once R is stale, every batch is
+    led by a row at least as old as R (stale buckets drain oldest first), so none carries a row
+    admitted more than W after R; before that, batches are formed within DEADLINE_WAIT_MS of R.
+    And admission keeps the queue under budget - W, so what it admits within W of R is at most
+    W of work beyond the room R left. Outside the bound: a DEADLINE_WAIT_MS above W (adds the
+    excess; the engine warns), and retries admitted into room booked for them (they skip the
+    present queue's check, so a late crowd of them adds its own work). Without a window a stale
+    bucket's batch takes the rows nearest in length from its whole queue and R can be overtaken
+    again and again: on a 2-core CPU under 2x overload the accepted P99 was 1.2-1.9x the budget.
+
+    How large: the longest batch, at least DEADLINE_WAIT_MS, at most half the budget. The
+    smallest W the bound allows, so the queue admitted at once keeps as much of the budget as it
+    can: below saturation that queue absorbs bursts (half the budget held back made a simulated
+    slow fleet at 60-75% utilization refuse 3-7% of requests in some 5 s windows). The price is
+    paid under overload on a slow device: a batch then chooses among about W of work, so a CPU's
+    batches thin out (bench/RESULTS.md, "Reorder window"). A GPU's batches take milliseconds:
+    W is DEADLINE_WAIT_MS and its queue keeps 90% of the budget."""
+    return min(0.5 * max_drain_s, max(deadline_s, largest_batch_s))
+
+
+def within_window(rows: Sequence, window_s: float) -> int:
+    """How many of a queue's first rows (`.enqueued` ascending) may join a batch its first row
+    leads: those admitted no later than `window_s` after it."""
+    return bisect.bisect_right(rows, rows[0].enqueued + window_s, key=operator.attrgetter("enqueued")) if rows else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,13 +210,15 @@ def next_packed_drain(views: Sequence[BucketView], now: float, deadline_s: float
     return Drain(None, wake_at=oldest.oldest + deadline_s)
 
 
-def pack_rows(heads: Sequence[tuple[np.ndarray, np.ndarray]], token_budget: int, max_rows: int) -> list[np.ndarray]:
+def pack_rows(heads: Sequence[tuple[np.ndarray, np.ndarray]], token_budget: int, max_rows: int,
+              window_s: float = math.inf) -> list[np.ndarray]:
     """Choose a packed batch from the heads of the bucket queues: per bucket, its first rows'
     (lengths, enqueue times), oldest first. Rows go oldest first across all buckets (so stale
     rows always lead, and the oldest row always goes), each taken if it still fits the token
     budget and the row cap: first fit in age order, as text-embeddings-inference fills its
     batches, except that a row too long for what is left is passed over rather than ending the
-    batch (it is older than the rows behind it, so it leads a later batch). Returns, per
+    batch (it is older than the rows behind it, so it leads a later batch), and no row admitted
+    more than `window_s` after the oldest joins (reorder_window). Returns, per
     bucket, the indices taken (ascending). Vectorised: each round takes the longest prefix that
     fits, then drops the rows that can no longer fit at all."""
     lengths = np.concatenate([h[0] for h in heads]).astype(np.int64)
@@ -192,6 +228,7 @@ def pack_rows(heads: Sequence[tuple[np.ndarray, np.ndarray]], token_budget: int,
     owner = np.repeat(np.arange(len(heads)), [len(h[0]) for h in heads])
     index = np.concatenate([np.arange(len(h[0])) for h in heads])
     pool = np.argsort(ages, kind="stable")
+    pool = pool[ages[pool] <= ages[pool[0]] + window_s]
     chosen = [pool[:1]]  # the oldest row goes even if the budget is smaller than it
     left, rows, pool = token_budget - int(lengths[pool[0]]), max_rows - 1, pool[1:]
     while len(pool) and rows > 0:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Callable
 
 import numpy as np
 
 from embedserve.batching import (choose_bucket, fit_length, ladder_size, length_ladder, next_drain, next_packed_drain,
-                                 pack_rows, select_rows)
+                                 pack_rows, reorder_window, select_rows, within_window)
 from embedserve.errors import DeviceUnresponsive, ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.packing import PackedBatch, assemble_packed
@@ -38,6 +39,7 @@ class Engine:
         estimator: Estimator,
         deadline_s: float,
         worker_queue_size: int,
+        max_drain_s: float = math.inf,
         lookahead: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
@@ -50,6 +52,8 @@ class Engine:
         self.on_failing = on_failing  # called when consecutive failures cross FAILING_AFTER, and back
         self.estimator = estimator
         self.deadline_s = deadline_s
+        self.max_drain_s = max_drain_s  # the admission budget the reorder window is held back from
+        self.window_s = deadline_s  # batching.reorder_window, sized by the warm-up
         self.clock = clock
         self.queues = BucketQueues(plan.buckets)
         self.lengths = length_ladder(plan.buckets)  # static shapes' padded lengths
@@ -97,6 +101,13 @@ class Engine:
         self.warmup = self.worker.warmup
         self.dim = self.worker.runner.dim
         self.estimator.seed_service_rate(self.warmup.service_rate)
+        self.window_s = reorder_window(self.deadline_s, self.max_drain_s, self.warmup.largest_batch_s)
+        log.info("reorder window %.0f ms: no batch carries a row admitted later than that after its oldest",
+                 1000 * self.window_s)
+        if self.deadline_s > self.window_s:
+            log.warning("DEADLINE_WAIT_MS (%.0f) is above half of MAX_DRAIN_TIME_MS: accepted requests may take "
+                        "up to %.0f ms longer than the drain budget and their batch", 1000 * self.deadline_s,
+                        1000 * (self.deadline_s - self.window_s))
         if self.packing:  # any row may join a batch: every bucket is "full" at the row cap
             self.caps = {b: self.packing.max_rows for b in self.plan.buckets}
         else:
@@ -173,7 +184,8 @@ class Engine:
 
     def _form(self, bucket: int) -> Batch:
         static = self.plan.static
-        lengths = [r.length for r in self.queues.rows[bucket]]
+        rows = self.queues.rows[bucket]
+        lengths = [r.length for r in rows[: within_window(rows, self.window_s)]]
         chosen = select_rows(lengths, self.caps[bucket], self.plan.max_tokens_per_batch, bucket if static else None)
         taken = self.queues.take(bucket, chosen)
         if not static:
@@ -189,7 +201,7 @@ class Engine:
         buckets = list(self.queues.rows)
         heads = [self.queues.head(b, max(1, min(spec.max_rows, budget // (below + 1))))
                  for b, below in zip(buckets, [0, *buckets[:-1]])]
-        chosen = pack_rows(heads, budget, spec.max_rows)
+        chosen = pack_rows(heads, budget, spec.max_rows, self.window_s)
         taken = [row for b, idx in zip(buckets, chosen) if len(idx) for row in self.queues.take(b, idx.tolist())]
         return assemble_packed(taken, self.plan.pad_id, spec)
 

@@ -83,7 +83,8 @@ class Frontend:
     def _signal(self) -> dict:
         return self.state["signal"] or {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
                                         "queued_tokens": 0, "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0,
-                                        "offered_tokens": 0.0, "gpu_memory_bytes": {}, "model": {}}
+                                        "offered_tokens": 0.0, "admission_backlog_limit_seconds": None,
+                                        "gpu_memory_bytes": {}, "model": {}}
 
     @property
     def healthy(self) -> bool:

@@ -46,9 +46,15 @@ def signal(server: "Server") -> dict:
         "reserved_tokens": service.gate.book.reserved(now) if service else 0.0,
         "estimated_drain_seconds": min(snap.drain_s, 1e9),
         "offered_tokens": server.estimator.offered_total,
+        "admission_backlog_limit_seconds": backlog_limit_s(service.policy) if service else None,
         "gpu_memory_bytes": runner.memory() if runner else {},
         "model": info,
     }
+
+
+def backlog_limit_s(policy) -> float | None:
+    """The queue admission lets grow, in seconds of model time (None: throughput admission off)."""
+    return policy.max_drain_s - policy.reorder_s if policy.throughput else None
 
 
 _GAUGES = (  # One unit: real (unpadded) tokens. Padding is the server's own cost and shows as a
@@ -75,6 +81,10 @@ class _SignalCollector(Collector):
         # the arrival-rate gauge is an EMA seen at one instant.
         yield CounterMetricFamily(P + "offered_tokens", "Real tokens offered, admitted and rejected, each request once "
                                   "(estimated before tokenization)", value=v["offered_tokens"])
+        if v.get("admission_backlog_limit_seconds") is not None:  # throughput admission on, model loaded
+            yield GaugeMetricFamily(P + "admission_backlog_limit_seconds", "Backlog, in seconds of model-busy time, "
+                                    "a request may join at once: MAX_DRAIN_TIME_MS less the batcher's reorder window",
+                                    value=v["admission_backlog_limit_seconds"])
         memory = GaugeMetricFamily(P + "gpu_memory_bytes", "Device memory held by the model worker", labels=["type"])
         for kind, value in v["gpu_memory_bytes"].items():
             memory.add_metric([kind], value)

@@ -61,7 +61,7 @@ class WarmupResult:
 
     @property
     def largest_batch_s(self) -> float:
-        """How long the longest batch the batcher forms runs (admission holds one back)."""
+        """How long the longest batch the batcher forms runs (the reorder window, the watchdog)."""
         if self.packing:
             return self.token_budget / self.rates[self.token_budget] if self.rates.get(self.token_budget) else 0.0
         return max((b * self.caps[b] / r for b, r in self.rates.items() if r > 0), default=0.0)

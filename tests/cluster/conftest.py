@@ -45,13 +45,21 @@ class RealCluster:
 
         self.http = Client(KubeConfig.from_env().get(), ConnectionParams())
 
+    def _send(self, method, path, body, content_type="application/json"):
+        return self.http.request(method, path, content=None if body is None else json.dumps(body),
+                                 headers={"Content-Type": content_type, "Accept": "application/json"})
+
     def request(self, method, path, body=None, content_type="application/json"):
-        r = self.http.request(method, path, content=None if body is None else json.dumps(body),
-                              headers={"Content-Type": content_type, "Accept": "application/json"})
+        r = self._send(method, path, body, content_type)
         if r.status_code == 404:
             return None
         r.raise_for_status()
         return r.json() if r.content else {}
+
+    def attempt(self, method, path, body=None) -> tuple[int, str]:
+        """A request whose refusal is the point: (status code, body text), never raising."""
+        r = self._send(method, path, body)
+        return r.status_code, r.text
 
     def get(self, path):
         return self.request("GET", path)

@@ -1,5 +1,7 @@
 """decide() table tests: plain numbers, an injected clock."""
 
+import dataclasses
+
 import pytest
 
 from embedop.autoscale import History, PodSample, Policy, decide, trend
@@ -56,6 +58,20 @@ def test_the_queue_held_at_target_utilization_scales_with_the_admission_budget()
 
     assert twice(pods(4, 750, queued=1000)).desired == 4  # 0.8 × 1.5 × 1000 = 1200
     assert twice(pods(4, 750, queued=2200)).desired == 9  # + 4 × 1000 tok/s
+
+
+def test_the_queue_held_is_the_share_of_what_each_pod_admits():
+    """A pod exports the queue its admission lets grow (the budget less its batcher's reorder
+    window); the operator counts backlog beyond its share at target utilization, per pod."""
+    policy = Policy(1, 20, 0.8, 1.0, 0, 60, max_drain_s=1.5)
+
+    def twice(queued, limit):
+        samples = [dataclasses.replace(s, backlog_limit_s=limit) for s in pods(4, 750, queued=queued)]
+        return run(samples, 4, run(samples, 4, policy=policy).history, now=1015.0, policy=policy)
+
+    assert twice(1000, 1.5).desired == 4  # 0.8 × 1.5 × 1000 = 1200 held
+    assert twice(1000, 0.75).desired == 6  # 0.8 × 0.75 × 1000 = 600 held: 4 × 400 tok/s more
+    assert twice(1000, None).desired == 4  # not exported: the whole budget
 
 
 def test_a_restarted_operator_does_not_take_one_queue_for_a_backlog():

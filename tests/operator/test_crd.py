@@ -119,7 +119,7 @@ def test_bad_resources_are_rejected_by_the_schema(label, mutate, message):
         jsonschema.validate(obj, strict(schema()))
 
 
-@pytest.mark.parametrize("field, value, message, problem", [
+CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     ("autoscaling", {"minReplicas": 5, "maxReplicas": 2}, "minReplicas must not exceed maxReplicas", "exceeds maxReplicas"),
     ("admission", {"latencySoftMs": 900, "latencyHardMs": 100}, "latencySoftMs must not exceed latencyHardMs", "latencySoftMs"),
     # Demand is read from running pods: a fleet of 0 in mode operator would never scale up.
@@ -128,7 +128,10 @@ def test_bad_resources_are_rejected_by_the_schema(label, mutate, message):
     ("rollout", {"maxSurge": "0%", "maxUnavailable": 0}, "cannot both be 0", "cannot both be 0"),
     ("env", [{"name": "A", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
      "value and valueFrom are exclusive", "value and valueFrom are exclusive"),
-])
+]
+
+
+@pytest.mark.parametrize("field, value, message, problem", CROSS_FIELD)
 def test_cross_field_rules_reject(field, value, message, problem):
     obj = load("minimal.yaml")
     obj["spec"][field] = value

@@ -20,6 +20,7 @@ def exposition(**values) -> str:
     prometheus_client.Gauge("embedfleet_arrival_rate_tokens_per_second", "offered", registry=reg).set(values["arrival"])
     prometheus_client.Gauge("embedfleet_queued_tokens", "queued", registry=reg).set(values["queued"])
     prometheus_client.Counter("embedfleet_offered_tokens", "offered total", registry=reg).inc(values["offered"])
+    prometheus_client.Gauge("embedfleet_admission_backlog_limit_seconds", "limit", registry=reg).set(values["limit"])
     # Noise the parser must step over: labels, histograms, an info metric, other names.
     prometheus_client.Counter("embedfleet_requests", "requests", ["rpc", "code"], registry=reg).labels("Embed", "OK").inc(3)
     prometheus_client.Histogram("embedfleet_request_duration_seconds", "latency", ["rpc"], registry=reg).labels("Embed").observe(0.1)
@@ -28,8 +29,9 @@ def exposition(**values) -> str:
 
 
 def test_parse_metrics_maps_the_shared_signal_to_pod_sample_fields():
-    got = autoscaler.parse_metrics(exposition(rate=1500.5, arrival=900, queued=12, offered=34567))
-    assert got == {"service_rate": 1500.5, "arrival_rate": 900.0, "queued_tokens": 12.0, "offered_total": 34567.0}
+    got = autoscaler.parse_metrics(exposition(rate=1500.5, arrival=900, queued=12, offered=34567, limit=0.4))
+    assert got == {"service_rate": 1500.5, "arrival_rate": 900.0, "queued_tokens": 12.0, "offered_total": 34567.0,
+                   "backlog_limit_s": 0.4}
 
 
 def test_every_mapped_metric_is_a_pod_sample_field():
@@ -60,7 +62,7 @@ async def pods_server():
                 await asyncio.sleep(2)
             if kind == "broken":
                 return aiohttp.web.Response(status=500)
-            return aiohttp.web.Response(text=exposition(rate=1000, arrival=500, queued=0, offered=10),
+            return aiohttp.web.Response(text=exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45),
                                         content_type="text/plain")
 
         a = aiohttp.web.Application()

@@ -1,5 +1,7 @@
 """Table tests of the pure batching decisions, on an injected clock (plain numbers)."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -15,9 +17,11 @@ from embedserve.batching import (
     next_packed_drain,
     pack_rows,
     packed_slots,
+    reorder_window,
     select_rows,
     sweep_should_stop,
     token_ladder,
+    within_window,
 )
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -213,13 +217,14 @@ def test_next_packed_drain_waits_for_the_oldest_rows_deadline_when_busy():
     assert d.bucket is None and d.wake_at == pytest.approx(0.97 + DEADLINE)
 
 
-def spec_pack_rows(heads, budget, max_rows):
+def spec_pack_rows(heads, budget, max_rows, window=np.inf):
     """The rule in plain Python, one row at a time: every queued row, oldest first (ties: the
-    lower bucket, then queue order); the oldest always; then each row that still fits."""
+    lower bucket, then queue order); the oldest always; then each row that still fits and was
+    admitted within `window` of the oldest."""
     rows = sorted((age, b, i, n) for b, (lengths, ages) in enumerate(heads) for i, (n, age) in enumerate(zip(lengths, ages)))
     chosen, used = [], 0
-    for k, (_, b, i, n) in enumerate(rows):
-        if len(chosen) == max_rows:
+    for k, (age, b, i, n) in enumerate(rows):
+        if len(chosen) == max_rows or age > rows[0][0] + window:
             break
         if k == 0 or used + n <= budget:
             chosen.append((b, i))
@@ -242,8 +247,9 @@ def test_pack_rows_agrees_with_the_plain_rule_on_random_queues():
     for _ in range(500):
         heads = random_heads(rng)
         budget, max_rows = int(rng.integers(256, 3000)), int(rng.integers(1, 60))
-        got = [idx.tolist() for idx in pack_rows(heads, budget, max_rows)]
-        assert got == spec_pack_rows(heads, budget, max_rows)
+        window = float(rng.choice([np.inf, rng.uniform(0, 0.5)]))
+        got = [idx.tolist() for idx in pack_rows(heads, budget, max_rows, window)]
+        assert got == spec_pack_rows(heads, budget, max_rows, window)
 
 
 def test_pack_rows_takes_stale_rows_of_every_bucket_first_and_fills_around_a_long_one():
@@ -255,3 +261,26 @@ def test_pack_rows_takes_stale_rows_of_every_bucket_first_and_fills_around_a_lon
     assert [i.tolist() for i in pack_rows(heads, 250, 2)] == [[0], [0]]  # the row cap
     assert [i.tolist() for i in pack_rows(heads, 4, 16)] == [[0], []]  # the oldest goes even over budget
     assert [i.tolist() for i in pack_rows([(np.zeros(0), np.zeros(0))], 100, 4)] == [[]]
+    # the later 5s were admitted more than 0.25 s after the oldest: not in its batch, though they fit
+    assert [i.tolist() for i in pack_rows(heads, 250, 16, window_s=0.25)] == [[0], [0, 1]]
+    assert [i.tolist() for i in pack_rows(heads, 250, 16, window_s=0.0)] == [[0], []]
+
+
+@pytest.mark.parametrize("largest_batch_s, window", [
+    (0.01, 0.05),  # a GPU: never shorter than the deadline
+    (0.12, 0.12),  # the longest batch
+    (0.40, 0.25),  # a slow device: never more than half the budget
+    (0.0, 0.05),  # nothing measured
+])
+def test_reorder_window(largest_batch_s, window):
+    assert reorder_window(0.05, 0.5, largest_batch_s) == pytest.approx(window)
+
+
+def test_within_window_counts_the_rows_admitted_up_to_the_window_after_the_first():
+    def rows(*times):
+        return [types.SimpleNamespace(enqueued=t) for t in times]
+
+    assert within_window(rows(1.0, 1.1, 1.2, 1.3, 2.0), 0.2) == 3
+    assert within_window(rows(1.0, 1.1, 1.2), 0.0) == 1  # the first row always
+    assert within_window(rows(1.0, 1.0, 1.5), 0.0) == 2  # same instant: one request's rows
+    assert within_window([], 0.2) == 0

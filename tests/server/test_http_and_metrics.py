@@ -28,6 +28,7 @@ METRICS = {
     "embedfleet_queued_tokens": "gauge",
     "embedfleet_reserved_tokens": "gauge",
     "embedfleet_estimated_drain_seconds": "gauge",
+    "embedfleet_admission_backlog_limit_seconds": "gauge",
     "embedfleet_requests_total": "counter",
     "embedfleet_rejected_requests_total": "counter",
     "embedfleet_request_duration_seconds": "histogram",
@@ -104,6 +105,9 @@ def test_metrics_expose_every_contract_metric_with_labels(default_server):
     assert {k: info[k] for k in ("device", "dimension", "dtype", "pooling", "normalize", "max_length", "prompts")} == {
         "device": "cpu", "dimension": "384", "dtype": "float32", "pooling": "mean", "normalize": "true",
         "max_length": "256", "prompts": ""}  # all-MiniLM-L6-v2 as it declares itself
+    # This server's 600 s budget less the reorder window: at least the 50 ms deadline, at most half
+    limit = float(re.search(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M).group(1))
+    assert 300 <= limit <= 600 - 0.05
     busy = float(re.search(r"^embedfleet_model_busy_seconds_total (\S+)$", text, re.M).group(1))
     assert 0 < busy < default_server.health()[1]["uptime_seconds"]  # some model time, less than the uptime
 
