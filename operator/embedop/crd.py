@@ -100,7 +100,7 @@ SPEC = obj(
             "deadlineWaitMs": integer("Age of a bucket's oldest row that makes it drain before fuller buckets. Keep it at most half of admission.maxDrainTimeMs: its excess adds to the accepted latency bound.", 50, 0, 10000),
         }, default={}),
         "admission": obj("Admission control: refuse work that cannot finish in time (RESOURCE_EXHAUSTED with retry-after-ms).", {
-            "throughput": boolean("Refuse a request when the backlog would take longer than maxDrainTimeMs to compute.", True),
+            "throughput": boolean("Refuse a request when the backlog would take longer than maxDrainTimeMs, less the batcher's reorder window, to compute.", True),
             "latency": boolean("Shed 25% of requests above latencySoftMs P95, all above latencyHardMs.", False),
             "maxDrainTimeMs": integer("Drain budget, in milliseconds of model time: accepted requests finish within it plus their batch. The queue a request may join at once is this less the batcher's reorder window (exported as embedfleet_admission_backlog_limit_seconds).", 500, 1, 600000),
             "latencySoftMs": integer("P95 server-side latency above which 25% of requests are shed.", 500, 1, 600000),

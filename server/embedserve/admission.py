@@ -1,8 +1,8 @@
 """Admission control: pure decisions on an estimator snapshot.
 
 Throughput strategy (predictive): a request joins the queue at once when the backlog, with it,
-still computes within MAX_DRAIN_TIME_MS at the measured service rate, so accepted latency stays
-bounded. A request that does not fit is not dropped but scheduled: it is told when its tokens
+still computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measured service
+rate, so accepted latency stays bounded by the budget plus the request's own batch. A request that does not fit is not dropped but scheduled: it is told when its tokens
 will fit (`retry_after_ms`) and that room is booked for its retry (reservations.py), provided
 the moment lies within RESERVATION_HORIZON_MS; beyond it the request is refused outright (a
 flood cannot book the future). Latency strategy (reactive): shed 25% of requests while the
@@ -83,7 +83,7 @@ def status(snap: Snapshot, policy: Policy, ready: bool, rejecting: bool) -> str:
         return "starting"
     if rejecting:
         return "overloaded"
-    near_drain = policy.throughput and snap.drain_s > DEGRADED_AT * policy.max_drain_s
+    near_drain = policy.throughput and snap.drain_s > DEGRADED_AT * (policy.max_drain_s - policy.reorder_s)
     near_latency = policy.latency and snap.p95_latency_s > DEGRADED_AT * policy.latency_soft_s
     return "degraded" if near_drain or near_latency else "healthy"
 

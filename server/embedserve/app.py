@@ -103,7 +103,7 @@ class Server:
         self.engine = Engine(
             plan, load, self.estimator,
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
-            s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # no budget: no bound to keep
+            s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # off: no bound, no window
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
             on_batch=self.metrics.batch_ran, on_failing=self._failing,
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),

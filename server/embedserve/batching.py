@@ -90,7 +90,7 @@ def reorder_window(deadline_s: float, max_drain_s: float, largest_batch_s: float
     excess; the engine warns), and retries admitted into room booked for them (they skip the
     present queue's check, so a late crowd of them adds its own work). Without a window a stale
     bucket's batch takes the rows nearest in length from its whole queue and R can be overtaken
-    again and again: on a 2-core CPU under 2x overload the accepted P99 was 1.2-1.9x the budget.
+    again and again: on a 2-core CPU under 2x overload the accepted P99 was 1.2-1.6x the budget.
 
     How large: the longest batch, at least DEADLINE_WAIT_MS, at most half the budget. The
     smallest W the bound allows, so the queue admitted at once keeps as much of the budget as it

@@ -67,11 +67,12 @@ class Settings:
     computes), 0 on CPU (nothing to overlap; a batch formed later is fuller)."""
     backpressure_throughput: bool = True
     """BACKPRESSURE_THROUGHPUT_ENABLED: reject when admitting would push drain time past
-    MAX_DRAIN_TIME_MS."""
+    MAX_DRAIN_TIME_MS less the batcher's reorder window (batching.reorder_window)."""
     backpressure_latency: bool = False
     """BACKPRESSURE_LATENCY_ENABLED: shed by windowed P95 latency (25% at soft, all at hard)."""
     max_drain_time_ms: float = 500.0
-    """MAX_DRAIN_TIME_MS: the backlog, in milliseconds of model time, a request may join at once."""
+    """MAX_DRAIN_TIME_MS: the drain budget, in milliseconds of model time: accepted requests finish
+    within it plus their own batch. A request may join a backlog of this less the reorder window."""
     reservation_horizon_ms: float = 10_000.0
     """RESERVATION_HORIZON_MS: how far ahead a refused request may book room for its retry
     (retry-after-ms is then the moment its tokens fit the drain budget). A burst up to this

@@ -101,7 +101,9 @@ class Engine:
         self.warmup = self.worker.warmup
         self.dim = self.worker.runner.dim
         self.estimator.seed_service_rate(self.warmup.service_rate)
-        self.window_s = reorder_window(self.deadline_s, self.max_drain_s, self.warmup.largest_batch_s)
+        # No drain budget (throughput admission off): no bound to keep, batches choose freely.
+        self.window_s = (reorder_window(self.deadline_s, self.max_drain_s, self.warmup.largest_batch_s)
+                         if math.isfinite(self.max_drain_s) else math.inf)
         log.info("reorder window %.0f ms: no batch carries a row admitted later than that after its oldest",
                  1000 * self.window_s)
         if self.deadline_s > self.window_s:

@@ -96,3 +96,10 @@ def test_latency_recovery_once_the_window_empties():
 def test_status(s, ready, rejecting, expected):
     assert status(s, POLICY, ready, rejecting) == expected
 
+
+def test_degraded_is_near_the_queue_admitted_at_once():
+    """The queue never exceeds the budget less the reorder window: "degraded" is near that."""
+    windowed = Policy(True, False, 0.5, 0.2, 1.0, reorder_s=0.25)
+    assert status(snap(queued=190), windowed, True, False) == "healthy"
+    assert status(snap(queued=210), windowed, True, False) == "degraded"  # 0.21 s of 0.25 s
+

@@ -152,20 +152,23 @@ async def test_a_stale_batch_takes_no_row_admitted_past_the_reorder_window(packe
     fit beside it: otherwise the rows of one bucket can overtake a row of another without end."""
     now = [0.0]
     runner = PackedRowSums() if packed else RowSums()
-    engine = await started_engine(runner, caps={4: 8, 8: 8, 16: 8}, lookahead=0, clock=lambda: now[0])
+    engine = await started_engine(runner, caps={4: 8, 8: 8, 16: 8}, lookahead=0, clock=lambda: now[0],
+                                  max_drain_s=0.5)
     assert engine.window_s < 1.0  # the stand-in's batches take ~0 s: the late rows are outside it
     gate = threading.Event()
     run = runner.run
-    runner.run = lambda batch: gate.wait() and run(batch)  # the worker blocks on its first batch
+    runner.run = lambda batch: gate.wait(10) and run(batch)  # the worker blocks on its first batch
     first = engine.submit(*as_tensor([[1] * 12]))
-    while engine.in_worker == 0:
-        await asyncio.sleep(0.001)
+    async with asyncio.timeout(10):
+        while engine.in_worker == 0:
+            await asyncio.sleep(0.001)
     early = engine.submit(*as_tensor([[2] * 5] * 3))
     now[0] = 1.0
     late = engine.submit(*as_tensor([[3] * 6] * 3))
     now[0] = 2.0  # both stale
     gate.set()
-    await asyncio.gather(first.future, early.future, late.future)
+    async with asyncio.timeout(10):
+        await asyncio.gather(first.future, early.future, late.future)
     rows = [b.rows for b in runner.batches] if packed else [shape[0] for shape in runner.batches]
     assert rows == [1, 3, 3]
     await engine.stop()

@@ -58,6 +58,8 @@ def test_metrics_sum_over_the_processes_and_the_signal_is_one(fronted):
     assert offered == counter(fronted.http, "embedfleet_tokens_total", kind="real") - computed0 > 0
     text = urllib.request.urlopen(fronted.http + "/metrics").read().decode()
     assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second ", text, re.M)) == 1  # one signal
+    limits = re.findall(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M)  # from the model process
+    assert len(limits) == 1 and 300 <= float(limits[0]) <= 600 - 0.05
 
 
 async def test_one_admission_view_across_front_ends_and_cancellation_reaches_the_model():
