@@ -2,8 +2,8 @@
 
 Throughput strategy (predictive): a request joins the queue at once when the backlog, with it,
 still computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measured service
-rate, so accepted latency stays bounded by the budget plus the request's own batch. A request that does not fit is not dropped but scheduled: it is told when its tokens
-will fit (`retry_after_ms`) and that room is booked for its retry (reservations.py), provided
+rate, so accepted latency stays bounded by the budget plus the request's own batch. A request
+that does not fit is not dropped but scheduled: it is told when its tokens will fit (`retry_after_ms`) and that room is booked for its retry (reservations.py), provided
 the moment lies within RESERVATION_HORIZON_MS; beyond it the request is refused outright (a
 flood cannot book the future). Latency strategy (reactive): shed 25% of requests while the
 windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
@@ -37,6 +37,11 @@ class Policy:
     reorder_s: float = 0.0
     horizon_s: float = 10.0  # furthest future a refused request may book (RESERVATION_HORIZON_MS)
 
+    @property
+    def backlog_limit_s(self) -> float:
+        """The backlog, in seconds of model time, a request may join at once."""
+        return self.max_drain_s - self.reorder_s
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -59,13 +64,12 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
         rate = snap.service_rate
         if rate <= 0:
             return Decision(False, "drain_time", _ms(policy.max_drain_s))
-        hold = policy.reorder_s * rate
-        budget = policy.max_drain_s * rate
-        if snap.queued_tokens + cost_tokens + hold > budget:
+        room = policy.backlog_limit_s * rate
+        if snap.queued_tokens + cost_tokens > room:
             # Admission is work-conserving: the present queue alone decides, so booked room that
             # its owner never claims cannot idle the device. The moment this request fits is
             # behind the queue and everything already booked.
-            wait_s = (snap.queued_tokens + reserved_tokens + cost_tokens + hold - budget) / rate
+            wait_s = (snap.queued_tokens + reserved_tokens + cost_tokens - room) / rate
             if wait_s <= policy.horizon_s:
                 return Decision(False, "drain_time", _ms(wait_s), book=True)
             # Beyond the horizon: come back when booking is possible again.
@@ -83,7 +87,7 @@ def status(snap: Snapshot, policy: Policy, ready: bool, rejecting: bool) -> str:
         return "starting"
     if rejecting:
         return "overloaded"
-    near_drain = policy.throughput and snap.drain_s > DEGRADED_AT * (policy.max_drain_s - policy.reorder_s)
+    near_drain = policy.throughput and snap.drain_s > DEGRADED_AT * policy.backlog_limit_s
     near_latency = policy.latency and snap.p95_latency_s > DEGRADED_AT * policy.latency_soft_s
     return "degraded" if near_drain or near_latency else "healthy"
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def policy_from(settings: Settings, window_s: float) -> admission.Policy:
     return admission.Policy(
-        reorder_s=window_s,
+        reorder_s=window_s if settings.backpressure_throughput else 0.0,  # off: no window (engine: inf)
         horizon_s=settings.reservation_horizon_ms / 1000,
         throughput=settings.backpressure_throughput,
         latency=settings.backpressure_latency,

@@ -46,15 +46,11 @@ def signal(server: "Server") -> dict:
         "reserved_tokens": service.gate.book.reserved(now) if service else 0.0,
         "estimated_drain_seconds": min(snap.drain_s, 1e9),
         "offered_tokens": server.estimator.offered_total,
-        "admission_backlog_limit_seconds": backlog_limit_s(service.policy) if service else None,
+        # the queue admission lets grow (None: throughput admission off, or not loaded yet)
+        "admission_backlog_limit_seconds": service.policy.backlog_limit_s if service and service.policy.throughput else None,
         "gpu_memory_bytes": runner.memory() if runner else {},
         "model": info,
     }
-
-
-def backlog_limit_s(policy) -> float | None:
-    """The queue admission lets grow, in seconds of model time (None: throughput admission off)."""
-    return policy.max_drain_s - policy.reorder_s if policy.throughput else None
 
 
 _GAUGES = (  # One unit: real (unpadded) tokens. Padding is the server's own cost and shows as a
