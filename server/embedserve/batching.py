@@ -4,10 +4,9 @@ form the batch and what shape it runs at. No I/O, no clocks: callers pass `now`.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 import operator
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -108,9 +107,8 @@ def within_window(rows: Sequence, window_s: float) -> int:
     return bisect.bisect_right(rows, rows[0].enqueued + window_s, key=operator.attrgetter("enqueued")) if rows else 0
 
 
-@dataclasses.dataclass(frozen=True)
-class BucketView:
-    """What the drain decision sees of one bucket."""
+class BucketView(NamedTuple):
+    """What the drain decision sees of one bucket (a tuple: built per bucket at every look)."""
 
     length: int
     rows: int
@@ -118,8 +116,7 @@ class BucketView:
     cap: int  # rows that make the bucket full
 
 
-@dataclasses.dataclass(frozen=True)
-class Drain:
+class Drain(NamedTuple):
     """Drain `bucket` now (None: nothing to do) or look again at `wake_at` (None: on news only)."""
 
     bucket: int | None
@@ -143,6 +140,16 @@ def next_drain(views: Sequence[BucketView], now: float, deadline_s: float, worke
     if worker_idle:
         return Drain(max(waiting, key=lambda v: (v.rows * v.length, -v.oldest)).length, "idle")
     return Drain(None, wake_at=min(v.oldest for v in waiting) + deadline_s)
+
+
+def room(views: Sequence[BucketView], packed_rows: int | None = None, queued_tokens: int = 0,
+         token_budget: float = math.inf) -> tuple[int, float]:
+    """How many more rows (and tokens) may join the queues before the drain decision could say
+    "full", its one reason to act before a deadline or an idle worker: padded rows fill a bucket
+    to its cap; packed rows (`packed_rows`: the row cap) fill the stream's rows or token budget."""
+    if packed_rows is not None:
+        return packed_rows - sum(v.rows for v in views), token_budget - queued_tokens
+    return min(v.cap - v.rows for v in views), math.inf
 
 
 def select_rows(lengths: Sequence[int], cap: int, max_tokens: int, pad_to: int | None = None) -> list[int]:

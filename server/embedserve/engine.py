@@ -1,6 +1,7 @@
-"""The batching engine: token rows in, embeddings out. Rows wait in length buckets; one asyncio
-task (the batcher) drains them by priority into the model worker's queue; results come back
-from the worker thread and are routed to each request's rows, in order. Padded rows: a batch
+"""The batching engine: token rows in, embeddings out. Rows wait in length buckets; the batcher
+(a callback on the event loop, run once per turn in which rows arrived or a batch finished, and
+at the oldest row's deadline) drains them by priority into the model worker's queue; results
+come back from the worker thread and are routed to each request's rows, in order. Padded rows: a batch
 takes one bucket's rows; packed rows (a runner of `attention = "packed"`): a batch takes the
 oldest rows of every bucket up to a token budget."""
 
@@ -15,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from embedserve.batching import (choose_bucket, fit_length, ladder_size, length_ladder, next_drain, next_packed_drain,
-                                 pack_rows, reorder_window, select_rows, within_window)
+                                 pack_rows, reorder_window, room, select_rows, within_window)
 from embedserve.errors import DeviceUnresponsive, ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.packing import PackedBatch, assemble_packed
@@ -68,9 +69,18 @@ class Engine:
         self.failed_batches = 0  # consecutive; reset by a good batch
         self.hung = False  # a batch outran the watchdog: the device is lost until a restart
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        # The batcher is a loop callback, not a task: a task waiting on an event with a timeout
+        # costs a future and a timer per wake, and it woke once per request.
+        self._batching = False  # started, not stopped, not broken
+        self._looking = False  # a look at the queues is scheduled for this turn of the loop
+        self._timer: asyncio.TimerHandle | None = None  # the next deadline's look
+        self._timer_at: float | None = None  # ... at this time of self.clock
         self._watch: asyncio.Task | None = None
+        # Called before each batch is formed, to queue the rows of requests that wait to be
+        # tokenized together (embedserve.intake, which reports them with `arriving`).
+        self.feed: Callable[[], None] = lambda: None
+        self._arriving = [0, 0.0]  # rows and estimated tokens fed since the last look
+        self._room = (0, 0.0)  # rows and tokens that may arrive before a bucket could be full
 
     @property
     def failing(self) -> bool:
@@ -88,12 +98,11 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._batching
 
     async def start(self) -> None:
         """Load and warm up the model on the worker thread, then start batching."""
         self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
         self.worker.start()
         await in_daemon_thread(self.worker.started.wait, name="warm-up-wait")
         if self.worker.failure is not None:
@@ -115,22 +124,33 @@ class Engine:
         else:
             self.caps = self.warmup.caps
             log.info("batch caps per bucket: %s", self.caps)
-        self._task = asyncio.create_task(self._batcher(), name="batcher")
+        self._batching = True
         self._watch = asyncio.create_task(self._watchdog(), name="watchdog")
 
     async def stop(self) -> None:
-        for task in (self._task, self._watch):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self._task is not None and not self.hung:  # a worker warming up or hung is not waited for
+        started, self._batching = self._watch is not None, False
+        self._set_timer(None)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if started and not self.hung:  # a worker warming up or hung is not waited for
             await in_daemon_thread(self.worker.stop, 10.0, name="worker-stop")
 
     def submit(self, ids: np.ndarray, lengths: np.ndarray) -> PendingRequest:
         """Queue one request's rows (ids [n, w] int32, right-padded; lengths <= largest bucket).
-        Await `.future` for the [n, dim] float32 result. Numpy until a batch is assembled: a
-        torch op costs ~10x a numpy one on arrays this small, on the event loop, per request."""
-        request = PendingRequest(len(lengths), self.dim, self._loop.create_future())
+        Await `.future` for the [n, dim] float32 result."""
+        request = self.new_request(len(lengths))
+        self.enqueue(request, ids, lengths)
+        self.look_soon()
+        return request
+
+    def new_request(self, rows: int) -> PendingRequest:
+        """A request whose rows are queued later (`enqueue`), e.g. once tokenized with others."""
+        return PendingRequest(rows, self.dim, self._loop.create_future())
+
+    def enqueue(self, request: PendingRequest, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Queue a request's rows into the buckets. Numpy until a batch is assembled: a torch op
+        costs ~10x a numpy one on arrays this small, on the event loop, per request."""
         now = self.clock()
         added = 0
         for bucket, positions in split_by_bucket(lengths, self.plan.buckets):
@@ -142,9 +162,8 @@ class Engine:
             chunk = Chunk(request, rows, lengths[positions], positions)
             request.chunks.append(chunk)
             added += self.queues.add(bucket, chunk, now)
+        request.tokens = added
         self.estimator.enqueued(added)
-        self._wake.set()
-        return request
 
     def drop(self, request: PendingRequest) -> None:
         """Forget a request that ended early (cancelled, deadline, failed): its queued rows never
@@ -153,24 +172,57 @@ class Engine:
         if freed:
             self.estimator.dequeued(freed)
 
-    async def _batcher(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                timeout = self._form_batches()
-            except Exception:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
-                log.exception("the batcher failed; this server serves nothing more")
-                raise
-            try:
-                async with asyncio.timeout(timeout):  # no task per wait, as wait_for would make
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+    def arriving(self, rows: int, tokens: float) -> None:
+        """Rows admitted that `feed` will queue. Looked at now only if they can change what the
+        batcher does: the worker is idle, no deadline is ahead, or they could fill a bucket.
+        Otherwise the next finished batch or deadline looks, and they are tokenized together
+        with every other request that arrived meanwhile."""
+        self._arriving[0] += rows
+        self._arriving[1] += tokens
+        if self.in_worker > self.lookahead:
+            return  # no batch can be formed before one finishes, and that looks
+        if (self.in_worker == 0 or self._timer is None or self._arriving[0] >= self._room[0]
+                or self._arriving[1] >= self._room[1]):
+            self.look_soon()
+
+    def look_soon(self) -> None:
+        """Look at the queues once this turn of the loop is done, however many rows arrive in it."""
+        if self._batching and not self._looking:
+            self._looking = True
+            self._loop.call_soon(self._look)
+
+    def _look(self) -> None:
+        self._looking = False
+        if not self._batching:
+            return
+        try:
+            wake_at = self._form_batches()
+        except Exception:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
+            self._batching = False
+            log.exception("the batcher failed; this server serves nothing more")
+            return
+        self._set_timer(wake_at)
+
+    def _set_timer(self, at: float | None) -> None:
+        """Look again at `at` (None: only on news). The deadline ahead rarely moves as rows
+        arrive (it is the oldest row's), so the timer is kept unless it does."""
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = None if at is None else self._loop.call_later(max(0.0, at - self.clock()), self._deadline)
+
+    def _deadline(self) -> None:
+        self._timer = self._timer_at = None
+        self._look()
 
     def _form_batches(self) -> float | None:
-        """Submit batches while the decision says so; → seconds until the next look (None:
-        wait for news)."""
+        """Submit batches while the decision says so; → when (self.clock) to look again, None
+        for on news only (rows arriving, a batch finishing)."""
         while self.in_worker <= self.lookahead and not self.hung:
+            self.feed()
+            self._arriving = [0, 0.0]
             now = self.clock()
             views, idle = self.queues.views(self.caps), self.in_worker == 0
             if self.packing:
@@ -179,7 +231,9 @@ class Engine:
             else:
                 drain = next_drain(views, now, self.deadline_s, idle)
             if drain.bucket is None:
-                return None if drain.wake_at is None else max(0.0, drain.wake_at - now)
+                self._room = room(views, self.packing.max_rows, self.queues.queued_tokens, self.warmup.token_budget) \
+                    if self.packing else room(views)
+                return drain.wake_at
             self.worker.submit(self._form_packed() if self.packing else self._form(drain.bucket))
             self.in_worker += 1
         return None
@@ -229,7 +283,7 @@ class Engine:
             self.failed_batches = 0
             for request, positions, rows in batch.routes:
                 request.deliver(positions, out[rows])
-        self._wake.set()
+        self.look_soon()
 
 
     async def _watchdog(self) -> None:
@@ -248,6 +302,7 @@ class Engine:
                   "responding; failing every request and reporting NOT_SERVING", batch.rows, ran_s,
                   self.watchdog.limit_s(batch, self.warmup))
         self.hung = True
+        self.feed()  # requests still to be tokenized fail with the rest
         error = DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
         waiting = self.worker.drain()  # formed, never to run
         self.in_worker -= len(waiting)
@@ -259,10 +314,14 @@ class Engine:
         self.on_failing(True)
 
 
+FIRST_ROW = np.zeros(1, dtype=np.int64)  # the positions of a one-row request (shared: read only)
+FIRST_ROW.flags.writeable = False
+
+
 def split_by_bucket(lengths: np.ndarray, buckets) -> list[tuple[int, np.ndarray]]:
     """Group a request's rows by the smallest bucket that holds each (positions ascending)."""
     if len(lengths) == 1:  # the usual request: numpy's per-call cost is most of the work
-        return [(choose_bucket(int(lengths[0]), buckets), np.zeros(1, dtype=np.int64))]
+        return [(choose_bucket(int(lengths[0]), buckets), FIRST_ROW)]
     index = np.minimum(np.searchsorted(buckets, lengths, side="left"), len(buckets) - 1)
     if index.min() == index.max():  # texts of one size class: no grouping
         return [(buckets[int(index[0])], np.arange(len(lengths)))]

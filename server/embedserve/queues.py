@@ -17,23 +17,34 @@ from embedserve.batching import BucketView
 
 
 class PendingRequest:
-    """One request's output buffer and future; rows land here as their batches finish."""
+    """One request's future and, when its rows come back in pieces, the buffer they land in."""
 
-    __slots__ = ("out", "remaining", "future", "chunks")
+    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens")
 
     def __init__(self, rows: int, dim: int, future: asyncio.Future):
-        self.out = np.empty((rows, dim), dtype=np.float32)
+        self.rows, self.dim = rows, dim
+        self.out: np.ndarray | None = None  # allocated at a first delivery of only some rows
         self.remaining = rows
         self.future = future
         self.chunks: list[Chunk] = []
+        self.tokens = 0  # real tokens queued (usage), known once its rows are
 
     @property
     def done(self) -> bool:
         return self.future.done()
 
     def deliver(self, positions: np.ndarray, values: np.ndarray) -> None:
+        """Rows `positions` (ascending) computed as `values`, a view of a batch's output (a
+        runner returns a new array per batch). All of a request's rows at once, the usual
+        case, are its result as they are: no buffer, no copy."""
         if self.future.done():  # cancelled or failed meanwhile: nobody is waiting
             return
+        if len(positions) == self.rows:
+            self.remaining = 0
+            self.future.set_result(values)
+            return
+        if self.out is None:
+            self.out = np.empty((self.rows, self.dim), dtype=np.float32)
         self.out[positions] = values
         self.remaining -= len(positions)
         if self.remaining == 0:
@@ -131,21 +142,27 @@ def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: 
     n = len(taken)
     total = batch_to or n
     ids = np.full((total, width), pad_id, dtype=np.int64)
-    lengths = np.ones(total, dtype=np.int64)  # dummy rows attend to one token: none fully masked
+    lengths = [1] * total  # dummy rows attend to one token: none fully masked
     routes = []
-    groups: dict[int, tuple[Chunk, list[int]]] = {}
+    groups: dict[int, list[QueuedRow]] = {}
     for r in taken:
-        groups.setdefault(id(r.chunk), (r.chunk, []))[1].append(r.index)
+        groups.setdefault(id(r.chunk), []).append(r)
     pos = 0
-    for chunk, idx in groups.values():
-        k = len(idx)
+    for rows in groups.values():
+        chunk, k = rows[0].chunk, len(rows)
         w = min(width, chunk.ids.shape[1])
-        source = chunk.ids
-        ids[pos : pos + k, :w] = source[idx[0], :w] if k == 1 else source[idx, :w]
-        lengths[pos : pos + k] = chunk.lengths[idx]
-        routes.append((chunk.request, chunk.positions[idx], slice(pos, pos + k)))
+        if k == 1:  # a single-text request: basic slicing, no index arrays
+            i = rows[0].index
+            ids[pos, :w] = chunk.ids[i, :w]
+            positions = chunk.positions[i : i + 1]
+        else:
+            idx = [r.index for r in rows]
+            ids[pos : pos + k, :w] = chunk.ids[idx, :w]
+            positions = chunk.positions[idx]
+        lengths[pos : pos + k] = [r.length for r in rows]
+        routes.append((chunk.request, positions, slice(pos, pos + k)))
         pos += k
-    mask = np.arange(width) < lengths[:, None]
+    mask = np.arange(width) < np.array(lengths)[:, None]
     ids[~mask] = pad_id
     return Batch(torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64)), n, sum(r.length for r in taken),
                  routes)

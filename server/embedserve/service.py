@@ -3,6 +3,7 @@ translate wire formats and map the errors of embedserve.errors to their status c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import Executor
 from typing import Callable
@@ -15,7 +16,8 @@ from embedserve.engine import Engine
 from embedserve.errors import DeviceUnresponsive, NotReady
 from embedserve.estimator import Estimator
 from embedserve.gate import Caller, Gate, Observer
-from embedserve.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.intake import Intake
+from embedserve.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request
 from embedserve.tokenization import TextTokenizer
 
 # The latest rejection keeps /health "overloaded" this long.
@@ -48,6 +50,7 @@ class EmbeddingService(PreTokenized):
         self.engine, self.tokenizer, self.estimator = engine, tokenizer, estimator
         self.policy, self.limits, self.executor = policy, limits, executor
         self.gate = Gate(estimator, policy, observer or _NoObserver(), draw)
+        self.intake = Intake(tokenizer, engine, estimator)
         self.task = task
         self.head = head  # prompts (None: the simulated device's tests, no prompts)
         self.started_at = time.monotonic()
@@ -82,17 +85,21 @@ class EmbeddingService(PreTokenized):
         cpt, specials = self.estimator.chars_per_token, self.tokenizer.specials
         estimate = sum(min(per_text_cap, (len(r.prompt) + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
         await self.gate.admit(r.key, estimate, caller)
+        if sum(map(len, r.texts)) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
+            request = self.intake.put(r, round(estimate))
+            return Result(await self._wait(request, t0), request.tokens)
         # The estimate stays in the backlog until the real rows replace it, so requests admitted
         # while this one is being tokenized see it.
         self.estimator.enqueued(round(estimate))
         try:
-            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+            ids, lengths = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.tokenizer.encode, r.texts, r.truncate, r.prompt)
             request = self.engine.submit(ids, lengths)
         finally:
             self.estimator.dequeued(round(estimate))
         chars = sum(len(r.prompt) + min(len(t), max_chars) for t in r.texts)
-        self.estimator.learn_chars_per_token(chars, int(lengths.sum()) - specials * len(r.texts))
-        return Result(await self._wait(request, t0), int(lengths.sum()))
+        self.estimator.learn_chars_per_token(chars, request.tokens - specials * len(r.texts))
+        return Result(await self._wait(request, t0), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         """Token rows a front end prepared (FRONTENDS > 1): admitted on their real tokens."""
@@ -104,7 +111,8 @@ class EmbeddingService(PreTokenized):
         ids, lengths = cut(ids, lengths, self.limits)
         await self.gate.admit(key, float(lengths.sum()), caller)
         # The request's bytes are a read-only view: batch assembly copies the rows out of them.
-        return Result(await self._wait(self.engine.submit(ids, lengths), t0), int(lengths.sum()))
+        request = self.engine.submit(ids, lengths)
+        return Result(await self._wait(request, t0), request.tokens)
 
     def require_task(self, task: str) -> None:
         require_task(self.task, task)

@@ -20,9 +20,10 @@ from embedserve.infer_decode import decode
 from embedserve.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a
-# query, ~200 us at the bound): handing them to a tokenizer thread costs more, since the thread
-# then waits for the GIL the busy loop holds (up to the switch interval). Longer ones go to
-# the tokenizer threads, which release the GIL while the Rust tokenizer runs.
+# query, ~200 us at the bound; in the model's process, many in one call: embedserve.intake):
+# handing them to a tokenizer thread costs more, since the thread then waits for the GIL the
+# busy loop holds (up to the switch interval). Longer ones go to the tokenizer threads, which
+# release the GIL while the Rust tokenizer runs.
 INLINE_CHARS = 512
 
 

@@ -18,6 +18,7 @@ from embedserve.batching import (
     pack_rows,
     packed_slots,
     reorder_window,
+    room,
     select_rows,
     sweep_should_stop,
     token_ladder,
@@ -105,6 +106,30 @@ def test_next_drain_becomes_stale_exactly_at_the_deadline():
     views = [v(16, 1, 1.0)]
     assert next_drain(views, 1.0 + DEADLINE - 1e-6, DEADLINE, False).bucket is None
     assert next_drain(views, 1.0 + DEADLINE, DEADLINE, False).reason == "stale"
+
+
+def test_room_is_what_the_drain_decision_needs_to_say_full():
+    """Rows fewer than `room` added to any bucket leave a busy worker's decision waiting; `room`
+    rows added to the tightest bucket make it "full" (padded). Packed: the row cap or the token
+    budget. The engine looks at arrivals only past this room (or with no deadline set)."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        views = [v(b, int(rng.integers(0, 8)), 1.0, cap=8) for b in (16, 32, 64)]
+        rows, tokens = room(views)
+        assert tokens == float("inf")
+        for i in range(3):
+            fewer = [w._replace(rows=w.rows + (rows - 1 if j == i else 0)) for j, w in enumerate(views)]
+            assert next_drain(fewer, 1.0, DEADLINE, worker_idle=False).reason != "full"
+        tightest = min(range(3), key=lambda j: views[j].cap - views[j].rows)
+        filled = [w._replace(rows=w.rows + (rows if j == tightest else 0)) for j, w in enumerate(views)]
+        assert next_drain(filled, 1.0, DEADLINE, worker_idle=False).reason == "full"
+        packed = [w._replace(rows=w.rows + 1, cap=0) for w in views]
+        queued = int(rng.integers(0, 1024))
+        rows, tokens = room(packed, packed_rows=32, queued_tokens=queued, token_budget=1024)
+        for more_rows, more_tokens, full in ((rows - 1, tokens - 1, False), (rows, 0, True), (0, tokens, True)):
+            grown = [packed[0]._replace(rows=packed[0].rows + more_rows), *packed[1:]]
+            reason = next_packed_drain(grown, 1.0, DEADLINE, False, queued + more_tokens, 1024, 32).reason
+            assert (reason == "full") == full
 
 
 def test_select_rows_always_takes_the_oldest_then_nearest_lengths():

@@ -56,9 +56,9 @@ def as_tensor(rows):
     return ids, np.array([len(r) for r in rows])
 
 
-async def started_engine(runner, static=False, caps=None, lookahead=2, **kwargs):
-    plan = WarmupPlan(BUCKETS, 64, 1024, static, caps or {4: 8, 8: 8, 16: 8}, 0, 100)
-    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=0.005, worker_queue_size=4, lookahead=lookahead,
+async def started_engine(runner, static=False, caps=None, lookahead=2, deadline_s=0.005, vocab_size=100, **kwargs):
+    plan = WarmupPlan(BUCKETS, 64, 1024, static, caps or {4: 8, 8: 8, 16: 8}, 0, vocab_size)
+    engine = Engine(plan, lambda: runner, Estimator(), deadline_s=deadline_s, worker_queue_size=4, lookahead=lookahead,
                     **kwargs)
     await engine.start()
     return engine
