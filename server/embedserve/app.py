@@ -23,6 +23,7 @@ from embedserve.metrics import Metrics
 from embedserve.prepare import prepare
 from embedserve.service import EmbeddingService
 from embedserve.shaping import Limits
+from embedserve.lifecycle import settle_heap
 from embedserve.threads import in_daemon_thread
 from embedserve.transports import Transports
 from embedserve.worker import WarmupPlan, Watchdog
@@ -72,6 +73,7 @@ class Server:
             log.info("gRPC on :%d, HTTP on :%d; loading %s", self.transports.grpc_port, self.transports.http.port,
                      self.model_name)
         await self._load()
+        settle_heap()
         self.loaded.set()
         if self.transports:
             self.transports.install_api()

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # Consecutive failed batches after which the server reports itself unhealthy (a wedged device
 # should be restarted by its liveness probe); one good batch clears it.
 FAILING_AFTER = 3
+# While the worker is full, requests waiting to be tokenized (embedserve.intake) are tokenized
+# this long after the first of them, together: off the path between two batches (where the device
+# would wait for it), and still several per call of the tokenizer at a busy server's rates.
+FEED_DELAY_S = 0.001
 
 
 
@@ -80,6 +84,7 @@ class Engine:
         # tokenized together (embedserve.intake, which reports them with `arriving`).
         self.feed: Callable[[], None] = lambda: None
         self._arriving = [0, 0.0]  # rows and estimated tokens fed since the last look
+        self._feeding: asyncio.TimerHandle | None = None  # a feed while the worker is full
         self._room = (0, 0.0)  # rows and tokens that may arrive before a bucket could be full
 
     @property
@@ -130,6 +135,8 @@ class Engine:
     async def stop(self) -> None:
         started, self._batching = self._watch is not None, False
         self._set_timer(None)
+        if self._feeding is not None:
+            self._feeding.cancel()
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
@@ -179,11 +186,18 @@ class Engine:
         with every other request that arrived meanwhile."""
         self._arriving[0] += rows
         self._arriving[1] += tokens
-        if self.in_worker > self.lookahead:
-            return  # no batch can be formed before one finishes, and that looks
+        if self.in_worker > self.lookahead:  # no batch can be formed before one finishes (that looks)
+            if self._feeding is None:  # but tokenize them meanwhile, while the device computes
+                self._feeding = self._loop.call_later(FEED_DELAY_S, self._feed_now)
+            return
         if (self.in_worker == 0 or self._timer is None or self._arriving[0] >= self._room[0]
                 or self._arriving[1] >= self._room[1]):
             self.look_soon()
+
+    def _feed_now(self) -> None:
+        self._feeding = None
+        if self._batching and not self.hung:
+            self.feed()
 
     def look_soon(self) -> None:
         """Look at the queues once this turn of the loop is done, however many rows arrive in it."""

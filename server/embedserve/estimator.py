@@ -5,11 +5,10 @@ and the operator scales on. Updated by the engine and the worker, read by admiss
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -78,9 +77,8 @@ class LatencyWindow:
         return self._p95
 
 
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """One consistent reading of the estimator."""
+class Snapshot(NamedTuple):
+    """One consistent reading of the estimator (a tuple: admission takes one per request)."""
 
     service_rate: float  # real tokens computed / s of model-busy time (padding lowers it)
     arrival_rate: float  # offered real tokens / s, admitted + rejected

@@ -20,7 +20,7 @@ from embedserve.config import Settings, served_model_name
 from embedserve.declared import Head
 from embedserve.errors import from_wire
 from embedserve.gate import Caller
-from embedserve.lifecycle import until_stopped
+from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics
 from embedserve.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
 from embedserve.tokenization import TextTokenizer
@@ -106,6 +106,7 @@ class Frontend:
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
         await self._refresh()
         self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
+        settle_heap()
         log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
                  self.transports.http.port)
 

@@ -6,9 +6,8 @@ with that moment (RESOURCE_EXHAUSTED / 429 + retry-after). Runs on the event loo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from embedserve import admission
 from embedserve.errors import Overloaded
@@ -16,9 +15,8 @@ from embedserve.estimator import Estimator
 from embedserve.reservations import ReservationBook
 
 
-@dataclasses.dataclass(frozen=True)
-class Caller:
-    """What the transport knows of the caller."""
+class Caller(NamedTuple):
+    """What the transport knows of the caller (a tuple: one per request)."""
 
     retry: bool = False  # the request was refused before: not new demand
     deadline_s: float | None = None  # how long the caller still waits (gRPC deadline)

@@ -4,6 +4,7 @@ front end."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 
 
@@ -17,3 +18,12 @@ async def until_stopped(start_coro) -> tuple[asyncio.Task, asyncio.Event]:
     start = asyncio.create_task(start_coro)
     await asyncio.wait({start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     return start, stop
+
+
+def settle_heap() -> None:
+    """Once start-up is done: collect its garbage, then move every object left (torch,
+    transformers, the model: ~250,000 of them) out of the collector's reach. Each full
+    collection walked them all, a pause of ~100-150 ms on the event loop every few seconds
+    under load; after this, ~5 ms (bench/RESULTS.md, "Host path")."""
+    gc.collect()
+    gc.freeze()

@@ -5,7 +5,6 @@ process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 from concurrent.futures import Executor
@@ -39,10 +38,9 @@ class Limits:
     truncate: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Texts:
+class Texts(NamedTuple):
     """An Embed request, checked: its texts, how to cut them, its prompt, and its content's key
-    (a retry finds the room booked for it by that)."""
+    (a retry finds the room booked for it by that). A tuple: one per request, on the event loop."""
 
     texts: list[str]
     truncate: bool
@@ -137,18 +135,20 @@ class InFlight:
         draining, so this only waits for the ones already inside)."""
         await self._idle.wait()
 
-    @contextlib.contextmanager
-    def _tracked(self):
+    def _tracked(self) -> "InFlight":
+        """`with self._tracked():` around a request inside (refused while draining)."""
+        return self
+
+    def __enter__(self) -> None:
         if (error := self.refusal()) is not None:
             raise error
         self.in_flight += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+
+    def __exit__(self, *exc) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
 
 class PreTokenized(InFlight):

@@ -75,14 +75,19 @@ async def busy_engine(runner, tokenizer, **kwargs):
 
 
 async def test_requests_admitted_while_the_worker_is_busy_are_tokenized_in_one_call(tokenizer):
+    """No batch can be formed (lookahead 0, the worker on its first batch): the requests admitted
+    meanwhile are tokenized together, in one call, while the worker is still busy (off the path
+    between two batches), then computed when it is free."""
     runner = RowSums()
     engine, intake, first = await busy_engine(runner, tokenizer, lookahead=0, caps={4: 64, 8: 64, 16: 64})
     texts = [[f"query number {i}"] if i % 3 else [f"query {i}", "a second text of it"] for i in range(20)]
     waiting = [intake.put(request(t), 7 * len(t)) for t in texts]
-    await turns()
-    assert tokenizer.calls == []  # nothing can run yet: they wait, counted in the backlog by estimate
+    # counted in the backlog by their estimates until their rows are queued
     # (the first request's rows count until computed)
     assert engine.estimator.snapshot().queued_tokens == sum(7 * len(t) for t in texts) + first.tokens
+    await until(lambda: tokenizer.calls)
+    assert tokenizer.calls == [20] and engine.in_worker == 1 and not runner.batches
+    assert engine.estimator.snapshot().queued_tokens == sum(r.tokens for r in (first, *waiting))
     runner.gate.set()
     results = await asyncio.gather(first.future, *(r.future for r in waiting))
     assert tokenizer.calls == [20]
