@@ -17,7 +17,7 @@ import numpy as np
 
 from embedserve.batching import (choose_bucket, fit_length, ladder_size, length_ladder, next_drain, next_packed_drain,
                                  pack_rows, reorder_window, room, select_rows, within_window)
-from embedserve.errors import DeviceUnresponsive, ModelFailure
+from embedserve.errors import DeviceUnresponsive, ModelFailure, NotReady
 from embedserve.estimator import Estimator
 from embedserve.packing import PackedBatch, assemble_packed
 from embedserve.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 # Consecutive failed batches after which the server reports itself unhealthy (a wedged device
 # should be restarted by its liveness probe); one good batch clears it.
 FAILING_AFTER = 3
-# While the worker is full, requests waiting to be tokenized (embedserve.intake) are tokenized
-# this long after the first of them, together: off the path between two batches (where the device
+# While the worker is full, requests waiting to be tokenized (embedserve.intake) are queued this
+# long after the first of them, together: off the path between two batches (where the device
 # would wait for it), and still several per call of the tokenizer at a busy server's rates.
 FEED_DELAY_S = 0.001
 
@@ -50,6 +50,7 @@ class Engine:
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
         on_failing: Callable[[bool], None] = lambda failing: None,
         watchdog: Watchdog = Watchdog(),
+        feed_delay_s: float = FEED_DELAY_S,
     ):
         self.plan = plan
         self.watchdog = watchdog
@@ -84,7 +85,8 @@ class Engine:
         # tokenized together (embedserve.intake, which reports them with `arriving`).
         self.feed: Callable[[], None] = lambda: None
         self._arriving = [0, 0.0]  # rows and estimated tokens fed since the last look
-        self._feeding: asyncio.TimerHandle | None = None  # a feed while the worker is full
+        self._feeding: asyncio.TimerHandle | None = None  # the feed `arriving` scheduled
+        self.feed_delay_s = feed_delay_s
         self._room = (0, 0.0)  # rows and tokens that may arrive before a bucket could be full
 
     @property
@@ -137,6 +139,7 @@ class Engine:
         self._set_timer(None)
         if self._feeding is not None:
             self._feeding.cancel()
+            self._feeding = None
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
@@ -153,12 +156,15 @@ class Engine:
 
     def new_request(self, rows: int) -> PendingRequest:
         """A request whose rows are queued later (`enqueue`), e.g. once tokenized with others."""
+        self.check_open()
         return PendingRequest(rows, self.dim, self._loop.create_future())
 
-    def enqueue(self, request: PendingRequest, ids: np.ndarray, lengths: np.ndarray) -> None:
-        """Queue a request's rows into the buckets. Numpy until a batch is assembled: a torch op
-        costs ~10x a numpy one on arrays this small, on the event loop, per request."""
-        now = self.clock()
+    def enqueue(self, request: PendingRequest, ids: np.ndarray, lengths: np.ndarray,
+                admitted: float | None = None) -> None:
+        """Queue a request's rows into the buckets, as of `admitted` (default now: a request
+        tokenized with others keeps its place in time). Numpy until a batch is assembled: a
+        torch op costs ~10x a numpy one on arrays this small, on the event loop, per request."""
+        now = self.clock() if admitted is None else admitted
         added = 0
         for bucket, positions in split_by_bucket(lengths, self.plan.buckets):
             width = min(ids.shape[1], bucket)
@@ -180,24 +186,33 @@ class Engine:
             self.estimator.dequeued(freed)
 
     def arriving(self, rows: int, tokens: float) -> None:
-        """Rows admitted that `feed` will queue. Looked at now only if they can change what the
-        batcher does: the worker is idle, no deadline is ahead, or they could fill a bucket.
-        Otherwise the next finished batch or deadline looks, and they are tokenized together
-        with every other request that arrived meanwhile."""
+        """Rows admitted that `feed` will queue (stamped with their admission time). Looked at
+        now only if they can change what the batcher does: the worker is idle, no deadline is
+        ahead, or they could fill a bucket (packed rows: by their estimated tokens). Otherwise
+        the next finished batch or deadline looks, and queues them with every request arriving
+        meanwhile; the deadline ahead is an older row's, so none of theirs passes unseen. While
+        the worker is full they are queued `feed_delay_s` after the first of them, off the path
+        between two batches (where the device would wait for it)."""
         self._arriving[0] += rows
         self._arriving[1] += tokens
-        if self.in_worker > self.lookahead:  # no batch can be formed before one finishes (that looks)
-            if self._feeding is None:  # but tokenize them meanwhile, while the device computes
-                self._feeding = self._loop.call_later(FEED_DELAY_S, self._feed_now)
-            return
-        if (self.in_worker == 0 or self._timer is None or self._arriving[0] >= self._room[0]
-                or self._arriving[1] >= self._room[1]):
+        if self.in_worker > self.lookahead:
+            if self._feeding is None:
+                self._feeding = self._loop.call_later(self.feed_delay_s, self._feed_now)
+        elif (self.in_worker == 0 or self._timer is None or self._arriving[0] >= self._room[0]
+              or self._arriving[1] >= self._room[1]):
             self.look_soon()
 
     def _feed_now(self) -> None:
         self._feeding = None
         if self._batching and not self.hung:
             self.feed()
+
+    def check_open(self) -> None:
+        """Raise what a request gets from an engine that will not compute it."""
+        if self.hung:
+            raise DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
+        if not self._batching:
+            raise NotReady("the model is not serving")
 
     def look_soon(self) -> None:
         """Look at the queues once this turn of the loop is done, however many rows arrive in it."""
@@ -211,9 +226,10 @@ class Engine:
             return
         try:
             wake_at = self._form_batches()
-        except Exception:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
+        except Exception as e:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
             self._batching = False
             log.exception("the batcher failed; this server serves nothing more")
+            self._fail_waiting(ModelFailure(f"the server's batcher failed: {e!r}"))
             return
         self._set_timer(wake_at)
 
@@ -316,16 +332,24 @@ class Engine:
                   "responding; failing every request and reporting NOT_SERVING", batch.rows, ran_s,
                   self.watchdog.limit_s(batch, self.warmup))
         self.hung = True
-        self.feed()  # requests still to be tokenized fail with the rest
-        error = DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
         waiting = self.worker.drain()  # formed, never to run
         self.in_worker -= len(waiting)
-        pending = {id(r): r for b in (batch, *waiting) for r, _, _ in b.routes}
+        self._fail_waiting(DeviceUnresponsive("the model's device stopped responding; this server will be restarted"),
+                           (batch, *waiting))
+        self.on_failing(True)
+
+    def _fail_waiting(self, error: Exception, batches=()) -> None:
+        """Fail every request with rows still to compute: waiting to be tokenized, queued, or
+        in `batches` (that will never run)."""
+        try:
+            self.feed()  # the requests waiting to be tokenized join the queues, and fail with them
+        except Exception:  # a bug there must not keep the rest from failing
+            log.exception("queuing the requests waiting to be tokenized failed")
+        pending = {id(r): r for b in batches for r, _, _ in b.routes}
         pending.update((id(row.chunk.request), row.chunk.request) for q in self.queues.rows.values() for row in q)
         for request in pending.values():
             request.fail(error)
             self.drop(request)
-        self.on_failing(True)
 
 
 FIRST_ROW = np.zeros(1, dtype=np.int64)  # the positions of a one-row request (shared: read only)

@@ -95,6 +95,7 @@ class Frontend:
                 "frontend_in_flight_requests": self.service.in_flight if self.service else 0}
 
     async def start(self) -> None:
+        settle_heap()  # before any request: what is frozen now is never freed
         await self.transports.start()
         hello, _ = await self.link.call({"op": "hello"})  # answered once the model is ready
         head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
@@ -106,7 +107,6 @@ class Frontend:
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
         await self._refresh()
         self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
-        settle_heap()
         log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
                  self.transports.http.port)
 

@@ -4,13 +4,16 @@ Same service, same admission as gRPC; errors as JSON bodies with the right statu
 from __future__ import annotations
 
 import base64
+import json
 import math
 import time
 from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
@@ -158,6 +161,14 @@ def register(app: FastAPI, server: "Server") -> None:
             return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
 
         app.add_exception_handler(error, handler)
+
+    def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's own 422, ASCII-escaped: the input it echoes back may hold a lone surrogate
+        (JSON allows "\\ud800"), which UTF-8 cannot encode: that was a 500."""
+        content = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
+        return Response(content, status_code=422, media_type="application/json")
+
+    app.add_exception_handler(RequestValidationError, invalid_body)
 
     @app.middleware("http")
     async def observe(request: Request, call_next):

@@ -80,8 +80,13 @@ class BucketQueues:
         self.queued_tokens = 0
 
     def add(self, bucket: int, chunk: Chunk, now: float) -> int:
-        """Queue a chunk's rows; returns their real tokens."""
+        """Queue a chunk's rows as of `now`; returns their real tokens. A queue's times never
+        decrease (the drain and the reorder window read its first row as its oldest): rows
+        stamped earlier than the last one queued (admitted, then tokenized later with others)
+        take its time."""
         q = self.rows[bucket]
+        if q and q[-1].enqueued > now:
+            now = q[-1].enqueued
         lengths = chunk.lengths.tolist()
         q.extend(QueuedRow(chunk, i, n, now) for i, n in enumerate(lengths))
         added = sum(lengths)

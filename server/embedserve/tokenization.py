@@ -83,7 +83,7 @@ class TextTokenizer:
         for truncate in (True, False):
             texts, owners = [], []
             for i, (request_texts, cut, prompt) in enumerate(requests):
-                if cut is not truncate:
+                if bool(cut) is not truncate:
                     continue
                 try:
                     texts += self._prepared(request_texts, truncate, prompt)

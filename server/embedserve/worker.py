@@ -31,7 +31,10 @@ SWEEP_MAX_REPEATS = 5
 class Runner(Protocol):
     dim: int  # and optionally `attention`: "packed" for a runner of packed rows (default padded)
 
-    def run(self, batch: Batch | PackedBatch) -> np.ndarray: ...
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray:
+        """→ [batch.rows, dim] (or more rows): a new array each call, never reused, since a
+        request takes its rows as a view of it (queues.PendingRequest.deliver)."""
+        ...
 
     def memory(self) -> dict[str, int]: ...
 
@@ -245,7 +248,8 @@ class ModelWorker:
             t0 = time.perf_counter()
             self.running = (batch, time.monotonic())
             try:
-                out: np.ndarray | BaseException = self.runner.run(batch)
+                # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
+                out: np.ndarray | BaseException = np.ascontiguousarray(self.runner.run(batch), dtype=np.float32)
             except Exception as e:  # one bad batch fails its own requests, not the server
                 log.exception("batch of %d rows failed", batch.rows)
                 out = e

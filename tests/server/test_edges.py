@@ -128,6 +128,18 @@ def test_token_ids_outside_int32_are_a_400(small_body_server):
     assert status == 400
 
 
+def test_a_lone_surrogate_is_refused_by_name_and_the_server_keeps_serving(small_body_server):
+    """JSON may carry a lone surrogate, which no tokenizer (nor UTF-8) can read: the schema
+    refuses it (422, the field named), and the answer, which echoes the input, is still sent
+    (it was a 500: the echo could not be encoded)."""
+    for path, body in (("/v1/embeddings", b'{"model": "sim:50000", "input": ["fine", "bad \\ud800 text"]}'),
+                       ("/embed", b'{"inputs": "bad \\udfff"}')):
+        status, _, reply = post(small_body_server.http + path, body)
+        assert status == 422 and "unicode" in json.dumps(reply), reply
+    status, _, vectors = post(small_body_server.http + "/embed", b'{"inputs": "still serving"}')
+    assert status == 200 and len(vectors[0]) == 384
+
+
 def test_a_huge_text_costs_about_what_a_full_length_text_costs(default_server):
     """The tokenizer reads a whole text before truncating: a 4 MiB text is cut at a bound from
     max_seq_length first. Same vectors as the text cut there, at a comparable cost."""

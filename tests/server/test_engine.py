@@ -10,7 +10,7 @@ import torch
 
 from embedserve.batching import length_ladder
 from embedserve.engine import Engine, split_by_bucket
-from embedserve.errors import DeviceUnresponsive, ModelFailure
+from embedserve.errors import DeviceUnresponsive, ModelFailure, NotReady
 from embedserve.estimator import Estimator
 from embedserve.worker import WarmupPlan, Watchdog
 
@@ -224,6 +224,33 @@ async def test_a_hung_device_fails_every_waiting_request_and_reports_it():
     while engine.in_worker:
         await asyncio.sleep(0.01)
     assert failing == [True]
+    await engine.stop()
+
+
+async def test_a_bug_in_the_batcher_fails_what_waits_and_refuses_what_comes(caplog):
+    """Not a request left hanging: the rows queued fail with the batcher's error, the engine is
+    no longer ready, and a new request is refused at once."""
+    runner = RowSums()
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1})
+    runner.gate.clear()
+    first = engine.submit(*as_tensor([[1, 2]]))
+    await asyncio.sleep(0)
+    while engine.in_worker < 3:  # lookahead 2: three batches formed, the rest queue
+        engine.submit(*as_tensor([[1, 2]]))
+        await asyncio.sleep(0.001)
+    queued = engine.submit(*as_tensor([[5, 6, 7]]))
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    engine.feed = broken  # fault injection: the next look fails
+    runner.gate.set()
+    with pytest.raises(ModelFailure, match="the server's batcher failed: RuntimeError"):
+        await asyncio.wait_for(queued.future, 10)
+    assert (await first.future).tolist() == [[3.0, 2.0]]  # formed before: computed
+    assert not engine.ready and "the batcher failed" in caplog.text
+    with pytest.raises(NotReady):
+        engine.submit(*as_tensor([[1]]))
     await engine.stop()
 
 

@@ -127,8 +127,8 @@ async def test_each_request_gets_its_own_error_and_a_cancelled_one_never_runs(to
 async def test_arrivals_that_fill_a_bucket_form_its_batch_before_the_deadline(tokenizer):
     """The worker can take more (lookahead 2) but is not idle, so rows wait for their bucket to
     fill or their deadline (a minute here). The first arrival is looked at (its deadline must be
-    set); those after it, which cannot fill the bucket, are not even tokenized yet; the one that
-    can makes the batcher look, tokenize them together and form the batch."""
+    set); the two after it cannot fill the bucket and wait, untokenized; the one that can makes
+    the batcher look, tokenize the three together and form the batch."""
     runner = RowSums()
     engine, intake, first = await busy_engine(runner, tokenizer, lookahead=2, deadline_s=60.0,
                                               caps={4: 4, 8: 64, 16: 64})
@@ -139,7 +139,7 @@ async def test_arrivals_that_fill_a_bucket_form_its_batch_before_the_deadline(to
     assert tokenizer.calls == [1]
     shorts += [intake.put(request(["hi"]), 3) for _ in range(2)]
     await turns()
-    assert tokenizer.calls == [1] and engine.in_worker == 1
+    assert tokenizer.calls == [1] and engine.in_worker == 1 and len(intake.waiting) == 2
     shorts.append(intake.put(request(["hi"]), 3))
     await until(lambda: engine.in_worker == 2)
     assert tokenizer.calls == [1, 3]
@@ -148,18 +148,68 @@ async def test_arrivals_that_fill_a_bucket_form_its_batch_before_the_deadline(to
     await engine.stop()
 
 
+async def test_a_row_tokenized_late_is_as_old_as_its_admission(tokenizer):
+    """A row waiting to be tokenized until the deadline ahead (an older row's) is queued with
+    its admission time: it is stale at that look too, and drained, not held for a deadline of
+    its own counted from the look."""
+    now = [0.0]
+    runner = RowSums()
+    engine, intake, first = await busy_engine(runner, tokenizer, lookahead=2, deadline_s=0.05,
+                                              caps={4: 64, 8: 64, 16: 64}, clock=lambda: now[0])
+    older = intake.put(request(["hi"]), 3)  # bucket 4: looked at, its deadline set (0.05)
+    await turns()
+    now[0] = 0.04
+    later = intake.put(request(["a longer query here"]), 6)  # bucket 8: waits for that look
+    await turns()
+    assert len(intake.waiting) == 1 and engine.in_worker == 1
+    now[0] = 0.2  # both stale when the deadline's look comes (in 50 ms of real time)
+    await until(lambda: engine.in_worker == 3)
+    runner.gate.set()
+    await asyncio.gather(first.future, older.future, later.future)
+    await engine.stop()
+
+
 async def test_a_hung_device_fails_the_requests_waiting_to_be_tokenized(tokenizer):
+    """They wait (the worker is full, and they would be tokenized only in a minute) when the
+    watchdog finds the device hung: they fail with the rest, and later ones at once."""
     runner = RowSums()
     failing = []
     engine, intake, first = await busy_engine(runner, tokenizer, lookahead=0, caps={4: 64, 8: 64, 16: 64},
-                                              watchdog=Watchdog(multiple=1, floor_s=0.2), on_failing=failing.append)
+                                              watchdog=Watchdog(multiple=1, floor_s=0.2), on_failing=failing.append,
+                                              feed_delay_s=60.0)
     waiting = [intake.put(request([f"text {i}"]), 4) for i in range(5)]
     for r in (first, *waiting):
         with pytest.raises(DeviceUnresponsive):
             await asyncio.wait_for(r.future, 10)
-    assert failing == [True] and intake.waiting == []
+    assert failing == [True] and intake.waiting == [] and tokenizer.calls == [5]
+    with pytest.raises(DeviceUnresponsive):
+        intake.put(request(["after the hang"]), 4)
     runner.gate.set()
     await until(lambda: engine.in_worker == 0)
+    assert engine.estimator.snapshot().queued_tokens == 0
+    await engine.stop()
+
+
+async def test_texts_the_tokenizer_cannot_read_fail_only_their_request(tokenizer):
+    """Validation refuses lone surrogates before admission; should such a text reach the
+    tokenizer anyway, the call for everyone fails: each request is then tokenized alone, the bad
+    one fails with a clear error, the others are computed, and the batcher goes on."""
+    runner = RowSums()
+    engine, intake, first = await busy_engine(runner, tokenizer, lookahead=0, caps={4: 64, 8: 64, 16: 64},
+                                              feed_delay_s=60.0)
+    good = [intake.put(request([f"good text {i}"]), 5) for i in range(3)]
+    bad = intake.put(request(["bad \ud800 text"]), 5)
+    runner.gate.set()
+    with pytest.raises(InvalidInput, match="the tokenizer could not read these texts"):
+        await bad.future
+    for r, i in zip(good, range(3)):
+        np.testing.assert_array_equal(await r.future, expected(tokenizer, [f"good text {i}"]))
+    await first.future
+    later = intake.put(request(["still serving"]), 5)
+    np.testing.assert_array_equal(await later.future, expected(tokenizer, ["still serving"]))
+    assert engine.ready
+    await until(lambda: engine.in_worker == 0)
+    assert engine.estimator.snapshot().queued_tokens == 0
     await engine.stop()
 
 

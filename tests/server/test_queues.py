@@ -3,7 +3,7 @@ import asyncio
 import numpy as np
 import torch
 
-from embedserve.queues import Chunk, PendingRequest, QueuedRow, assemble
+from embedserve.queues import BucketQueues, Chunk, PendingRequest, QueuedRow, assemble
 
 PAD = 0
 LOOP = asyncio.new_event_loop()  # only makes the requests' futures; never run
@@ -45,3 +45,24 @@ def test_assemble_without_a_fixed_shape_pads_to_the_longest_row_only():
     batch = assemble([queued(a, 0), queued(a, 1)], PAD, pad_to=None, batch_to=None)
     assert batch.input_ids.tolist() == [[1, 2, 0], [3, 4, 5]]
     assert batch.attention_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_a_bucket_queue_never_goes_back_in_time():
+    """Rows stamped earlier than the last one queued (admitted, then tokenized later with others)
+    take its time: the drain reads a queue's first row as its oldest."""
+    queues = BucketQueues([16])
+    for now in (1.0, 3.0, 2.0, 5.0):
+        queues.add(16, chunk([[1, 2]], positions=[0]), now)
+    assert [r.enqueued for r in queues.rows[16]] == [1.0, 3.0, 3.0, 5.0]
+
+
+def test_rows_delivered_at_once_are_the_result_as_they_are_and_in_pieces_land_in_place():
+    whole = PendingRequest(2, 3, LOOP.create_future())
+    out = np.arange(6, dtype=np.float32).reshape(2, 3)
+    whole.deliver(np.array([0, 1]), out)
+    assert whole.future.result() is out  # no copy
+    parts = PendingRequest(3, 2, LOOP.create_future())
+    parts.deliver(np.array([2]), np.array([[5.0, 6.0]], np.float32))
+    assert not parts.future.done()
+    parts.deliver(np.array([0, 1]), np.array([[1.0, 2.0], [3.0, 4.0]], np.float32))
+    assert parts.future.result().tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
