@@ -64,7 +64,7 @@ class Intake:
                     log.exception("queuing a request's rows failed")
                     request.fail(ModelFailure(f"the server could not queue this request: {e!r}"))
                     continue
-                chars += sum(len(r.prompt) + min(len(t), self.tokenizer.max_chars) for t in r.texts)
+                chars += self.tokenizer.chars_read(r.texts, r.prompt)
                 tokens += request.tokens - self.tokenizer.specials * len(r.texts)
         finally:  # the estimates leave the backlog whatever happened (the rows are in it now)
             self.estimator.dequeued(sum(w[2] for w in waiting))

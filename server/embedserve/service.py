@@ -3,7 +3,6 @@ translate wire formats and map the errors of embedserve.errors to their status c
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import Executor
 from typing import Callable
@@ -17,7 +16,7 @@ from embedserve.errors import DeviceUnresponsive, NotReady
 from embedserve.estimator import Estimator
 from embedserve.gate import Caller, Gate, Observer
 from embedserve.intake import Intake
-from embedserve.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request
+from embedserve.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
 from embedserve.tokenization import TextTokenizer
 
 # The latest rejection keeps /health "overloaded" this long.
@@ -92,13 +91,12 @@ class EmbeddingService(PreTokenized):
         # while this one is being tokenized see it.
         self.estimator.enqueued(round(estimate))
         try:
-            ids, lengths = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.tokenizer.encode, r.texts, r.truncate, r.prompt)
+            ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
             request = self.engine.submit(ids, lengths)
         finally:
             self.estimator.dequeued(round(estimate))
-        chars = sum(len(r.prompt) + min(len(t), max_chars) for t in r.texts)
-        self.estimator.learn_chars_per_token(chars, request.tokens - specials * len(r.texts))
+        self.estimator.learn_chars_per_token(self.tokenizer.chars_read(r.texts, r.prompt),
+                                             request.tokens - specials * len(r.texts))
         return Result(await self._wait(request, t0), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:

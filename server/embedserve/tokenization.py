@@ -101,11 +101,17 @@ class TextTokenizer:
             for i, n in owners:
                 mine = lens[start : start + n]
                 too_long = None if truncate else next((j for j, k in enumerate(mine) if k > self.max_length), None)
-                out[i] = (ids[start : start + n, : max(mine)], lengths[start : start + n]) if too_long is None else InvalidInput(
-                    f"texts[{too_long}] is longer than {self.max_length} tokens (the model's max_seq_length, "
-                    "capped by the largest bucket) and truncation is off")
+                if too_long is None:
+                    out[i] = ids[start : start + n, : max(mine)], lengths[start : start + n]
+                else:
+                    out[i] = InvalidInput(f"texts[{too_long}] is longer than {self.max_length} tokens (the model's "
+                                          "max_seq_length, capped by the largest bucket) and truncation is off")
                 start += n
         return out
+
+    def chars_read(self, texts: list[str], prompt: str) -> int:
+        """The characters the tokenizer reads of a request (what chars-per-token is learned on)."""
+        return sum(len(prompt) + min(len(t), self.max_chars) for t in texts)
 
     def _prepared(self, texts: list[str], truncate: bool, prompt: str) -> list[str]:
         """The texts the Rust tokenizer reads: cut at max_chars (or refused), the prompt before each."""
