@@ -1,5 +1,7 @@
 """Load generation against an embedfleet server: closed loop at concurrency C, or open loop with
-Poisson arrivals at a target rate. Every call has a deadline; every outcome is recorded."""
+Poisson arrivals at a target rate. Every call has a deadline; every outcome is recorded.
+Throughput is counted from what completes inside a steady window, so a scenario's start (an empty
+queue filling) and its end (the queue draining, callers finishing) do not count."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from typing import Awaitable, Callable
 import grpc
 import numpy as np
 
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.client import WAIT_FOR_BOOKED_ROOM
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -19,6 +25,7 @@ class Outcome:
     tokens: int  # real tokens offered
     server_ms: float | None = None  # server-side latency, from trailing metadata
     retry_after_ms: int | None = None
+    done_at: float = 0.0  # perf_counter() when the call ended
 
 
 async def call(stub_method, request, tokens: int, timeout_s: float, metadata=()) -> Outcome:
@@ -32,7 +39,41 @@ async def call(stub_method, request, tokens: int, timeout_s: float, metadata=())
     trailing = dict(await rpc.trailing_metadata() or ())
     server_ms = float(trailing["embedfleet-server-ms"]) if "embedfleet-server-ms" in trailing else None
     retry = int(trailing["retry-after-ms"]) if "retry-after-ms" in trailing else None
-    return Outcome(code, time.perf_counter() - t0, tokens, server_ms, retry)
+    done_at = time.perf_counter()
+    return Outcome(code, done_at - t0, tokens, server_ms, retry, done_at)
+
+
+class GrpcSystem:
+    """Single-text Embed calls on one channel; text i of `texts` offers `tokens[i]` real tokens."""
+
+    def __init__(self, name, target, texts, tokens):
+        self.name, self.target, self.texts, self.tokens = name, target, texts, tokens
+
+    async def __aenter__(self):
+        self.channel = grpc.aio.insecure_channel(self.target)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+
+    async def send(self, i: int, timeout_s: float = 60, refused: int = 0) -> Outcome:
+        # A retry after `refused` refusals is marked as our Client marks it (not new demand;
+        # wait server-side for the booked room); a server that does not know the keys ignores them.
+        metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM) if refused else ()
+        return await call(self.stub.Embed, pb.EmbedRequest(texts=[self.texts[i]]), self.tokens[i], timeout_s, metadata)
+
+
+async def until_served(system, i: int, rng) -> Outcome:
+    """A caller that gets its request done: a refused request waits the server's retry-after
+    (with the Client's jitter) and tries again, marked as a retry; counted once, its latency
+    from the first try. Saturation is what such callers get done."""
+    refused, t0 = 0, time.perf_counter()
+    while (o := await system.send(i, refused=refused)).code == "RESOURCE_EXHAUSTED":
+        refused += 1
+        await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.05)))
+    o.latency_s = time.perf_counter() - t0
+    return o
 
 
 async def open_loop(
@@ -55,23 +96,29 @@ async def open_loop(
     return list(await asyncio.gather(*tasks)), sent_for
 
 
-async def closed_loop(send: Callable[[], Awaitable[Outcome]], concurrency: int, total: int) -> tuple[list[Outcome], float]:
-    """`concurrency` callers, each sending its next request when the last one ends."""
-    remaining = [total]
+async def closed_loop(send: Callable[[], Awaitable[Outcome]], concurrency: int, total: int | None = None,
+                      duration_s: float = float("inf")) -> tuple[list[Outcome], float]:
+    """`concurrency` callers, each sending its next request when the last one ends, until `total`
+    requests are sent or `duration_s` has passed."""
+    remaining = [float("inf") if total is None else total]
     outcomes: list[Outcome] = []
+    start = time.perf_counter()
 
     async def caller():
-        while remaining[0] > 0:
+        while remaining[0] > 0 and time.perf_counter() - start < duration_s:
             remaining[0] -= 1
             outcomes.append(await send())
 
-    start = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     return outcomes, time.perf_counter() - start
 
 
-def summarize(outcomes: list[Outcome], elapsed_s: float) -> dict:
+def summarize(outcomes: list[Outcome], elapsed_s: float, window: tuple[float, float] | None = None) -> dict:
+    """Codes and latency over every outcome; throughput over `elapsed_s`, or, given a `window`
+    (perf_counter from, to), from the OK calls that ended inside it."""
     ok = [o for o in outcomes if o.code == "OK"]
+    done = ok if window is None else [o for o in ok if window[0] <= o.done_at < window[1]]
+    span = elapsed_s if window is None else window[1] - window[0]
     lat = np.array([o.latency_s for o in ok]) * 1000 if ok else np.zeros(1)
     codes: dict[str, int] = {}
     for o in outcomes:
@@ -79,8 +126,8 @@ def summarize(outcomes: list[Outcome], elapsed_s: float) -> dict:
     return {
         "requests": len(outcomes),
         "codes": codes,
-        "ok_tokens_per_s": sum(o.tokens for o in ok) / elapsed_s,
-        "ok_requests_per_s": len(ok) / elapsed_s,
+        "ok_tokens_per_s": sum(o.tokens for o in done) / span,
+        "ok_requests_per_s": len(done) / span,
         "p50_ms": float(np.percentile(lat, 50)),
         "p95_ms": float(np.percentile(lat, 95)),
         "p99_ms": float(np.percentile(lat, 99)),

@@ -1,52 +1,101 @@
-"""`python -m bench.overload RATE [RATE ...]`: the accepted requests' latency under open-loop
-load on `python -m embedserve` (defaults, the packaged model), at the client and inside the
-server (`embedfleet-server-ms`), side by side: where an accepted P99 past the drain budget + one
-batch comes from (the server's queue, or the load generator sharing the machine), and the
-device's busy fraction meanwhile. Single-text
-requests of the side-by-side corpus, Poisson arrivals for 15 s per rate, 3 s of warm-up first.
-For 2x overload pass twice the saturation requests/s of `python -m bench`."""
+"""`python -m bench.overload`: `embedserve` (defaults, the packaged model) under open-loop load,
+with the client's and the server's own view side by side. Single-text requests of the
+side-by-side corpus, Poisson arrivals, 3 s of warm-up first.
+
+  RATE [RATE ...]   15 s per rate: the accepted requests' latency at the client and inside the
+                    server (`embedfleet-server-ms`), and the device's busy fraction: where an
+                    accepted P99 past the drain budget + one batch comes from.
+  --pairs N         N pairs, back to back, of saturation (48 callers that retry until served, as
+                    in `python -m bench`) then open loop at twice the rate it reached: 2x goodput
+                    / saturation measured minutes apart drifts with this VM's speed, a pair does
+                    not. Beside each, what the server computed in the same window: real tokens
+                    per busy second and per request, rows per batch."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
+import time
 
-import grpc
 import numpy as np
 
 from bench.corpus import corpus
-from bench.loadgen import call, open_loop
+from bench.loadgen import GrpcSystem, closed_loop, open_loop, summarize, until_served
 from bench.serve_vs_offline import model_max_length
-from embedfleet.v1 import inference_pb2 as pb
-from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, counter
 
+WINDOW_S, SETTLE_S = 12.0, 3.0  # a pair's windows; throughput counts calls ending after SETTLE_S
 
-async def measure(server: ServerProcess, texts: list[str], tokens: list[int], rates: list[float]) -> None:
-    target = server.target
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub, rng = pb_grpc.InferenceStub(channel), np.random.default_rng(7)
 
-        async def send():
-            i = int(rng.integers(0, len(texts)))
-            return await call(stub.Embed, pb.EmbedRequest(texts=[texts[i]]), tokens[i], 60)
+def server_view(server: ServerProcess) -> dict[str, float]:
+    return {"t": time.perf_counter(), "busy": counter(server.http, "embedfleet_model_busy_seconds_total"),
+            "real": counter(server.http, "embedfleet_tokens_total", kind="real"),
+            "rows": counter(server.http, "embedfleet_batch_size_sum"),
+            "batches": counter(server.http, "embedfleet_batch_size_count")}
 
-        await open_loop(send, 50, 3)
-        print(f"{'rate/s':>7}{'sent':>6}{'ok':>6}{'ok tok/s':>9}{'client p50/p99 ms':>19}{'server p50/p99 ms':>19}"
-              f"{'busy':>6}")
-        for rate in rates:
-            busy0 = counter(server.http, "embedfleet_model_busy_seconds_total")
-            outcomes, elapsed = await open_loop(send, rate, 15)
-            busy = (counter(server.http, "embedfleet_model_busy_seconds_total") - busy0) / elapsed
-            ok = [o for o in outcomes if o.code == "OK"]
-            client = np.array([o.latency_s * 1000 for o in ok])
-            inside = np.array([o.server_ms for o in ok if o.server_ms is not None])
-            print(f"{rate:>7.0f}{len(outcomes):>6}{len(ok):>6}{sum(o.tokens for o in ok) / elapsed:>9.0f}"
-                  f"{np.percentile(client, 50):>10.0f} / {np.percentile(client, 99):<6.0f}"
-                  f"{np.percentile(inside, 50):>10.0f} / {np.percentile(inside, 99):<6.0f}{busy:>6.2f}")
+
+def computed(before: dict, after: dict) -> str:
+    d = {k: after[k] - before[k] for k in before}
+    return (f"busy {d['busy'] / d['t']:.2f}, {d['real'] / max(d['busy'], 1e-9):,.0f} real tok per busy s, "
+            f"{d['rows'] / max(d['batches'], 1):.1f} rows/batch")
+
+
+async def rates(server: ServerProcess, system: GrpcSystem, rng, values: list[float]) -> None:
+    def send():
+        return system.send(int(rng.integers(0, len(system.texts))))
+
+    print(f"{'rate/s':>7}{'sent':>6}{'ok':>6}{'ok tok/s':>9}{'client p50/p99 ms':>19}{'server p50/p99 ms':>19}{'busy':>6}")
+    for rate in values:
+        busy0 = counter(server.http, "embedfleet_model_busy_seconds_total")
+        outcomes, elapsed = await open_loop(send, rate, 15)
+        busy = (counter(server.http, "embedfleet_model_busy_seconds_total") - busy0) / elapsed
+        ok = [o for o in outcomes if o.code == "OK"]
+        client = np.array([o.latency_s * 1000 for o in ok])
+        inside = np.array([o.server_ms for o in ok if o.server_ms is not None])
+        print(f"{rate:>7.0f}{len(outcomes):>6}{len(ok):>6}{sum(o.tokens for o in ok) / elapsed:>9.0f}"
+              f"{np.percentile(client, 50):>10.0f} / {np.percentile(client, 99):<6.0f}"
+              f"{np.percentile(inside, 50):>10.0f} / {np.percentile(inside, 99):<6.0f}{busy:>6.2f}")
+
+
+async def unbooked(server: ServerProcess) -> None:
+    """Until the open loop's refused requests (which never retry) no longer hold booked room:
+    a retry's moment is behind every booking, so a saturation window started earlier would wait
+    for callers that are gone."""
+    for _ in range(300):
+        if counter(server.http, "embedfleet_reserved_tokens") == 0 and counter(server.http, "embedfleet_queued_tokens") == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("bookings did not expire within 30 s")
+
+
+async def pairs(server: ServerProcess, system: GrpcSystem, rng, n: int) -> None:
+    ratios = []
+    for k in range(n):
+        before, start = server_view(server), time.perf_counter()
+        outcomes, elapsed = await closed_loop(lambda: until_served(system, int(rng.integers(0, len(system.texts))), rng),
+                                              48, duration_s=WINDOW_S)
+        sat, sat_view = summarize(outcomes, elapsed, (start + SETTLE_S, start + WINDOW_S)), server_view(server)
+        await unbooked(server)
+        before2, start = server_view(server), time.perf_counter()
+        outcomes, elapsed = await open_loop(lambda: system.send(int(rng.integers(0, len(system.texts)))),
+                                            2 * sat["ok_requests_per_s"], WINDOW_S, seed=k)
+        over = summarize(outcomes, elapsed, (start + SETTLE_S, start + WINDOW_S))
+        ratios.append(over["ok_tokens_per_s"] / sat["ok_tokens_per_s"])
+        for label, s, view in (("saturation", sat, computed(before, sat_view)), ("2x", over, computed(before2, server_view(server)))):
+            print(f"pair {k + 1} {label:<10} {s['ok_tokens_per_s']:7,.0f} ok tok/s, "
+                  f"{s['ok_tokens_per_s'] / max(s['ok_requests_per_s'], 1e-9):5.1f} tok per ok request, "
+                  f"p99 {s['p99_ms']:4.0f} ms, {s['codes']} | server: {view}", flush=True)
+        print(f"pair {k + 1} 2x goodput / saturation {ratios[-1]:.2f}", flush=True)
+        await unbooked(server)
+    print(f"2x goodput / saturation, median of {n} pairs: {np.median(ratios):.2f} (target >= 0.95)")
 
 
 def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("rates", nargs="*", type=float)
+    p.add_argument("--pairs", type=int, default=0)
+    args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
     from embedserve.model_source import packaged_model_dir
@@ -56,8 +105,18 @@ def main(argv: list[str]) -> int:
     texts = corpus(600, seed=3)
     tokens = [len(tok(t, truncation=True, max_length=limit)["input_ids"]) for t in texts]
     server = ServerProcess({"BATCH_CAPS": ""}).wait_ready(600)
+
+    async def run():
+        async with GrpcSystem("embedfleet", server.target, texts, tokens) as system:
+            rng = np.random.default_rng(7)
+            await open_loop(lambda: system.send(int(rng.integers(0, len(texts)))), 50, 3)  # warm
+            if args.pairs:
+                await pairs(server, system, rng, args.pairs)
+            if args.rates or not args.pairs:
+                await rates(server, system, rng, args.rates or [230.0])
+
     try:
-        asyncio.run(measure(server, texts, tokens, [float(r) for r in argv] or [230.0]))
+        asyncio.run(run())
     finally:
         server.stop()
     return 0

@@ -1,9 +1,10 @@
 """Admission control: pure decisions on an estimator snapshot.
 
-Throughput strategy (predictive): a request joins the queue at once when the backlog, with it,
-still computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measured service
-rate, so accepted latency stays bounded by the budget plus the request's own batch. A request
-that does not fit is not dropped but scheduled: it is told when its tokens will fit (`retry_after_ms`) and that room is booked for its retry (reservations.py), provided
+Throughput strategy (predictive): a request joins the queue at once when the backlog ahead of it
+computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measured service rate,
+so accepted latency stays bounded by the budget plus the request's own work. A request that finds
+no room is not dropped but scheduled: it is told when there will be (`retry_after_ms`) and its
+tokens are booked for its retry (reservations.py), provided
 the moment lies within RESERVATION_HORIZON_MS; beyond it the request is refused outright (a
 flood cannot book the future). Latency strategy (reactive): shed 25% of requests while the
 windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
@@ -65,11 +66,17 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
         if rate <= 0:
             return Decision(False, "drain_time", _ms(policy.max_drain_s))
         room = policy.backlog_limit_s * rate
-        if snap.queued_tokens + cost_tokens > room:
+        if snap.queued_tokens >= room:
+            # Size-neutral: a request joins while the work *ahead of it* is within the limit,
+            # whatever its own size. Asking that its own tokens fit too refused long requests
+            # almost always under overload (the queue hovers at the limit and every short one
+            # slips into the room a batch frees): the accepted mix halved its tokens per request
+            # and long texts starved. Each accepted request still waits behind less than the
+            # limit; the queue overshoots it by at most one request's tokens.
             # Admission is work-conserving: the present queue alone decides, so booked room that
-            # its owner never claims cannot idle the device. The moment this request fits is
-            # behind the queue and everything already booked.
-            wait_s = (snap.queued_tokens + reserved_tokens + cost_tokens - room) / rate
+            # its owner never claims cannot idle the device. This request's moment is when the
+            # queue and everything booked before it have drained below the limit.
+            wait_s = (snap.queued_tokens + reserved_tokens - room) / rate
             if wait_s <= policy.horizon_s:
                 return Decision(False, "drain_time", _ms(wait_s), book=True)
             # Beyond the horizon: come back when booking is possible again.

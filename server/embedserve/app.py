@@ -107,7 +107,7 @@ class Server:
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
             s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # off: no bound, no window
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
-            on_batch=self.metrics.batch_ran, on_failing=self._failing,
+            on_batch=self._batch_ran, on_failing=self._failing,
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
         )
         await self.engine.start()
@@ -116,6 +116,11 @@ class Server:
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
         )
+
+    def _batch_ran(self, batch, busy_s: float) -> None:
+        self.metrics.batch_ran(batch, busy_s)
+        if self.service:
+            self.service.gate.release_held()
 
     def _failing(self, failing: bool) -> None:
         log.error("model worker %s", "failing: reporting NOT_SERVING" if failing else "recovered")

@@ -81,11 +81,12 @@ def reorder_window(deadline_s: float, max_drain_s: float, largest_batch_s: float
 
     Why a request admitted at once then finishes within the budget plus its own batch (and its
     own tokenization): the rows that run before a row R are either older (queued when R was
-    admitted: at most budget - W of work) or admitted after R. Once R is stale, every batch is
+    admitted: less than budget - W of work) or admitted after R. Once R is stale, every batch is
     led by a row at least as old as R (stale buckets drain oldest first), so none carries a row
     admitted more than W after R; before that, batches are formed within DEADLINE_WAIT_MS of R.
-    And admission keeps the queue under budget - W, so what it admits within W of R is at most
-    W of work beyond the room R left. Outside the bound: a DEADLINE_WAIT_MS above W (adds the
+    And admission admits only while the queue is under budget - W, so what it admits within W
+    of R is at most W of work beyond the room R left, plus the one request that closed the room
+    (admission is size-neutral: it may overshoot by one request). Outside the bound: a DEADLINE_WAIT_MS above W (adds the
     excess; the engine warns), and retries admitted into room booked for them (they skip the
     present queue's check, so a late crowd of them adds its own work). Without a window a stale
     bucket's batch takes the rows nearest in length from its whole queue and R can be overtaken

@@ -72,10 +72,11 @@ class Settings:
     """BACKPRESSURE_LATENCY_ENABLED: shed by windowed P95 latency (25% at soft, all at hard)."""
     max_drain_time_ms: float = 500.0
     """MAX_DRAIN_TIME_MS: the drain budget, in milliseconds of model time: accepted requests finish
-    within it plus their own batch. A request may join a backlog of this less the reorder window."""
+    within it plus their own work. A request may join while the backlog ahead of it is under this
+    less the reorder window, whatever its own size."""
     reservation_horizon_ms: float = 10_000.0
     """RESERVATION_HORIZON_MS: how far ahead a refused request may book room for its retry
-    (retry-after-ms is then the moment its tokens fit the drain budget). A burst up to this
+    (retry-after-ms is then the moment the queue ahead of it drains below the limit). A burst up to this
     much model time is scheduled; past it requests are refused outright, so a flood cannot
     book the future. 0 books nothing."""
     max_connection_age_s: float = 30.0

@@ -6,6 +6,8 @@ with that moment (RESOURCE_EXHAUSTED / 429 + retry-after). Runs on the event loo
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 from typing import Callable, NamedTuple, Protocol
 
@@ -35,6 +37,8 @@ class Gate:
         self.estimator, self.policy, self.observer, self.draw = estimator, policy, observer, draw
         self.book = ReservationBook()
         self.last_rejection = -math.inf
+        self._held: list[tuple[float, int, float, asyncio.Future]] = []  # (moment, seq, tokens, wake), a heap
+        self._seq = itertools.count()
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -70,13 +74,41 @@ class Gate:
 
     async def _hold(self, booking, wait_s: float) -> None:
         """The caller waits here for its booked moment instead of coming back: no round trip, and
-        its retry cannot land on another pod, where nothing is booked for it."""
+        its retry cannot land on another pod, where nothing is booked for it. It joins earlier if
+        the queue has room first (release_held)."""
+        wake = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._held, (booking.at, next(self._seq), booking.tokens, wake))
+        timer = asyncio.get_running_loop().call_later(wait_s, _wake, wake)
         try:
-            await asyncio.sleep(wait_s)
+            await wake
         finally:  # its moment, or the caller went away: either way the booking is done
+            timer.cancel()
+            _wake(wake)  # so release_held skips it
             self.book.take(booking)
+
+    def release_held(self) -> None:
+        """After a batch: held callers join now, earliest moment first, while the queue is under
+        the limit. Their moment was computed behind every booking then standing, and bookings
+        whose owners never come back (clients that gave up) expire only later: without this,
+        callers held for them would wait while the device idles."""
+        while self._held and self._held[0][3].done():  # joined at its moment, or gone
+            heapq.heappop(self._held)
+        if not self._held:
+            return
+        snap = self.estimator.snapshot(latency=False)
+        room = self.policy.backlog_limit_s * snap.service_rate - snap.queued_tokens
+        while self._held and room > 0:
+            _, _, tokens, wake = heapq.heappop(self._held)
+            if not wake.done():
+                wake.set_result(None)
+                room -= tokens  # it joins the queue on its next turn
 
     def _refuse(self, reason: str, wait_s: float) -> None:
         self.last_rejection = self.estimator.clock()
         self.observer.rejected(reason)
         raise Overloaded(reason, max(1, math.ceil(wait_s * 1000)))
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

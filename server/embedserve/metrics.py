@@ -60,7 +60,7 @@ _GAUGES = (  # One unit: real (unpadded) tokens. Padding is the server's own cos
     ("arrival_rate_tokens_per_second", "EMA of offered real tokens per second, admitted and rejected "
      "(retries not counted again)"),
     ("queued_tokens", "Real tokens admitted and not yet computed"),
-    ("reserved_tokens", "Real tokens booked for requests that did not fit the drain budget (held, or told retry-after-ms)"),
+    ("reserved_tokens", "Real tokens booked for requests that found no room in the drain budget (held, or told retry-after-ms)"),
     ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate"),
 )
 

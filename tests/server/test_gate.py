@@ -33,10 +33,10 @@ class Seen:
         self.holds += 1
 
 
-def gate(queued=500):
+def gate(queued=600):
     clock = Clock()
     estimator = Estimator(clock=clock)
-    estimator.seed_service_rate(1000)  # 1000 tokens/s: the 0.5 s budget is 500 tokens
+    estimator.seed_service_rate(1000)  # 1000 tokens/s: the 0.5 s budget is 500 tokens, 0.1 s over
     estimator.enqueued(queued)
     return Gate(estimator, POLICY, Seen()), clock
 
@@ -58,7 +58,7 @@ async def test_a_refused_request_is_booked_and_its_retry_claims_the_room():
 
 async def test_the_same_texts_from_another_caller_are_new_demand_and_claim_nothing():
     """Unmarked, the same texts are another caller: counted, and no booking lets them in."""
-    g, clock = gate(queued=500)
+    g, clock = gate()
     with pytest.raises(Overloaded):
         await g.admit(1, 100, Caller())
     clock.t += 0.1
@@ -109,4 +109,21 @@ async def test_past_the_horizon_nobody_is_held():
     with pytest.raises(Overloaded) as e:
         await g.admit(1, 100, Caller(waits=True))
     assert g.observer.holds == 0 and g.book.reserved_tokens == 0
-    assert e.value.retry_after_ms == pytest.approx(19_600 - 10_000, abs=2)  # when booking is possible
+    assert e.value.retry_after_ms == pytest.approx(19_500 - 10_000, abs=2)  # when booking is possible
+
+
+async def test_a_held_caller_joins_as_soon_as_the_queue_has_room():
+    """Its moment is behind every booking standing when it came, including those of callers that
+    never come back; once a batch leaves room it joins then, not at that moment."""
+    g, clock = gate()
+    with pytest.raises(Overloaded):
+        await g.admit(1, 5000, Caller())  # books 5 s of room, and never comes back
+    held = asyncio.ensure_future(g.admit(2, 100, Caller(waits=True)))  # its moment: 5.1 s away
+    await asyncio.sleep(0)
+    g.release_held()
+    await asyncio.sleep(0)
+    assert not held.done()  # the queue is still over the limit
+    g.estimator.computed(real_tokens=200, busy_s=0.2)  # a batch: 400 queued, under the 500 limit
+    g.release_held()
+    await asyncio.wait_for(held, 1)
+    assert g.book.reserved_tokens == 5000 and g.observer.rejections == ["drain_time"]

@@ -32,7 +32,9 @@ def sim_server():
 
 async def test_three_times_capacity(sim_server, reference):
     rng = np.random.default_rng(3)
-    texts = [make_text(rng, int(n)) for n in rng.integers(8, 40, size=200)]
+    # Mostly short texts, one in five long: admission must not favour the short ones.
+    texts = [make_text(rng, int(n)) for n in rng.integers(8, 40, size=160)]
+    texts += [make_text(rng, int(n)) for n in rng.integers(100, 140, size=40)]
     tokens = {t: reference.tokens(t) for t in texts}
     capacity = sim_server.health()[1]["service_rate_tokens_per_sec"]
     assert 0.5 * SIM_RATE < capacity <= SIM_RATE  # warm-up measured the simulated device
@@ -70,6 +72,13 @@ async def test_three_times_capacity(sim_server, reference):
     one_batch_s = max(int(b) * int(c) for b, c in (x.split(":") for x in CAPS.split(","))) / capacity
     p99_server_ms = np.percentile([o.server_ms for o in ok], 99)
     assert p99_server_ms <= MAX_DRAIN_MS + 1000 * one_batch_s, p99_server_ms
+    # Size-neutral: a long request is accepted about as often as a short one. Asking its own
+    # tokens to fit let short requests take every room a batch freed (long ones starved).
+    def accepted(group):
+        return sum(o.code == "OK" for o in group) / len(group)
+
+    long_at = np.median(list(tokens.values())) * 2
+    assert accepted([o for o in outcomes if o.tokens >= long_at]) > 0.7 * accepted([o for o in outcomes if o.tokens < long_at])
     # Goodput is near capacity: admission sheds the excess, it does not idle the device.
     good_tokens_per_s = sum(o.tokens for o in ok) / sent_for
     assert good_tokens_per_s > 0.6 * capacity
