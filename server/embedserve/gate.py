@@ -63,7 +63,8 @@ class Gate:
         wait_s = decision.retry_after_ms / 1000
         if not decision.book:
             self._refuse(decision.reason, wait_s)
-        done_s = wait_s + self.policy.max_drain_s  # admitted then, computed within the budget
+        # Admitted then, behind less than the budget, then its own work.
+        done_s = wait_s + self.policy.max_drain_s + cost / max(snap.service_rate, 1e-9)
         if caller.deadline_s is not None and caller.deadline_s < done_s:
             self._refuse(decision.reason, done_s)  # gone by then: book nothing, say when it could be done
         booking = self.book.book(key, cost, now, wait_s)

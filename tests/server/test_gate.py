@@ -81,7 +81,7 @@ async def test_a_deadline_that_ends_first_books_nothing_and_fails_fast():
     g, _ = gate()
     with pytest.raises(Overloaded) as e:
         await g.admit(1, 100, Caller(deadline_s=0.3, waits=True))
-    assert e.value.retry_after_ms == 600  # when it could be done: 0.1 s of wait + the 0.5 s budget
+    assert e.value.retry_after_ms == 700  # when it could be done: 0.1 s of wait + the 0.5 s budget + its own 0.1 s
     assert g.book.reserved_tokens == 0 and g.observer.holds == 0
 
 
