@@ -56,7 +56,8 @@ ADMIT = Decision(True)
 
 
 def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0) -> Decision:
-    """Admit, schedule or refuse a request of `cost_tokens` real tokens. `reserved_tokens` are
+    """Admit, schedule or refuse a request of `cost_tokens` real tokens (its size decides
+    nothing here, by design: see below; the gate books it). `reserved_tokens` are
     booked for earlier refused requests' retries: they wait ahead of this one. `draw` is uniform
     in [0, 1) (injected so tests control the soft-shedding lottery)."""
     if policy.throughput and snap.queued_tokens > 0:

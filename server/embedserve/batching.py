@@ -86,8 +86,8 @@ def reorder_window(deadline_s: float, max_drain_s: float, largest_batch_s: float
     admitted more than W after R; before that, batches are formed within DEADLINE_WAIT_MS of R.
     And admission admits only while the queue is under budget - W, so what it admits within W
     of R is at most W of work beyond the room R left, plus the one request that closed the room
-    (admission is size-neutral: it may overshoot by one request). Outside the bound: a DEADLINE_WAIT_MS above W (adds the
-    excess; the engine warns), and retries admitted into room booked for them (they skip the
+    (admission is size-neutral: it may overshoot by one request). Outside the bound: a
+    DEADLINE_WAIT_MS above W (adds the excess; the engine warns), and retries admitted into room booked for them (they skip the
     present queue's check, so a late crowd of them adds its own work). Without a window a stale
     bucket's batch takes the rows nearest in length from its whole queue and R can be overtaken
     again and again: on a 2-core CPU under 2x overload the accepted P99 was 1.2-1.6x the budget.

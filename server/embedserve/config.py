@@ -76,8 +76,8 @@ class Settings:
     less the reorder window, whatever its own size."""
     reservation_horizon_ms: float = 10_000.0
     """RESERVATION_HORIZON_MS: how far ahead a refused request may book room for its retry
-    (retry-after-ms is then the moment the queue ahead of it drains below the limit). A burst up to this
-    much model time is scheduled; past it requests are refused outright, so a flood cannot
+    (retry-after-ms is then the moment the queue ahead of it drains below the limit). A burst up
+    to this much model time is scheduled; past it requests are refused outright, so a flood cannot
     book the future. 0 books nothing."""
     max_connection_age_s: float = 30.0
     """MAX_CONNECTION_AGE_S: gRPC and HTTP keep-alive connections are closed gracefully after
