@@ -8,13 +8,15 @@ side-by-side corpus, Poisson arrivals, 3 s of warm-up first.
   --pairs N         N pairs, back to back, of saturation (48 callers that retry until served, as
                     in `python -m bench`) then open loop at twice the rate it reached: 2x goodput
                     / saturation measured minutes apart drifts with this VM's speed, a pair does
-                    not. Beside each, what the server computed in the same window: real tokens
-                    per busy second and per request, rows per batch."""
+                    not. Beside each, what the server computed over the same span (from SETTLE_S
+                    into the window to its end): busy fraction, real tokens per busy second,
+                    real/padded tokens, rows per batch."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
@@ -28,9 +30,17 @@ from tests.conftest import ServerProcess, counter
 WINDOW_S, SETTLE_S = 12.0, 3.0  # a pair's windows; throughput counts calls ending after SETTLE_S
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (user + system), from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def server_view(server: ServerProcess) -> dict[str, float]:
-    return {"t": time.perf_counter(), "busy": counter(server.http, "embedfleet_model_busy_seconds_total"),
+    return {"t": time.perf_counter(), "server_cpu": cpu_s(server.proc.pid), "client_cpu": cpu_s(os.getpid()),
+            "busy": counter(server.http, "embedfleet_model_busy_seconds_total"),
             "real": counter(server.http, "embedfleet_tokens_total", kind="real"),
+            "padded": counter(server.http, "embedfleet_tokens_total", kind="padded"),
             "rows": counter(server.http, "embedfleet_batch_size_sum"),
             "batches": counter(server.http, "embedfleet_batch_size_count")}
 
@@ -38,7 +48,8 @@ def server_view(server: ServerProcess) -> dict[str, float]:
 def computed(before: dict, after: dict) -> str:
     d = {k: after[k] - before[k] for k in before}
     return (f"busy {d['busy'] / d['t']:.2f}, {d['real'] / max(d['busy'], 1e-9):,.0f} real tok per busy s, "
-            f"{d['rows'] / max(d['batches'], 1):.1f} rows/batch")
+            f"real/padded {d['real'] / max(d['padded'], 1):.2f}, {d['rows'] / max(d['batches'], 1):.1f} rows/batch; "
+            f"cores used: server {d['server_cpu'] / d['t']:.2f}, client {d['client_cpu'] / d['t']:.2f}")
 
 
 async def rates(server: ServerProcess, system: GrpcSystem, rng, values: list[float]) -> None:
@@ -69,20 +80,31 @@ async def unbooked(server: ServerProcess) -> None:
     raise TimeoutError("bookings did not expire within 30 s")
 
 
+async def settled_view(server: ServerProcess, start: float) -> dict[str, float]:
+    """The server's counters SETTLE_S into a window: its figures then cover the same span as the
+    client's throughput (calls ending after SETTLE_S)."""
+    await asyncio.sleep(max(0.0, start + SETTLE_S - time.perf_counter()))
+    return await asyncio.to_thread(server_view, server)
+
+
 async def pairs(server: ServerProcess, system: GrpcSystem, rng, n: int) -> None:
     ratios = []
     for k in range(n):
-        before, start = server_view(server), time.perf_counter()
+        start = time.perf_counter()
+        before = asyncio.ensure_future(settled_view(server, start))
         outcomes, elapsed = await closed_loop(lambda: until_served(system, int(rng.integers(0, len(system.texts))), rng),
                                               48, duration_s=WINDOW_S)
         sat, sat_view = summarize(outcomes, elapsed, (start + SETTLE_S, start + WINDOW_S)), server_view(server)
+        sat_view = computed(await before, sat_view)
         await unbooked(server)
-        before2, start = server_view(server), time.perf_counter()
+        start = time.perf_counter()
+        before = asyncio.ensure_future(settled_view(server, start))
         outcomes, elapsed = await open_loop(lambda: system.send(int(rng.integers(0, len(system.texts)))),
                                             2 * sat["ok_requests_per_s"], WINDOW_S, seed=k)
         over = summarize(outcomes, elapsed, (start + SETTLE_S, start + WINDOW_S))
+        over_view = computed(await before, server_view(server))
         ratios.append(over["ok_tokens_per_s"] / sat["ok_tokens_per_s"])
-        for label, s, view in (("saturation", sat, computed(before, sat_view)), ("2x", over, computed(before2, server_view(server)))):
+        for label, s, view in (("saturation", sat, sat_view), ("2x", over, over_view)):
             print(f"pair {k + 1} {label:<10} {s['ok_tokens_per_s']:7,.0f} ok tok/s, "
                   f"{s['ok_tokens_per_s'] / max(s['ok_requests_per_s'], 1e-9):5.1f} tok per ok request, "
                   f"p99 {s['p99_ms']:4.0f} ms, {s['codes']} | server: {view}", flush=True)

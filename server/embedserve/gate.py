@@ -39,6 +39,7 @@ class Gate:
         self.last_rejection = -math.inf
         self._held: list[tuple[float, int, float, asyncio.Future]] = []  # (moment, seq, tokens, wake), a heap
         self._seq = itertools.count()
+        self._joining = 0.0  # tokens of callers woken by release_held that have not resumed yet
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -85,6 +86,8 @@ class Gate:
         finally:  # its moment, or the caller went away: either way the booking is done
             timer.cancel()
             _wake(wake)  # so release_held skips it
+            # Woken early, it was counted as joining; from here to its enqueue nothing yields.
+            self._joining -= 0.0 if wake.cancelled() else wake.result() or 0.0
             self.book.take(booking)
 
     def release_held(self) -> None:
@@ -97,12 +100,15 @@ class Gate:
         if not self._held:
             return
         snap = self.estimator.snapshot(latency=False)
-        room = self.policy.backlog_limit_s * snap.service_rate - snap.queued_tokens
+        # Callers woken by an earlier batch resume on a later loop turn: their tokens are not
+        # queued yet, but the room is theirs.
+        room = self.policy.backlog_limit_s * snap.service_rate - snap.queued_tokens - self._joining
         while self._held and room > 0:
             _, _, tokens, wake = heapq.heappop(self._held)
             if not wake.done():
-                wake.set_result(None)
-                room -= tokens  # it joins the queue on its next turn
+                wake.set_result(tokens)
+                self._joining += tokens
+                room -= tokens
 
     def _refuse(self, reason: str, wait_s: float) -> None:
         self.last_rejection = self.estimator.clock()

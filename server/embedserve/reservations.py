@@ -76,7 +76,8 @@ class ReservationBook:
             queue.remove(booking)
             if not queue:
                 del self._by_key[booking.key]
-        self.reserved_tokens -= booking.tokens
+        # Nothing booked is exactly 0 (estimates are floats: sums leave a residue otherwise).
+        self.reserved_tokens = self.reserved_tokens - booking.tokens if self._by_key else 0.0
 
     def claim(self, key: int, now: float) -> bool:
         """A request with this content arrived: True when a booking for it is due (consumed:

@@ -7,6 +7,8 @@ import grpc
 import numpy as np
 import pytest
 
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import Client, retry_after_s
 from embedserve.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text
@@ -75,6 +77,40 @@ async def test_a_burst_through_the_openai_client_with_its_defaults_completes():
         assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") > 30
     finally:
         server.stop()
+
+
+async def test_a_held_call_joins_when_a_batch_leaves_room_not_at_its_booked_moment():
+    """Refused callers that never come back leave bookings standing for seconds; a call held
+    behind them joins as soon as the queue has room (the server wakes held callers after each
+    batch), not at the moment computed behind the no-shows."""
+    server = ServerProcess(SIM).wait_ready()
+    long_text = "word " * 300
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            work = asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=[long_text] * 8)))
+            await until_queued(server)
+            # Refused, never retried: each books room for a retry that will not come.
+            for _ in range(45):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Embed(pb.EmbedRequest(texts=[long_text]))
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            moment_s = retry_after_s(refused.value)  # what the call below is booked behind
+            held0 = counter(server.http, "embedfleet_held_requests_total")
+            t0 = time.perf_counter()
+            async with Client(server.target) as client:
+                await client.embed(["a short text"])
+            elapsed = time.perf_counter() - t0
+            await work
+        assert counter(server.http, "embedfleet_held_requests_total") == held0 + 1
+        assert moment_s > 3 and elapsed < moment_s / 2, (elapsed, moment_s)
+    finally:
+        server.stop()
+
+
+async def until_queued(server: ServerProcess) -> None:
+    while server.health()[1]["queued_tokens"] == 0:
+        await asyncio.sleep(0.01)
 
 
 async def test_the_client_fails_fast_when_its_deadline_cannot_be_met():

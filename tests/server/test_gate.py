@@ -127,3 +127,40 @@ async def test_a_held_caller_joins_as_soon_as_the_queue_has_room():
     g.release_held()
     await asyncio.wait_for(held, 1)
     assert g.book.reserved_tokens == 5000 and g.observer.rejections == ["drain_time"]
+
+
+async def test_callers_woken_by_one_batch_count_until_they_resume():
+    """A woken caller joins the queue only on a later loop turn; a second batch meanwhile must
+    count it as there, or every batch would wake another queue's worth."""
+    g, _ = gate()
+    with pytest.raises(Overloaded):
+        await g.admit(1, 5000, Caller())  # a booking that never comes back: both below are held
+    first = asyncio.ensure_future(g.admit(2, 100, Caller(waits=True)))
+    second = asyncio.ensure_future(g.admit(3, 100, Caller(waits=True)))
+    await asyncio.sleep(0)
+    g.estimator.computed(real_tokens=200, busy_s=0.2)  # 400 queued: 100 tokens of room under 500
+    g.release_held()  # wakes the first: its 100 tokens fill the room
+    g.release_held()  # the same loop turn (two batches done): the first has not resumed yet
+    await asyncio.sleep(0)
+    assert first.done() and not second.done()
+    g.estimator.enqueued(100)  # the first joined the queue (service.py does this as admit returns)
+    g.estimator.computed(real_tokens=100, busy_s=0.1)
+    g.release_held()
+    await asyncio.wait_for(second, 1)
+
+
+async def test_a_woken_caller_that_goes_away_leaves_nothing_counted():
+    g, _ = gate()
+    with pytest.raises(Overloaded):
+        await g.admit(1, 5000, Caller())
+    held = asyncio.ensure_future(g.admit(2, 100, Caller(waits=True)))
+    other = asyncio.ensure_future(g.admit(3, 100, Caller(waits=True)))
+    await asyncio.sleep(0)
+    g.estimator.computed(real_tokens=200, busy_s=0.2)  # 100 tokens of room
+    g.release_held()  # wakes `held`, which is cancelled before it resumes
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    g.release_held()  # its 100 tokens never joined: the room is the other's
+    await asyncio.wait_for(other, 1)
+    assert g.book.reserved_tokens == 5000
