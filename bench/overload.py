@@ -10,7 +10,11 @@ side-by-side corpus, Poisson arrivals, 3 s of warm-up first.
                     / saturation measured minutes apart drifts with this VM's speed, a pair does
                     not. Beside each, what the server computed over the same span (from SETTLE_S
                     into the window to its end): busy fraction, real tokens per busy second,
-                    real/padded tokens, rows per batch."""
+                    real/padded tokens, rows per batch, and the cores used by the server (its
+                    event loop apart) and by this client.
+  --env KEY=VALUE   server environment (repeatable). OMP_NUM_THREADS=1 leaves torch one core and
+                    the host (event loop, this client) the other: on a 2-core VM torch's two
+                    threads wait for each other whenever host work takes a core from one."""
 
 from __future__ import annotations
 
@@ -30,14 +34,17 @@ from tests.conftest import ServerProcess, counter
 WINDOW_S, SETTLE_S = 12.0, 3.0  # a pair's windows; throughput counts calls ending after SETTLE_S
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds a process has used (user + system), from /proc."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, task: int | None = None) -> float:
+    """CPU seconds a process (or one of its threads) has used (user + system), from /proc."""
+    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
+    fields = open(path).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_view(server: ServerProcess) -> dict[str, float]:
-    return {"t": time.perf_counter(), "server_cpu": cpu_s(server.proc.pid), "client_cpu": cpu_s(os.getpid()),
+    pid = server.proc.pid
+    return {"t": time.perf_counter(), "server_cpu": cpu_s(pid), "client_cpu": cpu_s(os.getpid()),
+            "loop_cpu": cpu_s(pid, pid),  # the main thread: the event loop (gRPC, admission, intake)
             "busy": counter(server.http, "embedfleet_model_busy_seconds_total"),
             "real": counter(server.http, "embedfleet_tokens_total", kind="real"),
             "padded": counter(server.http, "embedfleet_tokens_total", kind="padded"),
@@ -49,7 +56,8 @@ def computed(before: dict, after: dict) -> str:
     d = {k: after[k] - before[k] for k in before}
     return (f"busy {d['busy'] / d['t']:.2f}, {d['real'] / max(d['busy'], 1e-9):,.0f} real tok per busy s, "
             f"real/padded {d['real'] / max(d['padded'], 1):.2f}, {d['rows'] / max(d['batches'], 1):.1f} rows/batch; "
-            f"cores used: server {d['server_cpu'] / d['t']:.2f}, client {d['client_cpu'] / d['t']:.2f}")
+            f"cores used: server {d['server_cpu'] / d['t']:.2f} (its event loop {d['loop_cpu'] / d['t']:.2f}), "
+            f"client {d['client_cpu'] / d['t']:.2f}")
 
 
 async def rates(server: ServerProcess, system: GrpcSystem, rng, values: list[float]) -> None:
@@ -117,6 +125,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("rates", nargs="*", type=float)
     p.add_argument("--pairs", type=int, default=0)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="server environment, e.g. OMP_NUM_THREADS=1 (torch on one core, the host on the other)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -126,7 +136,7 @@ def main(argv: list[str]) -> int:
     tok, limit = AutoTokenizer.from_pretrained(model_dir), model_max_length(model_dir)
     texts = corpus(600, seed=3)
     tokens = [len(tok(t, truncation=True, max_length=limit)["input_ids"]) for t in texts]
-    server = ServerProcess({"BATCH_CAPS": ""}).wait_ready(600)
+    server = ServerProcess({"BATCH_CAPS": "", **dict(kv.split("=", 1) for kv in args.env)}).wait_ready(600)
 
     async def run():
         async with GrpcSystem("embedfleet", server.target, texts, tokens) as system:

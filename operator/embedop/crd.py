@@ -11,6 +11,10 @@ import yaml
 
 GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices", "EmbeddingService"
 API_VERSION = f"{GROUP}/{VERSION}"
+# The CEL rule's message, and the operator's problem for a server without CEL. The HPA reads the
+# same pods (its own scale to zero is the alpha HPAScaleToZero gate, and only on object metrics).
+MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
+                     "so 0 pods never scale up; to stop a service use mode off with replicas 0")
 
 
 def _t(type_: str, description: str, **extra: Any) -> dict:
@@ -119,7 +123,7 @@ SPEC = obj(
         }, default={}),
         "autoscaling": obj("How the operator sizes the fleet.", {
             "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; off: spec.replicas.", "operator", enum=["operator", "hpa", "off"]),
-            "minReplicas": integer("Fewest replicas. At least 1 in mode operator: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0).", 1, 0, 1000),
+            "minReplicas": integer("Fewest replicas. At least 1 in modes operator and hpa: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0).", 1, 0, 1000),
             "maxReplicas": integer("Most replicas.", 4, 1, 1000),
             "targetUtilization": number("Offered load per replica as a fraction of its measured capacity.", 0.7, 0.05, 1.0),
             "targetDrainTimeMs": integer("Time in which a backlog should be cleared by the added capacity.", 1000, 1, 600000),
@@ -128,8 +132,8 @@ SPEC = obj(
             "scaleDownStabilizationSeconds": integer("The highest recommendation over this window wins when scaling down.", 120, 0, 3600),
         }, default={}, **{"x-kubernetes-validations": [
             {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"},
-            {"rule": "self.mode != 'operator' || self.minReplicas >= 1",
-             "message": "minReplicas must be at least 1 in mode operator: demand is read from running pods, so 0 pods never scale up; to stop a service use mode off with replicas 0"}]}),
+            {"rule": "self.mode == 'off' || self.minReplicas >= 1",
+             "message": MIN_REPLICAS_RULE}]}),
         "rollout": obj("How a changed pod template replaces the server pods (the Deployment's rolling update). The default replaces one pod at a time without a spare GPU (maxSurge 0, maxUnavailable 1): it progresses on a full GPU pool, at one pod's capacity less while it runs. With a spare GPU, maxSurge 1 and maxUnavailable 0 keep full capacity. The PodDisruptionBudget allows as many pods down as maxUnavailable (at least 1).", {
             "maxSurge": int_or_percent("Pods above the replica count during a rollout (each needs a free GPU), a number or a percentage.", 0),
             "maxUnavailable": int_or_percent("Pods that may be missing during a rollout, a number or a percentage.", 1),

@@ -132,8 +132,7 @@ def deployment_replicas(spec: dict, live: int | None, decision: int | None = Non
     if s["mode"] == "hpa" and exists:
         return None
     base = next(v for v in (decision, live, spec["replicas"]) if v is not None)
-    low = max(1, s["minReplicas"]) if s["mode"] == "hpa" else s["minReplicas"]  # the HPA's floor is 1
-    return min(max(base, low), s["maxReplicas"])
+    return min(max(base, s["minReplicas"]), s["maxReplicas"])
 
 
 def mirrored_replicas(spec: dict, live: int | None) -> int | None:
@@ -272,7 +271,7 @@ def horizontal_pod_autoscaler(owner: Owner, spec: dict) -> dict:
         "metadata": _meta(owner),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name},
-            "minReplicas": max(1, s["minReplicas"]),
+            "minReplicas": s["minReplicas"],
             "maxReplicas": s["maxReplicas"],
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": HPA_METRIC},

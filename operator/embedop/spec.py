@@ -70,9 +70,8 @@ def problems(spec: dict) -> list[str]:
         out.append(f"pooling.excludeTokens applies to mean pooling only, not {p['strategy']}")
     if s["minReplicas"] > s["maxReplicas"]:
         out.append(f"autoscaling.minReplicas ({s['minReplicas']}) exceeds maxReplicas ({s['maxReplicas']})")
-    if s["mode"] == "operator" and s["minReplicas"] < 1:
-        out.append("autoscaling.minReplicas must be at least 1 in mode operator: demand is read from running pods, "
-                   "so 0 pods never scale up; to stop a service use mode off with replicas 0")
+    if s["mode"] != "off" and s["minReplicas"] < 1:
+        out.append(f"autoscaling.{crd.MIN_REPLICAS_RULE}")
     if _zero(spec["rollout"]["maxSurge"]) and _zero(spec["rollout"]["maxUnavailable"]):
         out.append("rollout.maxSurge and maxUnavailable cannot both be 0: the rollout could never progress")
     if any("value" in e and "valueFrom" in e for e in spec.get("env", [])):

@@ -83,9 +83,10 @@ class Settings:
     """MAX_CONNECTION_AGE_S: gRPC and HTTP keep-alive connections are closed gracefully after
     about this long (gRPC adds ±10% jitter), so long-lived clients re-resolve and reach pods
     added since they connected. 0 keeps connections forever."""
-    max_connection_age_grace_s: float = 10.0
+    max_connection_age_grace_s: float = 15.0
     """MAX_CONNECTION_AGE_GRACE_S: how long calls in flight on an aged gRPC connection may
-    still run before it is closed."""
+    still run before it is closed. At least RESERVATION_HORIZON_MS + MAX_DRAIN_TIME_MS (the
+    server warns otherwise): a call held for its booked room may wait that long, then run."""
     latency_soft_ms: float = 500.0
     """LATENCY_SOFT_MS: P95 above this sheds 25% of requests."""
     latency_hard_ms: float = 2000.0

@@ -96,7 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
-                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 10.0,
+                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 15.0,
                  reuse_port: bool = False):
     """→ (server, health servicer, bound port). Health starts NOT_SERVING. `reuse_port`: front
     ends share the port (one process alone must not: a second server on it would be an error)."""

@@ -43,20 +43,25 @@ def build_app(server: "Server") -> FastAPI:
 
 
 class ConnectionAge:
-    """ASGI middleware: the first response after a keep-alive connection is `max_age_s` old says
-    `Connection: close`. HTTP clients (the openai client's pool, say) keep connections for
-    ever, and behind a ClusterIP Service a connection is one pod: without an age, pods added by
-    a scale-up never see those clients. A connection is known by its peer address and port."""
+    """ASGI middleware: the first response after a keep-alive connection is `max_age_s` old, and
+    every response while the server drains, says `Connection: close`. HTTP clients (the openai
+    client's pool, say) keep connections for ever, and behind a ClusterIP Service a connection is
+    one pod: without an age, pods added by a scale-up never see those clients; without the close
+    on draining, a client's retry of the draining pod's 503 goes down the same connection to the
+    same pod. A connection is known by its peer address and port."""
 
-    def __init__(self, app, max_age_s: float, clock: Callable[[], float] = time.monotonic):
-        self.app, self.max_age_s, self.clock = app, max_age_s, clock
+    def __init__(self, app, max_age_s: float, clock: Callable[[], float] = time.monotonic,
+                 draining: Callable[[], bool] = lambda: False):
+        self.app, self.max_age_s, self.clock, self.draining = app, max_age_s, clock, draining
         self._born: dict[tuple, float] = {}
         self._order: collections.deque[tuple[float, tuple]] = collections.deque()  # by birth: O(1) forgetting
 
     async def __call__(self, scope, receive, send):
-        peer = scope.get("client")
-        if scope["type"] != "http" or not peer or self.max_age_s <= 0:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        peer = scope.get("client")
+        if not peer or self.max_age_s <= 0:
+            return await self.app(scope, receive, _closing(send, self.draining))
         now, peer = self.clock(), tuple(peer)
         while self._order and self._order[0][0] < now - 2 * self.max_age_s:  # connections long gone
             born, old = self._order.popleft()
@@ -67,15 +72,20 @@ class ConnectionAge:
             born = self._born[peer] = now
             self._order.append((now, peer))
         if born > now - self.max_age_s:
-            return await self.app(scope, receive, send)
+            return await self.app(scope, receive, _closing(send, self.draining))
         del self._born[peer]
+        return await self.app(scope, receive, _closing(send, lambda: True))
 
-        async def closing(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
-            await send(message)
 
-        return await self.app(scope, receive, closing)
+def _closing(send, close: Callable[[], bool]):
+    """`send` that adds `Connection: close` to the response's headers when `close()` says so as
+    the response starts (uvicorn then closes): a request in flight at SIGTERM closes too."""
+    async def closing(message):
+        if message["type"] == "http.response.start" and close():
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -96,8 +106,8 @@ class HttpServer:
         self._socket.bind((host, port))  # bound now, so port 0 resolves before start
         self.port = self._socket.getsockname()[1]
         self.app = build_app(server)
-        config = uvicorn.Config(ConnectionAge(self.app, max_connection_age_s), log_level="warning",
-                                access_log=False, lifespan="off")
+        config = uvicorn.Config(ConnectionAge(self.app, max_connection_age_s, draining=lambda: server.draining),
+                                log_level="warning", access_log=False, lifespan="off")
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 

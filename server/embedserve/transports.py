@@ -20,6 +20,11 @@ class Transports:
     def __init__(self, hub, reuse_port: bool = False):
         s = hub.settings
         self.hub = hub
+        held_s = (s.reservation_horizon_ms + s.max_drain_time_ms) / 1000
+        if s.max_connection_age_s > 0 and s.max_connection_age_grace_s < held_s:
+            log.warning("MAX_CONNECTION_AGE_GRACE_S (%.1f) is below RESERVATION_HORIZON_MS + MAX_DRAIN_TIME_MS "
+                        "(%.1f s): a call held for its booked room may be cut when its connection ages out",
+                        s.max_connection_age_grace_s, held_s)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, s.host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,

@@ -123,7 +123,9 @@ CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     ("autoscaling", {"minReplicas": 5, "maxReplicas": 2}, "minReplicas must not exceed maxReplicas", "exceeds maxReplicas"),
     ("admission", {"latencySoftMs": 900, "latencyHardMs": 100}, "latencySoftMs must not exceed latencyHardMs", "latencySoftMs"),
     # Demand is read from running pods: a fleet of 0 in mode operator would never scale up.
-    ("autoscaling", {"minReplicas": 0}, "minReplicas must be at least 1 in mode operator", "at least 1 in mode operator"),
+    ("autoscaling", {"minReplicas": 0}, "minReplicas must be at least 1 in modes operator and hpa", "to stop a service"),
+    ("autoscaling", {"mode": "hpa", "minReplicas": 0}, "minReplicas must be at least 1 in modes operator and hpa",
+     "to stop a service"),
     ("rollout", {"maxSurge": 0, "maxUnavailable": 0}, "cannot both be 0", "cannot both be 0"),
     ("rollout", {"maxSurge": "0%", "maxUnavailable": 0}, "cannot both be 0", "cannot both be 0"),
     ("env", [{"name": "A", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],

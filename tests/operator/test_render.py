@@ -224,7 +224,6 @@ def test_deployment_replicas(name, live, decision, replicas):
     ({"replicas": 5}, 5),  # spec.replicas, not 1 until the HPA acts
     ({"replicas": 1, "autoscaling": {"minReplicas": 3}}, 3),  # at least minReplicas
     ({"replicas": 20}, 9),  # at most maxReplicas
-    ({"replicas": 0, "autoscaling": {"minReplicas": 0}}, 1),  # the HPA's floor is 1
 ])
 def test_a_new_deployment_in_mode_hpa_starts_with_the_count(spec, start):
     autoscaling = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 9, **spec.get("autoscaling", {})}

@@ -4,8 +4,10 @@ library Client, with its defaults, is the in-cluster client. What a cluster does
 test cannot see: long-lived HTTP/2 connections, scale-up, and a pod going away under load."""
 
 import asyncio
+import signal
 import time
 
+import grpc
 import pytest
 
 from embedserve.client import Client
@@ -56,7 +58,8 @@ async def test_a_client_connected_before_a_scale_up_sends_the_new_pod_its_share(
         async with Client(dns.target(NAME, port)) as client:
             stop = asyncio.Event()
             load = asyncio.ensure_future(steady_load(client, stop))
-            await asyncio.sleep(1.0)  # connected, serving through the first pod only
+            while served(first) < 10:  # connected, serving through the first pod only
+                await asyncio.sleep(0.05)
             second = await asyncio.to_thread(lambda: pod("127.0.0.3", port).wait_ready())
             dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]  # the headless Service's new endpoint
             await asyncio.sleep(2 * AGE_S)  # within two connection ages the client has re-resolved
@@ -137,6 +140,93 @@ async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
         assert elapsed <= 2 * max(busy), (elapsed, busy)  # the fleet's compute time, with room for this 2-core host
     finally:
         for p in pods:
+            p.stop()
+
+
+class KubeProxy:
+    """A test double for kube-proxy in front of a ClusterIP Service: each new TCP connection goes
+    to one of the Service's present endpoints (round robin), and an open connection is never
+    moved. What it lacks (endpoints that leave as a pod terminates, preStop, IPVS) a real cluster
+    has: tests/cluster/test_fleet_on_cluster.py."""
+
+    def __init__(self, endpoints: list[tuple[str, int]]):
+        self.endpoints, self._next = endpoints, 0
+        self.connections: list[tuple[str, int]] = []  # the endpoint each connection went to
+
+    async def __aenter__(self) -> "KubeProxy":
+        self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        self.url = "http://127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _connect(self, reader, writer) -> None:
+        self._next += 1
+        endpoint = self.endpoints[self._next % len(self.endpoints)]
+        self.connections.append(endpoint)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*endpoint)
+        except OSError:
+            writer.close()  # as a connection to a gone endpoint: refused, not left hanging
+            return
+
+        async def copy(source, sink):
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer), return_exceptions=True)
+
+
+async def test_an_http_client_retrying_a_draining_pod_reaches_another():
+    """Behind a ClusterIP Service an HTTP client's keep-alive connection is one pod. A draining
+    pod's 503 says `Connection: close`, so the openai client's retry (its defaults: 2 retries,
+    honouring Retry-After) opens a new connection, which kube-proxy sends to a pod still in the
+    Service. Without the close, the retries go down the same connection to the same pod until
+    its queue has drained (seconds here) and the request fails."""
+    from openai import AsyncOpenAI
+
+    from embedfleet.v1 import inference_pb2 as pb
+    from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+    from tests.server.test_client import until_queued
+
+    one_service = {**SIM, "SERVED_MODEL_NAME": "m"}
+    leaving = ServerProcess({**one_service, "MODEL_PATH": "sim:500"})  # slow: its queue takes seconds to drain
+    staying = ServerProcess(one_service)
+    try:
+        for p in (leaving, staying):
+            p.wait_ready()
+        async with KubeProxy([(leaving.host, leaving.http_port)]) as service:
+            client = AsyncOpenAI(base_url=service.url + "/v1", api_key="unused")
+            try:
+                await client.embeddings.create(model="m", input=["kept alive"])  # the pooled connection: `leaving`
+                async with grpc.aio.insecure_channel(leaving.target) as channel:
+                    work = asyncio.ensure_future(
+                        pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=["word " * 300] * 8)))
+                    await until_queued(leaving)
+                    leaving.proc.send_signal(signal.SIGTERM)
+                    while leaving.health()[0] != 503:  # draining: its queue still runs
+                        await asyncio.sleep(0.02)
+                    service.endpoints[:] = [(staying.host, staying.http_port)]  # the endpoint leaves the Service
+                    answer = await client.embeddings.create(model="m", input=["after the SIGTERM"])
+                    # The draining pod answered the first try (so the kept-alive connection was used) ...
+                    refused = counter(leaving.http, "embedfleet_requests_total", rpc="HTTP /v1/embeddings", code="503")
+                    drained = await work
+            finally:
+                await client.close()
+        assert len(answer.data) == 1 and drained.shape[0] == 8  # nothing lost on either pod
+        assert refused == 1
+        # ... and its retry took one new connection, to the pod still in the Service.
+        assert service.connections == [(leaving.host, leaving.http_port), (staying.host, staying.http_port)]
+        assert counter(staying.http, "embedfleet_requests_total", rpc="HTTP /v1/embeddings", code="200") == 1
+        assert leaving.proc.wait(30) == 0
+    finally:
+        for p in (leaving, staying):
             p.stop()
 
 
