@@ -45,7 +45,7 @@ class HttpSystem(GrpcSystem):
     async def __aexit__(self, *exc):
         await self.session.close()
 
-    async def send(self, i: int, timeout_s: float = 60, refused: int = 0) -> Outcome:
+    async def send(self, i: int, timeout_s: float = 60, refused: int = 0, wait: bool = True) -> Outcome:
         t0 = time.perf_counter()
         try:
             async with self.session.post(self.target, json={"model": "minilm", "input": [self.texts[i]]},

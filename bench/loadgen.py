@@ -57,19 +57,22 @@ class GrpcSystem:
     async def __aexit__(self, *exc):
         await self.channel.close()
 
-    async def send(self, i: int, timeout_s: float = 60, refused: int = 0) -> Outcome:
-        # A retry after `refused` refusals is marked as our Client marks it (not new demand;
-        # wait server-side for the booked room); a server that does not know the keys ignores them.
-        metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM) if refused else ()
+    async def send(self, i: int, timeout_s: float = 60, refused: int = 0, wait: bool = True) -> Outcome:
+        # A retry after `refused` refusals is marked as our Client marks it (not new demand; with
+        # `wait`, wait server-side for the booked room); a server that does not know the keys
+        # ignores them.
+        attempt = (("embedfleet-attempt", str(refused + 1)),) if refused else ()
+        metadata = attempt + ((WAIT_FOR_BOOKED_ROOM,) if refused and wait else ())
         return await call(self.stub.Embed, pb.EmbedRequest(texts=[self.texts[i]]), self.tokens[i], timeout_s, metadata)
 
 
-async def until_served(system, i: int, rng) -> Outcome:
+async def until_served(system, i: int, rng, retries: float = float("inf"), wait: bool = True) -> Outcome:
     """A caller that gets its request done: a refused request waits the server's retry-after
     (with the Client's jitter) and tries again, marked as a retry; counted once, its latency
-    from the first try. Saturation is what such callers get done."""
+    from the first try. Saturation is what such callers get done. With `retries=2, wait=False`
+    it is the openai client with its defaults (a marked retry, no server-side wait)."""
     refused, t0 = 0, time.perf_counter()
-    while (o := await system.send(i, refused=refused)).code == "RESOURCE_EXHAUSTED":
+    while (o := await system.send(i, refused=refused, wait=wait)).code == "RESOURCE_EXHAUSTED" and refused < retries:
         refused += 1
         await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.05)))
     o.latency_s = time.perf_counter() - t0

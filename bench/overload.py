@@ -12,9 +12,14 @@ side-by-side corpus, Poisson arrivals, 3 s of warm-up first.
                     into the window to its end): busy fraction, real tokens per busy second,
                     real/padded tokens, rows per batch, and the cores used by the server (its
                     event loop apart) and by this client.
-  --env KEY=VALUE   server environment (repeatable). OMP_NUM_THREADS=1 leaves torch one core and
-                    the host (event loop, this client) the other: on a 2-core VM torch's two
-                    threads wait for each other whenever host work takes a core from one."""
+  --retrying N      N rounds of saturation then 40 s of 2x open loop from callers that retry as
+                    the openai client does by default (twice, after the server's retry-after):
+                    goodput, and how long callers wait for an answer, served or refused.
+  --overload-rate R that open loop at R requests/s instead (to compare servers whose saturation,
+                    as measured with retrying callers, differs: RESERVATION_HORIZON_MS=0).
+  --env KEY=VALUE   server environment (repeatable). OMP_NUM_THREADS=1 runs torch on one thread,
+                    so the host (event loop, this client) fits beside it: on a 2-core VM torch's
+                    two threads wait for each other whenever host work takes a core from one."""
 
 from __future__ import annotations
 
@@ -88,10 +93,10 @@ async def unbooked(server: ServerProcess) -> None:
     raise TimeoutError("bookings did not expire within 30 s")
 
 
-async def settled_view(server: ServerProcess, start: float) -> dict[str, float]:
-    """The server's counters SETTLE_S into a window: its figures then cover the same span as the
-    client's throughput (calls ending after SETTLE_S)."""
-    await asyncio.sleep(max(0.0, start + SETTLE_S - time.perf_counter()))
+async def settled_view(server: ServerProcess, start: float, settle_s: float = SETTLE_S) -> dict[str, float]:
+    """The server's counters `settle_s` into a window: its figures then cover the same span as
+    the client's throughput (calls ending after `settle_s`)."""
+    await asyncio.sleep(max(0.0, start + settle_s - time.perf_counter()))
     return await asyncio.to_thread(server_view, server)
 
 
@@ -121,10 +126,48 @@ async def pairs(server: ServerProcess, system: GrpcSystem, rng, n: int) -> None:
     print(f"2x goodput / saturation, median of {n} pairs: {np.median(ratios):.2f} (target >= 0.95)")
 
 
+RETRYING_S, RETRYING_SETTLE_S = 40.0, 20.0  # bookings fill the horizon (10 s) before the count starts
+
+
+async def retrying(server: ServerProcess, system: GrpcSystem, rng, n: int, rate: float = 0.0) -> None:
+    """Sustained 2x overload from callers that retry as the openai client does with its defaults
+    (twice, waiting the server's retry-after, no server-side wait): saturation (as in `pairs`),
+    then RETRYING_S of open loop at twice its rate, counting calls that end after
+    RETRYING_SETTLE_S. What is refused, how long callers wait for an answer either way."""
+    def pick() -> int:
+        return int(rng.integers(0, len(system.texts)))
+
+    for k in range(n):
+        start = time.perf_counter()
+        outcomes, elapsed = await closed_loop(lambda: until_served(system, pick(), rng), 48, duration_s=WINDOW_S)
+        sat = summarize(outcomes, elapsed, (start + SETTLE_S, start + WINDOW_S))
+        await unbooked(server)
+        start = time.perf_counter()
+        before = asyncio.ensure_future(settled_view(server, start, RETRYING_SETTLE_S))
+        outcomes, elapsed = await open_loop(lambda: until_served(system, pick(), rng, retries=2, wait=False),
+                                            rate or 2 * sat["ok_requests_per_s"], RETRYING_S, seed=k)
+        view = computed(await before, server_view(server))
+        window = (start + RETRYING_SETTLE_S, start + RETRYING_S)
+        over = summarize(outcomes, elapsed, window)
+        counted = [o for o in outcomes if window[0] <= o.done_at < window[1]]
+        ok = np.array([o.latency_s for o in counted if o.code == "OK"]) * 1000
+        failed = np.array([o.latency_s for o in counted if o.code != "OK"]) * 1000
+        print(f"retrying {k + 1}: saturation {sat['ok_tokens_per_s']:,.0f} ok tok/s; 2x with 2 retries "
+              f"{over['ok_tokens_per_s']:,.0f} ok tok/s ({over['ok_tokens_per_s'] / sat['ok_tokens_per_s']:.2f}), "
+              f"{len(ok)} ok / {len(failed)} failed in the window; ok latency p50/p99/max "
+              f"{np.percentile(ok, 50):,.0f} / {np.percentile(ok, 99):,.0f} / {ok.max():,.0f} ms; failed after "
+              f"p50/max {np.percentile(failed, 50) if len(failed) else 0:,.0f} / {failed.max() if len(failed) else 0:,.0f} ms"
+              f" | server: {view}", flush=True)
+        await unbooked(server)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("rates", nargs="*", type=float)
     p.add_argument("--pairs", type=int, default=0)
+    p.add_argument("--retrying", type=int, default=0, help="N rounds of sustained 2x from openai-like retrying callers")
+    p.add_argument("--overload-rate", type=float, default=0.0,
+                   help="requests/s of --retrying's open loop (default: twice the saturation just measured)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="server environment, e.g. OMP_NUM_THREADS=1 (torch on one core, the host on the other)")
     args = p.parse_args(argv)
@@ -144,7 +187,9 @@ def main(argv: list[str]) -> int:
             await open_loop(lambda: system.send(int(rng.integers(0, len(texts)))), 50, 3)  # warm
             if args.pairs:
                 await pairs(server, system, rng, args.pairs)
-            if args.rates or not args.pairs:
+            if args.retrying:
+                await retrying(server, system, rng, args.retrying, args.overload_rate)
+            if args.rates or not (args.pairs or args.retrying):
                 await rates(server, system, rng, args.rates or [230.0])
 
     try:
