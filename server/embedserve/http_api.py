@@ -153,6 +153,8 @@ def register(app: FastAPI, server: "Server") -> None:
             headers = {}
             if isinstance(exc, NotReady):  # warming up, draining, a lost device: another pod, or later
                 headers["Retry-After"] = "1"
+                if server.draining:  # the response closes its connection: the retry reaches another pod
+                    headers["retry-after-ms"] = str(DRAINING_RETRY_AFTER_MS)
             if isinstance(exc, Overloaded):
                 # Seconds for every HTTP client; milliseconds for those that read them (the
                 # openai client prefers retry-after-ms, and waits exactly that long).
@@ -180,6 +182,9 @@ def register(app: FastAPI, server: "Server") -> None:
 
 
 STARTING_RETRY_AFTER_S = 5
+# A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
+# goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
+DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
 
 

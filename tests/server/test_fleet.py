@@ -183,11 +183,25 @@ class KubeProxy:
         await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer), return_exceptions=True)
 
 
+def draining_answer(server: ServerProcess) -> tuple[int, str | None, str | None]:
+    """(status, Connection, retry-after-ms) of an embeddings request sent straight to a server."""
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.http_port, timeout=5)
+    try:
+        conn.request("POST", "/v1/embeddings", '{"model": "m", "input": ["x"]}', {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        return r.status, r.getheader("connection"), r.getheader("retry-after-ms")
+    finally:
+        conn.close()
+
+
 async def test_an_http_client_retrying_a_draining_pod_reaches_another():
     """Behind a ClusterIP Service an HTTP client's keep-alive connection is one pod. A draining
-    pod's 503 says `Connection: close`, so the openai client's retry (its defaults: 2 retries,
-    honouring Retry-After) opens a new connection, which kube-proxy sends to a pod still in the
-    Service. Without the close, the retries go down the same connection to the same pod until
+    pod's 503 says `Connection: close` and `retry-after-ms: 100`, so the openai client's retry
+    (its defaults: 2 retries, honouring retry-after-ms) opens a new connection at once, which
+    kube-proxy sends to a pod still in the Service. Without the close, the retries go down the same connection to the same pod until
     its queue has drained (seconds here) and the request fails."""
     from openai import AsyncOpenAI
 
@@ -212,6 +226,7 @@ async def test_an_http_client_retrying_a_draining_pod_reaches_another():
                     leaving.proc.send_signal(signal.SIGTERM)
                     while leaving.health()[0] != 503:  # draining: its queue still runs
                         await asyncio.sleep(0.02)
+                    assert draining_answer(leaving) == (503, "close", "100")  # go elsewhere, now
                     service.endpoints[:] = [(staying.host, staying.http_port)]  # the endpoint leaves the Service
                     answer = await client.embeddings.create(model="m", input=["after the SIGTERM"])
                     # The draining pod answered the first try (so the kept-alive connection was used) ...
@@ -220,7 +235,7 @@ async def test_an_http_client_retrying_a_draining_pod_reaches_another():
             finally:
                 await client.close()
         assert len(answer.data) == 1 and drained.shape[0] == 8  # nothing lost on either pod
-        assert refused == 1
+        assert refused == 2  # the look above, and the client's first try
         # ... and its retry took one new connection, to the pod still in the Service.
         assert service.connections == [(leaving.host, leaving.http_port), (staying.host, staying.http_port)]
         assert counter(staying.http, "embedfleet_requests_total", rpc="HTTP /v1/embeddings", code="200") == 1
