@@ -161,6 +161,14 @@ async def retrying(server: ServerProcess, system: GrpcSystem, rng, n: int, rate:
         await unbooked(server)
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    """KEY=VALUE → (KEY, VALUE), or argparse's usage error naming what is wrong."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("rates", nargs="*", type=float)
@@ -168,8 +176,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--retrying", type=int, default=0, help="N rounds of sustained 2x from openai-like retrying callers")
     p.add_argument("--overload-rate", type=float, default=0.0,
                    help="requests/s of --retrying's open loop (default: twice the saturation just measured)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="server environment, e.g. OMP_NUM_THREADS=1 (torch on one core, the host on the other)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", type=env_pair,
+                   help="server environment, e.g. OMP_NUM_THREADS=1 (torch on one thread, the host beside it)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -179,7 +187,7 @@ def main(argv: list[str]) -> int:
     tok, limit = AutoTokenizer.from_pretrained(model_dir), model_max_length(model_dir)
     texts = corpus(600, seed=3)
     tokens = [len(tok(t, truncation=True, max_length=limit)["input_ids"]) for t in texts]
-    server = ServerProcess({"BATCH_CAPS": "", **dict(kv.split("=", 1) for kv in args.env)}).wait_ready(600)
+    server = ServerProcess({"BATCH_CAPS": "", **dict(args.env)}).wait_ready(600)
 
     async def run():
         async with GrpcSystem("embedfleet", server.target, texts, tokens) as system:
