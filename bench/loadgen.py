@@ -70,11 +70,13 @@ async def until_served(system, i: int, rng, retries: float = float("inf"), wait:
     """A caller that gets its request done: a refused request waits the server's retry-after
     (with the Client's jitter) and tries again, marked as a retry; counted once, its latency
     from the first try. Saturation is what such callers get done. With `retries=2, wait=False`
-    it is the openai client with its defaults (a marked retry, no server-side wait)."""
+    it is the openai client with its defaults (a marked retry, no server-side wait). A refusal
+    without retry-after (sustained overload) is final, as for both clients."""
     refused, t0 = 0, time.perf_counter()
-    while (o := await system.send(i, refused=refused, wait=wait)).code == "RESOURCE_EXHAUSTED" and refused < retries:
+    while ((o := await system.send(i, refused=refused, wait=wait)).code == "RESOURCE_EXHAUSTED"
+           and refused < retries and o.retry_after_ms is not None):
         refused += 1
-        await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.05)))
+        await asyncio.sleep(o.retry_after_ms / 1000 * float(rng.uniform(1.0, 1.05)))
     o.latency_s = time.perf_counter() - t0
     return o
 

@@ -85,9 +85,11 @@ async def rates(server: ServerProcess, system: GrpcSystem, rng, values: list[flo
 async def unbooked(server: ServerProcess) -> None:
     """Until the open loop's refused requests (which never retry) no longer hold booked room:
     a retry's moment is behind every booking, so a saturation window started earlier would wait
-    for callers that are gone."""
+    for callers that are gone; and until the server no longer reads the overload as sustained
+    (its arrival rate fell below capacity), which would refuse the window's callers outright."""
     for _ in range(300):
-        if counter(server.http, "embedfleet_reserved_tokens") == 0 and counter(server.http, "embedfleet_queued_tokens") == 0:
+        if (counter(server.http, "embedfleet_reserved_tokens") == 0 and counter(server.http, "embedfleet_queued_tokens") == 0
+                and not server.health()[1]["sustained_overload"]):
             return
         await asyncio.sleep(0.1)
     raise TimeoutError("bookings did not expire within 30 s")

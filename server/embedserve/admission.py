@@ -5,8 +5,11 @@ computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measu
 so accepted latency stays bounded by the budget plus the request's own work. A request that finds
 no room is not dropped but scheduled: it is told when there will be (`retry_after_ms`) and its
 tokens are booked for its retry (reservations.py), provided
-the moment lies within RESERVATION_HORIZON_MS; beyond it the request is refused outright (a
-flood cannot book the future). Latency strategy (reactive): shed 25% of requests while the
+the moment lies within RESERVATION_HORIZON_MS. Beyond it, the overload is more than booking can
+absorb (a flood cannot book the future): the request is refused and told not to come back soon,
+and so is every request that finds no room, booking nothing, until the arrival rate falls below
+the service rate (`sustained`). Booking turns a burst into a short wait; under sustained overload
+it would only turn the excess into a queue as deep as the horizon, served ones waiting that long. Latency strategy (reactive): shed 25% of requests while the
 windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
 it empties and admission resumes by itself.
 
@@ -47,19 +50,28 @@ class Policy:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     admit: bool
-    reason: str = ""  # drain_time | latency_soft | latency_hard
-    retry_after_ms: int = 0
+    reason: str = ""  # drain_time | sustained | latency_soft | latency_hard
+    retry_after_ms: int | None = 0  # None: do not retry soon (sustained overload)
     book: bool = False  # keep room for the retry at retry_after_ms
 
 
 ADMIT = Decision(True)
 
 
-def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0) -> Decision:
+def sustained(snap: Snapshot, was: bool, decision: Decision | None = None) -> bool:
+    """Whether overload is sustained after `decision`: it becomes so when a request finds the
+    horizon full, and stays so while new demand arrives faster than the device serves it (the
+    shared arrival/service signal), so a lull between refusals does not start booking again."""
+    return (was and snap.arrival_rate >= snap.service_rate) or (decision is not None and decision.reason == "sustained")
+
+
+def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0,
+           overload_sustained: bool = False) -> Decision:
     """Admit, schedule or refuse a request of `cost_tokens` real tokens (its size decides
     nothing here, by design: see below; the gate books it). `reserved_tokens` are
     booked for earlier refused requests' retries: they wait ahead of this one. `draw` is uniform
-    in [0, 1) (injected so tests control the soft-shedding lottery)."""
+    in [0, 1) (injected so tests control the soft-shedding lottery). `overload_sustained`: see
+    `sustained`."""
     if policy.throughput and snap.queued_tokens > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
@@ -78,10 +90,13 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
             # its owner never claims cannot idle the device. This request's moment is when the
             # queue and everything booked before it have drained below the limit.
             wait_s = (snap.queued_tokens + reserved_tokens - room) / rate
-            if wait_s <= policy.horizon_s:
+            if wait_s <= policy.horizon_s and not overload_sustained:
                 return Decision(False, "drain_time", _ms(wait_s), book=True)
-            # Beyond the horizon: come back when booking is possible again.
-            return Decision(False, "drain_time", _ms(wait_s - policy.horizon_s))
+            if policy.horizon_s <= 0:  # booking off: told when there will be room, nothing more
+                return Decision(False, "drain_time", _ms(wait_s))
+            # The horizon is full: more excess than booking absorbs. A retry would find the same,
+            # and each costs the host a refusal: fail now, and let the fleet scale.
+            return Decision(False, "sustained", None)
     if policy.latency and snap.p95_latency_s > policy.latency_hard_s:
         return Decision(False, "latency_hard", _ms(max(snap.drain_s, policy.latency_soft_s)))
     if policy.latency and snap.p95_latency_s > policy.latency_soft_s and draw < SOFT_SHED_FRACTION:

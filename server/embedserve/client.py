@@ -7,7 +7,8 @@ makes the channel resolve again, so pods added by a scale-up take their share.
 A call the server cannot start within its drain budget waits on the server for the room booked
 for it (metadata embedfleet-queue: wait), as long as that moment lies within the reservation
 horizon and the call's deadline (`timeout_s`). Within that deadline the call retries
-RESOURCE_EXHAUSTED (refused past the horizon) after the server's retry-after-ms, and UNAVAILABLE
+RESOURCE_EXHAUSTED after the server's retry-after-ms (a request back early for its booking,
+booking off), never when it sent none (sustained overload: fail fast), and UNAVAILABLE
 or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
 says so. Retries after a refusal are marked so servers do not count them as new demand.
 """
@@ -47,8 +48,8 @@ ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def retry_after_s(error: grpc.RpcError) -> float | None:
-    """The server's retry-after-ms, in seconds; None when it sent none (the refusal is not
-    admission's, e.g. a message over the size limit: retrying cannot help)."""
+    """The server's retry-after-ms, in seconds; None when it sent none: sustained overload, or a
+    refusal that is not admission's (a message over the size limit): retrying cannot help."""
     for key, value in error.trailing_metadata() or ():
         if key == "retry-after-ms":
             try:

@@ -8,8 +8,12 @@ class InvalidInput(ValueError):
 class Overloaded(RuntimeError):
     """Admission refused the request (RESOURCE_EXHAUSTED / HTTP 429)."""
 
-    def __init__(self, reason: str, retry_after_ms: int):
-        super().__init__(f"server overloaded ({reason}); retry after {retry_after_ms} ms")
+    def __init__(self, reason: str, retry_after_ms: int | None):
+        """`retry_after_ms` None: overload has outlasted the reservation horizon; retrying soon
+        would only be refused again (transports say "do not retry")."""
+        super().__init__(f"server overloaded ({reason}); " + (
+            f"retry after {retry_after_ms} ms" if retry_after_ms is not None else
+            "demand has exceeded capacity for longer than the reservation horizon absorbs; do not retry now"))
         self.reason = reason
         self.retry_after_ms = retry_after_ms
 

@@ -1,7 +1,8 @@
 """The door every request passes before any work is spent on it: count the offer once, let a
 booked retry in, ask admission (pure, admission.py), and for what does not fit now, book the
 moment it will and either hold the caller until then (a caller that said it waits) or refuse it
-with that moment (RESOURCE_EXHAUSTED / 429 + retry-after). Runs on the event loop."""
+with that moment (RESOURCE_EXHAUSTED / 429 + retry-after); under sustained overload, refuse it
+with no moment (admission.sustained). Runs on the event loop."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ class Gate:
         self._held: list[tuple[float, int, float, asyncio.Future]] = []  # (moment, seq, tokens, wake), a heap
         self._seq = itertools.count()
         self._joining = 0.0  # tokens of callers woken by release_held that have not resumed yet
+        self._sustained = False  # the horizon filled and demand has not yet fallen below capacity
+
+    def sustained(self, snap) -> bool:
+        """Sustained overload now (for /health): refused without booking."""
+        return admission.sustained(snap, self._sustained)
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -58,9 +64,13 @@ class Gate:
         if caller.retry and (early := self.book.due_in(key, now)) is not None:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
         snap = self.estimator.snapshot(latency=self.policy.latency)
-        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens)
+        sustained = admission.sustained(snap, self._sustained)
+        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, sustained)
+        self._sustained = admission.sustained(snap, sustained, decision)
         if decision.admit:
             return
+        if decision.retry_after_ms is None:
+            self._refuse(decision.reason, None)
         wait_s = decision.retry_after_ms / 1000
         if not decision.book:
             self._refuse(decision.reason, wait_s)
@@ -110,10 +120,11 @@ class Gate:
                 self._joining += tokens
                 room -= tokens
 
-    def _refuse(self, reason: str, wait_s: float) -> None:
+    def _refuse(self, reason: str, wait_s: float | None) -> None:
+        """Raise Overloaded: come back in `wait_s`, or (None) do not retry soon."""
         self.last_rejection = self.estimator.clock()
         self.observer.rejected(reason)
-        raise Overloaded(reason, max(1, math.ceil(wait_s * 1000)))
+        raise Overloaded(reason, None if wait_s is None else max(1, math.ceil(wait_s * 1000)))
 
 
 def _wake(future: asyncio.Future) -> None:

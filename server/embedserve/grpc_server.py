@@ -81,9 +81,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             code = next(c for t, c in _STATUS if isinstance(e, t))
             if isinstance(e, Overloaded):
                 # Ours, and gRPC's standard server pushback: a channel whose retry policy covers
-                # RESOURCE_EXHAUSTED retries by itself at the booked moment.
-                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),
-                                               ("grpc-retry-pushback-ms", str(e.retry_after_ms))))
+                # RESOURCE_EXHAUSTED retries by itself at the booked moment. Sustained overload
+                # sends no retry-after-ms (our Client does not retry) and a negative pushback
+                # (gRPC's "do not retry").
+                context.set_trailing_metadata(_pushback(e.retry_after_ms))
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -93,6 +94,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         finally:
             self._observe(rpc, code.name, time.perf_counter() - t0)
+
+
+def _pushback(retry_after_ms: int | None) -> tuple:
+    if retry_after_ms is None:
+        return (("grpc-retry-pushback-ms", "-1"),)
+    return (("retry-after-ms", str(retry_after_ms)), ("grpc-retry-pushback-ms", str(retry_after_ms)))
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,

@@ -105,7 +105,10 @@ class Metrics:
 
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
         self.requests = Counter(P + "requests", "Finished requests by outcome", ["rpc", "code"], registry=r)
-        self.rejected_requests = Counter(P + "rejected_requests", "Admission rejections", ["reason"], registry=r)
+        self.rejected_requests = Counter(
+            P + "rejected_requests", "Admission refusals by reason: drain_time (told when there is room, and booked), "
+            "sustained (overload beyond the reservation horizon: not booked, told not to retry), latency_soft, "
+            "latency_hard", ["reason"], registry=r)
         self.held_requests = Counter(P + "held_requests", "Requests that waited server-side for booked room "
                                      "(callers that send embedfleet-queue: wait)", registry=r)
         self.duration = Histogram(P + "request_duration_seconds", "Server-side latency", ["rpc"], buckets=LATENCY_BUCKETS, registry=r)

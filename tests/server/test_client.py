@@ -79,6 +79,47 @@ async def test_a_burst_through_the_openai_client_with_its_defaults_completes():
         server.stop()
 
 
+async def test_under_sustained_overload_both_clients_fail_at_once_without_retrying():
+    """Once the reservation horizon is full (1 ms here: any wait fills it) a refusal says not to
+    retry: the openai client raises at its first 429 (`x-should-retry: false`) rather than
+    spending its two retries, and the Client raises at once rather than retrying until its 30 s
+    deadline (no retry-after-ms; `grpc-retry-pushback-ms: -1` for gRPC's own retry policy)."""
+    from openai import AsyncOpenAI, RateLimitError
+
+    server = ServerProcess({**SIM, "RESERVATION_HORIZON_MS": "1"}).wait_ready()
+
+    async def timed(call):
+        t0 = time.perf_counter()
+        try:
+            await call
+            return None, time.perf_counter() - t0
+        except (RateLimitError, grpc.aio.AioRpcError) as e:
+            return e, time.perf_counter() - t0
+
+    try:
+        client = AsyncOpenAI(base_url=server.http + "/v1", api_key="unused")
+        outcomes = await asyncio.gather(*(timed(client.embeddings.create(model="sim:2000", input=texts))
+                                          for texts in burst_texts(60, seed=2)))
+        await client.close()
+        refused = [e for e, _ in outcomes if e is not None]
+        assert len(refused) > 10 and all(isinstance(e, RateLimitError) for e in refused)
+        for e in refused:
+            assert e.response.headers["x-should-retry"] == "false" and "retry-after" not in e.response.headers
+            assert e.response.request.headers["x-stainless-retry-count"] == "0"  # its first try
+            assert "reservation horizon" in e.message
+
+        async with Client(server.target) as client:
+            outcomes = await asyncio.gather(*(timed(client.embed(texts)) for texts in burst_texts(60, seed=3)))
+        refused = [(e, s) for e, s in outcomes if e is not None]
+        assert len(refused) > 10
+        for e, seconds in refused:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s(e) is None
+            assert ("grpc-retry-pushback-ms", "-1") in tuple(e.trailing_metadata())
+            assert seconds < 2.0  # against a 30 s deadline
+    finally:
+        server.stop()
+
+
 async def test_a_held_call_joins_when_a_batch_leaves_room_not_at_its_booked_moment():
     """Refused callers that never come back leave bookings standing for seconds; a call held
     behind them joins as soon as the queue has room (the server wakes held callers after each

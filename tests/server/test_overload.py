@@ -1,16 +1,18 @@
-"""Overload against a real server process: ~3× capacity offered for a bounded time.
+"""Overload against a real server process: ~3× capacity offered for a bounded time, from callers
+that never retry and from callers that retry as the openai client does.
 
 The server runs the simulated accelerator (MODEL_PATH=sim:RATE), so its capacity is known and
 independent of this small CPU, which the load generator shares; tokenizer, batching, admission,
 gRPC and metrics are the real ones."""
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
 import pytest
 
-from bench.loadgen import call, open_loop
+from bench.loadgen import GrpcSystem, call, open_loop, until_served
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, counter, make_text
@@ -19,6 +21,7 @@ SIM_RATE = 4000  # padded tokens/s of the simulated device
 MAX_DRAIN_MS = 400
 CAPS = "16:16,32:16,64:8,128:4,256:2,512:1"
 LOAD_S = 12
+ONE_BATCH_TOKENS = max(int(b) * int(c) for b, c in (x.split(":") for x in CAPS.split(",")))
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +70,14 @@ async def test_three_times_capacity(sim_server, reference):
     rejected = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
     ok = [o for o in outcomes if o.code == "OK"]
     assert len(rejected) > 0.4 * len(outcomes)  # about 2/3 of 3× must be refused
-    assert all(o.retry_after_ms and o.retry_after_ms > 0 for o in rejected)
+    # Refusals say when to come back (room booked) until the horizon fills; from then on the
+    # overload is sustained and they say not to (nothing booked), while 3× keeps arriving.
+    told_when = [o.retry_after_ms is not None for o in sorted(rejected, key=lambda o: o.done_at)]
+    assert True in told_when and False in told_when
+    assert not any(told_when[told_when.index(False):])
+    assert all(o.retry_after_ms > 0 for o in rejected if o.retry_after_ms is not None)
     # Accepted requests finish within the drain budget plus one batch (the largest at the cap).
-    one_batch_s = max(int(b) * int(c) for b, c in (x.split(":") for x in CAPS.split(","))) / capacity
+    one_batch_s = ONE_BATCH_TOKENS / capacity
     p99_server_ms = np.percentile([o.server_ms for o in ok], 99)
     assert p99_server_ms <= MAX_DRAIN_MS + 1000 * one_batch_s, p99_server_ms
     # Size-neutral: a long request is accepted about as often as a short one. Asking its own
@@ -96,6 +104,65 @@ async def test_three_times_capacity(sim_server, reference):
             break
         await asyncio.sleep(0.1)
     assert drained()
+
+
+HORIZON_MS = 1500
+
+
+async def test_sustained_overload_from_callers_that_retry_is_refused_at_once(reference):
+    """Callers that retry as the openai client does by default (twice, after the server's
+    retry-after, no server-side wait) at 2× capacity, long past the reservation horizon: once the
+    horizon has filled, the excess is refused for good and served calls wait no longer than the
+    drain budget and a batch. Booking them as a burst's turned the excess into a queue as deep as
+    the horizon: served calls waited the horizon, refused ones up to twice it (bench/RESULTS.md)."""
+    server = ServerProcess({
+        "MODEL_PATH": f"sim:{SIM_RATE}", "MAX_DRAIN_TIME_MS": str(MAX_DRAIN_MS), "BATCH_CAPS": CAPS,
+        "RESERVATION_HORIZON_MS": str(HORIZON_MS),
+    }).wait_ready()
+    try:
+        rng = np.random.default_rng(4)
+        texts = [make_text(rng, int(n)) for n in rng.integers(8, 60, size=200)]
+        tokens = [reference.tokens(t) for t in texts]
+        capacity = server.health()[1]["service_rate_tokens_per_sec"]
+        seen_sustained = []
+
+        async def look_mid_run():
+            await asyncio.sleep(LOAD_S - 1)
+            seen_sustained.append(server.health()[1]["sustained_overload"])
+
+        watcher = asyncio.ensure_future(look_mid_run())
+        async with GrpcSystem("embedfleet", server.target, texts, tokens) as system:
+            t0 = time.perf_counter()
+            outcomes, _ = await open_loop(
+                lambda: until_served(system, int(rng.integers(0, len(texts))), rng, retries=2, wait=False),
+                2 * capacity / np.mean(tokens), LOAD_S, seed=7)
+        await watcher
+        # Calls begun two horizons in: the horizon filled after about one (2×: one second of
+        # excess per second), and what was booked before drained within the next.
+        late_from = t0 + 2 * HORIZON_MS / 1000
+        late = [o for o in outcomes if o.done_at - o.latency_s >= late_from]
+        ok = [o for o in late if o.code == "OK"]
+        failed = [o for o in late if o.code != "OK"]
+        assert {o.code for o in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}
+        assert len(failed) > 0.3 * len(late) and len(ok) > 0.3 * len(late), (len(ok), len(failed))
+        # Served within the budget and a batch (a little for this client's own loop), not after
+        # a wait for booked room.
+        bound_s = MAX_DRAIN_MS / 1000 + ONE_BATCH_TOKENS / capacity + 0.25
+        assert np.percentile([o.latency_s for o in ok], 99) <= bound_s
+        # Refused once, told not to retry: no caller spends its retries on a queue it cannot join.
+        assert all(o.retry_after_ms is None for o in failed)
+        assert max(o.latency_s for o in failed) < MAX_DRAIN_MS / 1000
+        served_s = max(o.done_at for o in late) - late_from
+        assert sum(o.tokens for o in ok) / served_s > 0.6 * capacity  # the device kept busy
+        assert seen_sustained == [True]
+        # The load gone, the arrival rate falls below capacity and booking is back.
+        for _ in range(200):
+            if not server.health()[1]["sustained_overload"]:
+                break
+            await asyncio.sleep(0.1)
+        assert not server.health()[1]["sustained_overload"]
+    finally:
+        server.stop()
 
 
 async def test_offered_over_service_rate_is_the_busy_fraction_with_static_shapes(reference):
