@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from embedserve.client import Client
-from tests.conftest import ServerProcess, counter, make_text
+from tests.conftest import ServerProcess, counter, make_text, rejections
 
 
 def requests(n: int, seed: int) -> list[list[str]]:
@@ -42,12 +42,12 @@ async def openai_burst(server: ServerProcess, batch: list[list[str]], model: str
 
 def measure(server: ServerProcess, run) -> dict:
     busy0 = counter(server.http, "embedfleet_model_busy_seconds_total")
-    refused0 = counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time")
+    refused0 = rejections(server.http)
     t0 = time.perf_counter()
     ok = asyncio.run(run())
     elapsed = time.perf_counter() - t0
     busy = counter(server.http, "embedfleet_model_busy_seconds_total") - busy0
-    refused = counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") - refused0
+    refused = rejections(server.http) - refused0
     return {"ok": ok, "elapsed_s": elapsed, "compute_s": busy, "refusals": refused}
 
 

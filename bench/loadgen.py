@@ -26,6 +26,7 @@ class Outcome:
     server_ms: float | None = None  # server-side latency, from trailing metadata
     retry_after_ms: int | None = None
     done_at: float = 0.0  # perf_counter() when the call ended
+    final: bool = False  # refused for sustained overload: do not retry (negative grpc-retry-pushback-ms)
 
 
 async def call(stub_method, request, tokens: int, timeout_s: float, metadata=()) -> Outcome:
@@ -39,8 +40,9 @@ async def call(stub_method, request, tokens: int, timeout_s: float, metadata=())
     trailing = dict(await rpc.trailing_metadata() or ())
     server_ms = float(trailing["embedfleet-server-ms"]) if "embedfleet-server-ms" in trailing else None
     retry = int(trailing["retry-after-ms"]) if "retry-after-ms" in trailing else None
+    final = trailing.get("grpc-retry-pushback-ms", "").startswith("-")
     done_at = time.perf_counter()
-    return Outcome(code, done_at - t0, tokens, server_ms, retry, done_at)
+    return Outcome(code, done_at - t0, tokens, server_ms, retry, done_at, final)
 
 
 class GrpcSystem:
@@ -71,12 +73,12 @@ async def until_served(system, i: int, rng, retries: float = float("inf"), wait:
     (with the Client's jitter) and tries again, marked as a retry; counted once, its latency
     from the first try. Saturation is what such callers get done. With `retries=2, wait=False`
     it is the openai client with its defaults (a marked retry, no server-side wait). A refusal
-    without retry-after (sustained overload) is final, as for both clients."""
+    for sustained overload ends it, as `x-should-retry: false` ends the openai client's."""
     refused, t0 = 0, time.perf_counter()
     while ((o := await system.send(i, refused=refused, wait=wait)).code == "RESOURCE_EXHAUSTED"
-           and refused < retries and o.retry_after_ms is not None):
+           and refused < retries and not o.final):
         refused += 1
-        await asyncio.sleep(o.retry_after_ms / 1000 * float(rng.uniform(1.0, 1.05)))
+        await asyncio.sleep((o.retry_after_ms or 10) / 1000 * float(rng.uniform(1.0, 1.05)))
     o.latency_s = time.perf_counter() - t0
     return o
 

@@ -113,6 +113,12 @@ def counter(http: str, name: str, **labels) -> float:
     return 0.0
 
 
+def rejections(http: str) -> float:
+    """A server's admission refusals, every reason."""
+    return sum(counter(http, "embedfleet_rejected_requests_total", reason=r)
+               for r in ("drain_time", "sustained", "latency_soft", "latency_hard"))
+
+
 class LoopbackDNS:
     """A real DNS server on loopback (dnslib) answering A records with a 1 s TTL: the stand-in for
     a headless Service, whose name resolves to every ready pod. gRPC targets it as

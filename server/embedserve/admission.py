@@ -5,11 +5,13 @@ computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measu
 so accepted latency stays bounded by the budget plus the request's own work. A request that finds
 no room is not dropped but scheduled: it is told when there will be (`retry_after_ms`) and its
 tokens are booked for its retry (reservations.py), provided
-the moment lies within RESERVATION_HORIZON_MS. Beyond it, the overload is more than booking can
-absorb (a flood cannot book the future): the request is refused and told not to come back soon,
-and so is every request that finds no room, booking nothing, until the arrival rate falls below
-the service rate (`sustained`). Booking turns a burst into a short wait; under sustained overload
-it would only turn the excess into a queue as deep as the horizon, served ones waiting that long. Latency strategy (reactive): shed 25% of requests while the
+the moment lies within RESERVATION_HORIZON_MS (a flood cannot book the future); past it, it is
+told when booking will be possible again. Booking turns a burst into a short wait. Under
+*sustained* overload it would only turn the excess into a queue as deep as the horizon, every
+served call waiting that long: so once the horizon is full and new demand has exceeded capacity
+for a whole horizon, every request that finds no room is refused as `sustained`, books nothing
+and is told not to retry, until demand falls clearly below capacity (`still_sustained`).
+Latency strategy (reactive): shed 25% of requests while the
 windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
 it empties and admission resumes by itself.
 
@@ -25,6 +27,9 @@ import random
 from embedserve.estimator import Snapshot
 
 SOFT_SHED_FRACTION = 0.25
+# Sustained overload ends when new demand falls below this fraction of the service rate: both are
+# averages that wander by a few percent, and ending on a dip would start booking again at once.
+SUSTAINED_EXIT = 0.9
 DEGRADED_AT = 0.8  # fraction of a threshold at which health reports "degraded"
 
 
@@ -51,27 +56,27 @@ class Policy:
 class Decision:
     admit: bool
     reason: str = ""  # drain_time | sustained | latency_soft | latency_hard
-    retry_after_ms: int | None = 0  # None: do not retry soon (sustained overload)
+    retry_after_ms: int = 0
     book: bool = False  # keep room for the retry at retry_after_ms
+    final: bool = False  # do not retry soon: sustained overload (retry_after_ms is a back-off)
 
 
 ADMIT = Decision(True)
 
 
-def sustained(snap: Snapshot, was: bool, decision: Decision | None = None) -> bool:
-    """Whether overload is sustained after `decision`: it becomes so when a request finds the
-    horizon full, and stays so while new demand arrives faster than the device serves it (the
-    shared arrival/service signal), so a lull between refusals does not start booking again."""
-    return (was and snap.arrival_rate >= snap.service_rate) or (decision is not None and decision.reason == "sustained")
+def still_sustained(snap: Snapshot, was: bool) -> bool:
+    """A sustained overload lasts while new demand (the shared arrival/service signal) has not
+    fallen clearly below capacity: a lull between refusals does not start booking again."""
+    return was and snap.arrival_rate >= SUSTAINED_EXIT * snap.service_rate
 
 
 def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0,
-           overload_sustained: bool = False) -> Decision:
+           sustained: bool = False, over_for_s: float = 0.0) -> Decision:
     """Admit, schedule or refuse a request of `cost_tokens` real tokens (its size decides
     nothing here, by design: see below; the gate books it). `reserved_tokens` are
     booked for earlier refused requests' retries: they wait ahead of this one. `draw` is uniform
-    in [0, 1) (injected so tests control the soft-shedding lottery). `overload_sustained`: see
-    `sustained`."""
+    in [0, 1) (injected so tests control the soft-shedding lottery). `sustained`: the overload
+    is (still_sustained); `over_for_s`: how long new demand has exceeded the service rate."""
     if policy.throughput and snap.queued_tokens > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
@@ -90,13 +95,17 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
             # its owner never claims cannot idle the device. This request's moment is when the
             # queue and everything booked before it have drained below the limit.
             wait_s = (snap.queued_tokens + reserved_tokens - room) / rate
-            if wait_s <= policy.horizon_s and not overload_sustained:
+            if wait_s <= policy.horizon_s and not sustained:
                 return Decision(False, "drain_time", _ms(wait_s), book=True)
             if policy.horizon_s <= 0:  # booking off: told when there will be room, nothing more
                 return Decision(False, "drain_time", _ms(wait_s))
-            # The horizon is full: more excess than booking absorbs. A retry would find the same,
-            # and each costs the host a refusal: fail now, and let the fleet scale.
-            return Decision(False, "sustained", None)
+            if sustained or over_for_s >= policy.horizon_s:
+                # The horizon is full and demand has outrun capacity for as long: not a burst.
+                # A retry would find the same, and each costs the host a refusal: fail now (the
+                # fleet scales on the same signal); the back-off is for clients that retry anyway.
+                return Decision(False, "sustained", _ms(policy.horizon_s), final=True)
+            # A burst past the horizon: back when booking is possible again.
+            return Decision(False, "drain_time", _ms(wait_s - policy.horizon_s))
     if policy.latency and snap.p95_latency_s > policy.latency_hard_s:
         return Decision(False, "latency_hard", _ms(max(snap.drain_s, policy.latency_soft_s)))
     if policy.latency and snap.p95_latency_s > policy.latency_soft_s and draw < SOFT_SHED_FRACTION:

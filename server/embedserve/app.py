@@ -145,7 +145,7 @@ class Server:
             "accepting_requests": bool(self.service and self.service.ready and status != "overloaded"),
             "queued_tokens": int(snap.queued_tokens),
             "reserved_tokens": int(self.service.gate.book.reserved(snap_time)) if self.service else 0,
-            # Refusing without booking: the horizon filled and demand still exceeds capacity.
+            # Refusing without booking, "do not retry": admission.still_sustained.
             "sustained_overload": bool(self.service and self.service.gate.sustained(snap)),
             "service_rate_tokens_per_sec": snap.service_rate,
             "arrival_rate_tokens_per_sec": snap.arrival_rate,

@@ -7,8 +7,8 @@ makes the channel resolve again, so pods added by a scale-up take their share.
 A call the server cannot start within its drain budget waits on the server for the room booked
 for it (metadata embedfleet-queue: wait), as long as that moment lies within the reservation
 horizon and the call's deadline (`timeout_s`). Within that deadline the call retries
-RESOURCE_EXHAUSTED after the server's retry-after-ms (a request back early for its booking,
-booking off), never when it sent none (sustained overload: fail fast), and UNAVAILABLE
+RESOURCE_EXHAUSTED after the server's retry-after-ms; a refusal for sustained overload
+(`grpc-retry-pushback-ms` negative) only once, at once, on the next pod; and UNAVAILABLE
 or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
 says so. Retries after a refusal are marked so servers do not count them as new demand.
 """
@@ -48,8 +48,8 @@ ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def retry_after_s(error: grpc.RpcError) -> float | None:
-    """The server's retry-after-ms, in seconds; None when it sent none: sustained overload, or a
-    refusal that is not admission's (a message over the size limit): retrying cannot help."""
+    """The server's retry-after-ms, in seconds; None when it sent none (the refusal is not
+    admission's, e.g. a message over the size limit: retrying cannot help)."""
     for key, value in error.trailing_metadata() or ():
         if key == "retry-after-ms":
             try:
@@ -57,6 +57,11 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+def is_final(error: grpc.RpcError) -> bool:
+    """The server said not to retry (gRPC's standard negative pushback): sustained overload."""
+    return any(k == "grpc-retry-pushback-ms" and v.startswith("-") for k, v in error.trailing_metadata() or ())
 
 
 def decode_embeddings(response: pb.EmbedResponse) -> np.ndarray:
@@ -97,7 +102,7 @@ class Client:
 
     async def _call(self, method, request):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        refused = unavailable = attempt = 0
+        refused = unavailable = final = attempt = 0
         while True:
             attempt += 1
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -107,19 +112,24 @@ class Client:
             try:
                 return await method(request, timeout=remaining, metadata=metadata)
             except grpc.aio.AioRpcError as e:
-                wait = self._wait_before_retry(e, unavailable)
+                wait = self._wait_before_retry(e, unavailable, final)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
                 elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     refused += 1
+                    final += is_final(e)
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
                 if wait is None or out_of_time or attempt == self.max_attempts:
                     raise
                 await asyncio.sleep(wait)
 
     @staticmethod
-    def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int) -> float | None:
+    def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:
         """Seconds to wait before the next try; None: do not retry."""
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(error):
+            # Sustained overload on that pod. round_robin sends the next try to the next pod,
+            # which may have room (one a scale-up just added): once, at once, never again.
+            return 0.0 if final == 0 else None
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             booked = retry_after_s(error)
             # Back on time: the room is booked for a grace after the moment, not before it.

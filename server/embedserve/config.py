@@ -77,9 +77,10 @@ class Settings:
     reservation_horizon_ms: float = 10_000.0
     """RESERVATION_HORIZON_MS: how far ahead a refused request may book room for its retry
     (retry-after-ms is then the moment the queue ahead of it drains below the limit). A burst up
-    to this much model time is scheduled; a request that finds it full starts sustained-overload
-    refusals (nothing booked, told not to retry) until arrivals fall below the service rate, so a
-    flood cannot book the future. 0 books nothing (refusals say when there will be room)."""
+    to this much model time is scheduled; past it a request is told when booking is possible, so
+    a flood cannot book the future. Full, with demand over capacity for as long, it starts
+    sustained-overload refusals (nothing booked, told not to retry; admission.py). 0 books
+    nothing (refusals say when there will be room)."""
     max_connection_age_s: float = 30.0
     """MAX_CONNECTION_AGE_S: gRPC and HTTP keep-alive connections are closed gracefully after
     about this long (gRPC adds ±10% jitter), so long-lived clients re-resolve and reach pods

@@ -8,14 +8,16 @@ class InvalidInput(ValueError):
 class Overloaded(RuntimeError):
     """Admission refused the request (RESOURCE_EXHAUSTED / HTTP 429)."""
 
-    def __init__(self, reason: str, retry_after_ms: int | None):
-        """`retry_after_ms` None: overload has outlasted the reservation horizon; retrying soon
-        would only be refused again (transports say "do not retry")."""
-        super().__init__(f"server overloaded ({reason}); " + (
-            f"retry after {retry_after_ms} ms" if retry_after_ms is not None else
-            "demand has exceeded capacity for longer than the reservation horizon absorbs; do not retry now"))
+    def __init__(self, reason: str, retry_after_ms: int, final: bool = False):
+        """`final`: sustained overload; retrying soon would only be refused again (transports
+        say "do not retry", and `retry_after_ms` is a back-off for clients that retry anyway)."""
+        super().__init__(
+            f"server overloaded ({reason}); retry after {retry_after_ms} ms" if not final else
+            f"server overloaded ({reason}): demand has exceeded capacity for longer than the reservation "
+            f"horizon absorbs; do not retry within {retry_after_ms} ms")
         self.reason = reason
         self.retry_after_ms = retry_after_ms
+        self.final = final
 
 
 class NotReady(RuntimeError):
@@ -45,13 +47,13 @@ def to_wire(error: Exception) -> dict:
     name = next(n for n, cls in reversed(list(_BY_NAME.items())) if isinstance(error, cls))
     wire = {"error": name, "message": str(error)}
     if isinstance(error, Overloaded):
-        wire.update(reason=error.reason, retry_after_ms=error.retry_after_ms)
+        wire.update(reason=error.reason, retry_after_ms=error.retry_after_ms, final=error.final)
     return wire
 
 
 def from_wire(wire: dict) -> Exception:
     if wire["error"] == "overloaded":
-        return Overloaded(wire["reason"], wire["retry_after_ms"])
+        return Overloaded(wire["reason"], wire["retry_after_ms"], wire["final"])
     return _BY_NAME.get(wire["error"], ModelFailure)(wire["message"])
 
 

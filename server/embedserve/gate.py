@@ -2,7 +2,7 @@
 booked retry in, ask admission (pure, admission.py), and for what does not fit now, book the
 moment it will and either hold the caller until then (a caller that said it waits) or refuse it
 with that moment (RESOURCE_EXHAUSTED / 429 + retry-after); under sustained overload, refuse it
-with no moment (admission.sustained). Runs on the event loop."""
+as final (admission.still_sustained). Runs on the event loop."""
 
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ class Gate:
         self._held: list[tuple[float, int, float, asyncio.Future]] = []  # (moment, seq, tokens, wake), a heap
         self._seq = itertools.count()
         self._joining = 0.0  # tokens of callers woken by release_held that have not resumed yet
-        self._sustained = False  # the horizon filled and demand has not yet fallen below capacity
+        self._sustained = False  # admission.still_sustained
+        self._over_since: float | None = None  # since when new demand has exceeded the service rate
 
     def sustained(self, snap) -> bool:
         """Sustained overload now (for /health): refused without booking."""
-        return admission.sustained(snap, self._sustained)
+        return admission.still_sustained(snap, self._sustained)
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -64,16 +65,19 @@ class Gate:
         if caller.retry and (early := self.book.due_in(key, now)) is not None:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
         snap = self.estimator.snapshot(latency=self.policy.latency)
-        sustained = admission.sustained(snap, self._sustained)
-        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, sustained)
-        self._sustained = admission.sustained(snap, sustained, decision)
+        if snap.arrival_rate < snap.service_rate:
+            self._over_since = None
+        elif self._over_since is None:
+            self._over_since = now
+        sustained = admission.still_sustained(snap, self._sustained)
+        over_for = 0.0 if self._over_since is None else now - self._over_since
+        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, sustained, over_for)
+        self._sustained = sustained or decision.final
         if decision.admit:
             return
-        if decision.retry_after_ms is None:
-            self._refuse(decision.reason, None)
         wait_s = decision.retry_after_ms / 1000
         if not decision.book:
-            self._refuse(decision.reason, wait_s)
+            self._refuse(decision.reason, wait_s, decision.final)
         # Admitted then, behind less than the budget, then its own work.
         done_s = wait_s + self.policy.max_drain_s + cost / max(snap.service_rate, 1e-9)
         if caller.deadline_s is not None and caller.deadline_s < done_s:
@@ -120,11 +124,10 @@ class Gate:
                 self._joining += tokens
                 room -= tokens
 
-    def _refuse(self, reason: str, wait_s: float | None) -> None:
-        """Raise Overloaded: come back in `wait_s`, or (None) do not retry soon."""
+    def _refuse(self, reason: str, wait_s: float, final: bool = False) -> None:
         self.last_rejection = self.estimator.clock()
         self.observer.rejected(reason)
-        raise Overloaded(reason, None if wait_s is None else max(1, math.ceil(wait_s * 1000)))
+        raise Overloaded(reason, max(1, math.ceil(wait_s * 1000)), final)
 
 
 def _wake(future: asyncio.Future) -> None:

@@ -82,9 +82,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if isinstance(e, Overloaded):
                 # Ours, and gRPC's standard server pushback: a channel whose retry policy covers
                 # RESOURCE_EXHAUSTED retries by itself at the booked moment. Sustained overload
-                # sends no retry-after-ms (our Client does not retry) and a negative pushback
-                # (gRPC's "do not retry").
-                context.set_trailing_metadata(_pushback(e.retry_after_ms))
+                # sends a negative pushback: gRPC's (and our Client's) "do not retry".
+                pushback = "-1" if e.final else str(e.retry_after_ms)
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),
+                                               ("grpc-retry-pushback-ms", pushback)))
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -94,12 +95,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         finally:
             self._observe(rpc, code.name, time.perf_counter() - t0)
-
-
-def _pushback(retry_after_ms: int | None) -> tuple:
-    if retry_after_ms is None:
-        return (("grpc-retry-pushback-ms", "-1"),)
-    return (("retry-after-ms", str(retry_after_ms)), ("grpc-retry-pushback-ms", str(retry_after_ms)))
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,

@@ -155,14 +155,13 @@ def register(app: FastAPI, server: "Server") -> None:
                 headers["Retry-After"] = "1"
                 if server.draining:  # the response closes its connection: the retry reaches another pod
                     headers["retry-after-ms"] = str(DRAINING_RETRY_AFTER_MS)
-            if isinstance(exc, Overloaded) and exc.retry_after_ms is None:
-                # Sustained overload: the openai client (Stainless) obeys this before anything else.
-                headers["x-should-retry"] = "false"
-            elif isinstance(exc, Overloaded):
+            if isinstance(exc, Overloaded):
                 # Seconds for every HTTP client; milliseconds for those that read them (the
                 # openai client prefers retry-after-ms, and waits exactly that long).
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
                 headers["retry-after-ms"] = str(exc.retry_after_ms)
+                if exc.final:  # sustained overload: the openai client obeys this before anything else
+                    headers["x-should-retry"] = "false"
             return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
 
         app.add_exception_handler(error, handler)

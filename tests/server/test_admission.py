@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedserve.admission import Decision, Policy, decide, status, sustained
+from embedserve.admission import Policy, decide, status, still_sustained
 from embedserve.estimator import Snapshot
 
 POLICY = Policy(throughput=True, latency=True, max_drain_s=0.5, latency_soft_s=0.2, latency_hard_s=1.0)
@@ -58,38 +58,45 @@ def test_booked_room_does_not_refuse_what_the_present_queue_can_take():
     assert decide(snap(100), 100, POLICY, 0.99, reserved_tokens=1_000_000).admit
 
 
-def test_past_the_horizon_nothing_is_booked_and_nobody_is_asked_back():
+def test_past_the_horizon_a_burst_is_told_when_booking_is_possible_again():
     policy = Policy(True, False, 0.5, 0.2, 1.0, horizon_s=10.0)
-    d = decide(snap(500), 100, policy, 0.99, reserved_tokens=20_000)
+    d = decide(snap(500), 100, policy, 0.99, reserved_tokens=20_000, over_for_s=9.9)
     assert not d.admit and not d.book  # a flood cannot book the future
-    assert (d.reason, d.retry_after_ms) == ("sustained", None)  # a retry would find the same
-    assert decide(snap(500), 100, policy, 0.99, reserved_tokens=9_000).book
+    assert (d.reason, d.retry_after_ms, d.final) == ("drain_time", 10_000, False)  # wait 20 s; back at 10
+    assert decide(snap(500), 100, policy, 0.99, reserved_tokens=9_000, over_for_s=60).book
+
+
+def test_past_the_horizon_after_a_horizon_of_excess_demand_the_overload_is_sustained():
+    policy = Policy(True, False, 0.5, 0.2, 1.0, horizon_s=10.0)
+    d = decide(snap(500), 100, policy, 0.99, reserved_tokens=20_000, over_for_s=10.0)
+    assert (d.admit, d.book, d.reason, d.final) == (False, False, "sustained", True)
+    assert d.retry_after_ms == 10_000  # a back-off for clients that retry anyway
 
 
 def test_under_sustained_overload_a_request_that_would_fit_the_horizon_books_nothing():
     policy = Policy(True, False, 0.5, 0.2, 1.0, horizon_s=10.0)
-    d = decide(snap(600), 100, policy, 0.99, overload_sustained=True)
-    assert (d.admit, d.book, d.reason, d.retry_after_ms) == (False, False, "sustained", None)
-    assert decide(snap(100), 100, policy, 0.99, overload_sustained=True).admit  # room now: work-conserving
+    d = decide(snap(600), 100, policy, 0.99, sustained=True)
+    assert (d.admit, d.book, d.reason, d.final) == (False, False, "sustained", True)
+    assert decide(snap(100), 100, policy, 0.99, sustained=True).admit  # room now: work-conserving
 
 
 def test_booking_off_says_when_there_will_be_room():
     policy = Policy(True, False, 0.5, 0.2, 1.0, horizon_s=0.0)
-    d = decide(snap(700), 100, policy, 0.99)
-    assert (d.admit, d.book, d.reason, d.retry_after_ms) == (False, False, "drain_time", 200)
+    d = decide(snap(700), 100, policy, 0.99, sustained=True, over_for_s=60)
+    assert (d.admit, d.book, d.reason, d.retry_after_ms, d.final) == (False, False, "drain_time", 200, False)
 
 
 @pytest.mark.parametrize(
-    "was, arrival, reason, now",
+    "was, arrival, still",
     [
-        (False, 5000.0, "drain_time", False),  # demand above capacity, but the horizon is not full: a burst
-        (False, 0.0, "sustained", True),  # the horizon filled
-        (True, 1000.0, "", True),  # still arriving as fast as served: a lull between refusals changes nothing
-        (True, 999.0, "", False),  # demand fell below capacity: booking again
+        (False, 5000.0, False),  # it starts only from a decision (a full horizon, a horizon of excess)
+        (True, 1000.0, True),  # arriving as fast as served: a lull between refusals changes nothing
+        (True, 901.0, True),  # a dip of the averages is not the end
+        (True, 899.0, False),  # demand clearly below capacity: booking again
     ],
 )
-def test_overload_is_sustained_from_a_full_horizon_until_demand_falls_below_capacity(was, arrival, reason, now):
-    assert sustained(snap(arrival=arrival), was, Decision(reason == "", reason)) is now
+def test_sustained_overload_lasts_until_demand_falls_clearly_below_capacity(was, arrival, still):
+    assert still_sustained(snap(arrival=arrival), was) is still
 
 
 def test_the_reorder_window_is_held_back():

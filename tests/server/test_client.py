@@ -9,9 +9,9 @@ import pytest
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.client import Client, retry_after_s
+from embedserve.client import Client, is_final, retry_after_s
 from embedserve.grpc_server import is_retry
-from tests.conftest import ServerProcess, counter, free_port, make_text
+from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
 
 SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 
@@ -50,7 +50,7 @@ async def test_a_burst_through_the_client_with_defaults_is_scheduled_not_dropped
         compute_s = counter(server.http, "embedfleet_model_busy_seconds_total") - busy0
         assert [r.shape for r in results] == [(len(t), 384) for t in requests]
         assert counter(server.http, "embedfleet_held_requests_total") > 100  # a real burst, held, not refused
-        assert counter(server.http, "embedfleet_rejected_requests_total", reason="drain_time") == 0
+        assert rejections(server.http) == 0
         assert elapsed <= 1.5 * compute_s, (elapsed, compute_s)
         # Each request is demand once, however often it came back.
         offered = counter(server.http, "embedfleet_offered_tokens_total") - offered0
@@ -80,13 +80,14 @@ async def test_a_burst_through_the_openai_client_with_its_defaults_completes():
 
 
 async def test_under_sustained_overload_both_clients_fail_at_once_without_retrying():
-    """Once the reservation horizon is full (1 ms here: any wait fills it) a refusal says not to
-    retry: the openai client raises at its first 429 (`x-should-retry: false`) rather than
-    spending its two retries, and the Client raises at once rather than retrying until its 30 s
-    deadline (no retry-after-ms; `grpc-retry-pushback-ms: -1` for gRPC's own retry policy)."""
+    """Once the reservation horizon is full (1 ms here: any wait fills it) and demand has exceeded
+    capacity for as long, a refusal says not to retry: the openai client raises at that 429
+    (`x-should-retry: false`) rather than spending its retries, and the Client tries the
+    next pod once (here the same one) rather than retrying until its 30 s deadline (it reads
+    gRPC's standard negative `grpc-retry-pushback-ms`)."""
     from openai import AsyncOpenAI, RateLimitError
 
-    server = ServerProcess({**SIM, "RESERVATION_HORIZON_MS": "1"}).wait_ready()
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "RESERVATION_HORIZON_MS": "1"}).wait_ready()
 
     async def timed(call):
         t0 = time.perf_counter()
@@ -98,14 +99,18 @@ async def test_under_sustained_overload_both_clients_fail_at_once_without_retryi
 
     try:
         client = AsyncOpenAI(base_url=server.http + "/v1", api_key="unused")
-        outcomes = await asyncio.gather(*(timed(client.embeddings.create(model="sim:2000", input=texts))
+        outcomes = await asyncio.gather(*(timed(client.embeddings.create(model="sim:300", input=texts))
                                           for texts in burst_texts(60, seed=2)))
         await client.close()
-        refused = [e for e, _ in outcomes if e is not None]
-        assert len(refused) > 10 and all(isinstance(e, RateLimitError) for e in refused)
+        refused = [e for e, _ in outcomes if isinstance(e, RateLimitError)]
+        assert len(refused) > 10 and all(e is None or isinstance(e, RateLimitError) for e, _ in outcomes)
+        assert server.health()[1]["sustained_overload"]
         for e in refused:
-            assert e.response.headers["x-should-retry"] == "false" and "retry-after" not in e.response.headers
-            assert e.response.request.headers["x-stainless-retry-count"] == "0"  # its first try
+            # It stopped with retries left: at the first refusal that said so (an earlier one may
+            # have been a burst's, before the overload read as sustained).
+            assert e.response.headers["x-should-retry"] == "false"
+            assert int(e.response.request.headers["x-stainless-retry-count"]) < 2
+            assert int(e.response.headers["Retry-After"]) >= 1  # a back-off for clients that retry anyway
             assert "reservation horizon" in e.message
 
         async with Client(server.target) as client:
@@ -113,9 +118,10 @@ async def test_under_sustained_overload_both_clients_fail_at_once_without_retryi
         refused = [(e, s) for e, s in outcomes if e is not None]
         assert len(refused) > 10
         for e, seconds in refused:
-            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s(e) is None
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(e)
             assert ("grpc-retry-pushback-ms", "-1") in tuple(e.trailing_metadata())
             assert seconds < 2.0  # against a 30 s deadline
+        assert counter(server.http, "embedfleet_rejected_requests_total", reason="sustained") > 20
     finally:
         server.stop()
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from embedserve.client import Client
-from tests.conftest import ServerProcess, counter, free_port
+from tests.conftest import ServerProcess, counter, free_port, rejections
 
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 NAME = "pods.test"
@@ -135,7 +135,7 @@ async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
         assert [r.shape[0] for r in results] == [len(t) for t in requests]
         # Waited where they landed.
         assert sum(counter(p.http, "embedfleet_held_requests_total") for p in pods) > 100
-        refused = sum(counter(p.http, "embedfleet_rejected_requests_total", reason="drain_time") for p in pods)
+        refused = sum(rejections(p.http) for p in pods)
         assert refused == 0, (refused, busy)
         assert elapsed <= 2 * max(busy), (elapsed, busy)  # the fleet's compute time, with room for this 2-core host
     finally:

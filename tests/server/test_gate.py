@@ -104,30 +104,41 @@ async def test_a_held_caller_that_goes_away_frees_its_room():
     assert g.book.reserved_tokens == 0 and len(g.book) == 0
 
 
-async def test_past_the_horizon_nobody_is_held_or_asked_back():
+async def test_past_the_horizon_nobody_is_held():
     g, _ = gate(queued=20_000)  # 20 s of work ahead
     with pytest.raises(Overloaded) as e:
         await g.admit(1, 100, Caller(waits=True))
     assert g.observer.holds == 0 and g.book.reserved_tokens == 0
-    assert e.value.retry_after_ms is None and g.observer.rejections == ["sustained"]
+    assert e.value.retry_after_ms == pytest.approx(19_500 - 10_000, abs=2)  # when booking is possible
+    assert not e.value.final  # a burst, as far as anyone knows yet
 
 
-async def test_sustained_overload_books_nothing_until_demand_falls_below_capacity():
+async def test_sustained_overload_books_nothing_until_demand_falls_clearly_below_capacity():
     g, clock = gate(queued=20_000)
-    with pytest.raises(Overloaded):  # the horizon is full: overload is sustained
-        await g.admit(1, 100, Caller())
-    g.estimator.dequeued(19_400)  # 0.6 s left: a moment within the horizon again...
-    g.estimator.offered(10_000)  # ...but demand still arrives at twice the 1000 tokens/s served
+    g.estimator.offered(10_000)  # demand at twice the 1000 tokens/s served, every second
+    finals = []
+    for second in range(11):
+        with pytest.raises(Overloaded) as e:
+            await g.admit(100 + second, 100, Caller())
+        finals.append(e.value.final)
+        clock.t += 1
+        g.estimator.offered(1900)
+    # Past the horizon, and demand over capacity for less than a horizon: a burst, told when
+    # booking is possible; for a whole horizon: sustained.
+    assert finals == [False] * 10 + [True] and e.value.retry_after_ms == 10_000
+    assert g.observer.rejections == ["drain_time"] * 10 + ["sustained"]
+    g.observer.rejections.clear()
+    g.estimator.dequeued(19_400)  # 0.6 s left: a moment within the horizon again, but demand goes on
     with pytest.raises(Overloaded) as e:
-        await g.admit(2, 100, Caller(waits=True))
-    assert e.value.retry_after_ms is None and g.book.reserved_tokens == 0 and g.observer.holds == 0
+        await g.admit(3, 100, Caller(waits=True))
+    assert e.value.final and g.book.reserved_tokens == 0 and g.observer.holds == 0
     assert g.sustained(g.estimator.snapshot())
     clock.t += 30  # the arrival rate decays below the service rate
     assert not g.sustained(g.estimator.snapshot())
     with pytest.raises(Overloaded) as e:  # a burst again: booked
-        await g.admit(3, 100, Caller())
-    assert e.value.retry_after_ms == 100 and g.book.reserved_tokens == 100
-    assert g.observer.rejections == ["sustained", "sustained", "drain_time"]
+        await g.admit(4, 100, Caller())
+    assert e.value.retry_after_ms == 100 and not e.value.final and g.book.reserved_tokens == 100
+    assert g.observer.rejections == ["sustained", "drain_time"]
 
 
 async def test_a_held_caller_joins_as_soon_as_the_queue_has_room():

@@ -37,7 +37,7 @@ class HealthCheckRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthCheckResponse(_message.Message):
-    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name")
+    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class HealthCheckResponse(_message.Message):
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SUSTAINED_OVERLOAD_FIELD_NUMBER: _ClassVar[int]
     status: str
     accepting_requests: bool
     queued_tokens: int
@@ -74,4 +75,5 @@ class HealthCheckResponse(_message.Message):
     max_length: int
     prompts: _containers.RepeatedScalarFieldContainer[str]
     default_prompt_name: str
-    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ...) -> None: ...
+    sustained_overload: bool
+    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ...) -> None: ...
