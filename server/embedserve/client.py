@@ -8,7 +8,7 @@ A call the server cannot start within its drain budget waits on the server for t
 for it (metadata embedfleet-queue: wait), as long as that moment lies within the reservation
 horizon and the call's deadline (`timeout_s`). Within that deadline the call retries
 RESOURCE_EXHAUSTED after the server's retry-after-ms; a refusal for sustained overload
-(`grpc-retry-pushback-ms` negative) only once, at once, on the next pod; and UNAVAILABLE
+(`grpc-retry-pushback-ms` negative) only once, at once, on the pod round robin picks next; and UNAVAILABLE
 or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
 says so. Retries after a refusal are marked so servers do not count them as new demand.
 """
@@ -127,8 +127,8 @@ class Client:
     def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:
         """Seconds to wait before the next try; None: do not retry."""
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(error):
-            # Sustained overload on that pod. round_robin sends the next try to the next pod,
-            # which may have room (one a scale-up just added): once, at once, never again.
+            # Sustained overload on that pod. The pod round_robin picks next may have room (one a
+            # scale-up just added; the same pod behind a single address): once, at once, no more.
             return 0.0 if final == 0 else None
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             booked = retry_after_s(error)

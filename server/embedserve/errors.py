@@ -14,7 +14,7 @@ class Overloaded(RuntimeError):
         super().__init__(
             f"server overloaded ({reason}); retry after {retry_after_ms} ms" if not final else
             f"server overloaded ({reason}): demand has exceeded capacity for longer than the reservation "
-            f"horizon absorbs; do not retry within {retry_after_ms} ms")
+            f"horizon absorbs; do not retry (a client that must: back off {retry_after_ms} ms at least)")
         self.reason = reason
         self.retry_after_ms = retry_after_ms
         self.final = final

@@ -123,10 +123,15 @@ class Estimator:
         with self._lock:
             self._service.seed(tokens_per_s, self._service.tau / 4)
 
-    def offered(self, tokens: float) -> None:
+    def offered(self, tokens: float) -> float:
+        """New demand arrived; → the arrival rate just before it (between arrivals the average only
+        decays, so that is its low point: what "demand has stayed over capacity" must test)."""
         with self._lock:
-            self._arrival.add(tokens, self.clock())
+            now = self.clock()
+            before = self._arrival.read(now)
+            self._arrival.add(tokens, now)
             self._offered_total += tokens
+            return before
 
     @property
     def offered_total(self) -> float:

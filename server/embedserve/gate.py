@@ -55,8 +55,8 @@ class Gate:
         At its booked moment a marked retry (or a held caller) joins the queue as promised; room
         nobody claims never idles the device, since a new request is judged on the present queue
         alone. An unmarked request with the same texts is another caller: new demand, no claim."""
-        if not caller.retry:  # a retry is the same demand again, not new demand
-            self.estimator.offered(cost)
+        # A retry is the same demand again, not new demand.
+        demand_before = None if caller.retry else self.estimator.offered(cost)
         now = self.estimator.clock()
         # A marked retry whose moment has come is first in line; an unmarked request with the same
         # texts is another caller, and new demand.
@@ -65,14 +65,11 @@ class Gate:
         if caller.retry and (early := self.book.due_in(key, now)) is not None:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
         snap = self.estimator.snapshot(latency=self.policy.latency)
-        if snap.arrival_rate < snap.service_rate:
-            self._over_since = None
-        elif self._over_since is None:
-            self._over_since = now
-        sustained = admission.still_sustained(snap, self._sustained)
+        if demand_before is not None:
+            self._follow_demand(snap._replace(arrival_rate=demand_before), now)
         over_for = 0.0 if self._over_since is None else now - self._over_since
-        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, sustained, over_for)
-        self._sustained = sustained or decision.final
+        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, self._sustained, over_for)
+        self._sustained = self._sustained or decision.final
         if decision.admit:
             return
         wait_s = decision.retry_after_ms / 1000
@@ -87,6 +84,15 @@ class Gate:
             self._refuse(decision.reason, wait_s)
         self.observer.held()
         await self._hold(booking, wait_s)  # then in, as a retry on time would be
+
+    def _follow_demand(self, snap, now: float) -> None:
+        """At each new request, with the arrival rate read just before it: since when demand has
+        exceeded capacity without a break, and whether a sustained overload has ended."""
+        self._sustained = admission.still_sustained(snap, self._sustained)
+        if snap.arrival_rate < snap.service_rate:
+            self._over_since = None
+        elif self._over_since is None:
+            self._over_since = now
 
     async def _hold(self, booking, wait_s: float) -> None:
         """The caller waits here for its booked moment instead of coming back: no round trip, and

@@ -107,7 +107,7 @@ class Metrics:
         self.requests = Counter(P + "requests", "Finished requests by outcome", ["rpc", "code"], registry=r)
         self.rejected_requests = Counter(
             P + "rejected_requests", "Admission refusals by reason: drain_time (told when there is room; booked within the horizon), "
-            "sustained (overload beyond the reservation horizon: not booked, told not to retry), latency_soft, "
+            "sustained (overload the reservation horizon cannot absorb: not booked, told not to retry), latency_soft, "
             "latency_hard", ["reason"], registry=r)
         self.held_requests = Counter(P + "held_requests", "Requests that waited server-side for booked room "
                                      "(callers that send embedfleet-queue: wait)", registry=r)

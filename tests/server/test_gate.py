@@ -141,6 +141,30 @@ async def test_sustained_overload_books_nothing_until_demand_falls_clearly_below
     assert g.observer.rejections == ["sustained", "drain_time"]
 
 
+async def test_demand_must_exceed_capacity_without_a_break_for_a_whole_horizon():
+    """Six seconds over capacity, a lull, five more: eleven seconds over in all, but not for a
+    horizon without a break: a burst past the horizon, not sustained overload."""
+    g, clock = gate(queued=20_000)
+    g.estimator.offered(10_000)
+    for second in range(6):
+        with pytest.raises(Overloaded):
+            await g.admit(200 + second, 100, Caller())
+        clock.t += 1
+        g.estimator.offered(1900)
+    clock.t += 8  # nothing arrives: the average decays below the 1000 tokens/s served
+    with pytest.raises(Overloaded):
+        await g.admit(300, 100, Caller())
+    g.estimator.offered(10_000)
+    finals = []
+    for second in range(11):
+        with pytest.raises(Overloaded) as e:
+            await g.admit(400 + second, 100, Caller())
+        finals.append(e.value.final)
+        clock.t += 1
+        g.estimator.offered(1900)
+    assert finals == [False] * 10 + [True]
+
+
 async def test_a_held_caller_joins_as_soon_as_the_queue_has_room():
     """Its moment is behind every booking standing when it came, including those of callers that
     never come back; once a batch leaves room it joins then, not at that moment."""
