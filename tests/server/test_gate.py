@@ -115,18 +115,11 @@ async def test_past_the_horizon_nobody_is_held():
 
 async def test_sustained_overload_books_nothing_until_demand_falls_clearly_below_capacity():
     g, clock = gate(queued=20_000)
-    g.estimator.offered(10_000)  # demand at twice the 1000 tokens/s served, every second
-    finals = []
-    for second in range(11):
-        with pytest.raises(Overloaded) as e:
-            await g.admit(100 + second, 100, Caller())
-        finals.append(e.value.final)
-        clock.t += 1
-        g.estimator.offered(1900)
+    refusals = await twice_capacity(g, clock, seconds=12, key=100)
     # Past the horizon, and demand over capacity for less than a horizon: a burst, told when
     # booking is possible; for a whole horizon: sustained.
-    assert finals == [False] * 10 + [True] and e.value.retry_after_ms == 10_000
-    assert g.observer.rejections == ["drain_time"] * 10 + ["sustained"]
+    assert [r.final for r in refusals] == [False] * 11 + [True] and refusals[-1].retry_after_ms == 10_000
+    assert g.observer.rejections == ["drain_time"] * 11 + ["sustained"]
     g.observer.rejections.clear()
     g.estimator.dequeued(19_400)  # 0.6 s left: a moment within the horizon again, but demand goes on
     with pytest.raises(Overloaded) as e:
@@ -145,24 +138,23 @@ async def test_demand_must_exceed_capacity_without_a_break_for_a_whole_horizon()
     """Six seconds over capacity, a lull, five more: eleven seconds over in all, but not for a
     horizon without a break: a burst past the horizon, not sustained overload."""
     g, clock = gate(queued=20_000)
-    g.estimator.offered(10_000)
-    for second in range(6):
-        with pytest.raises(Overloaded):
-            await g.admit(200 + second, 100, Caller())
-        clock.t += 1
-        g.estimator.offered(1900)
+    await twice_capacity(g, clock, seconds=7, key=200)
     clock.t += 8  # nothing arrives: the average decays below the 1000 tokens/s served
-    with pytest.raises(Overloaded):
-        await g.admit(300, 100, Caller())
-    g.estimator.offered(10_000)
-    finals = []
-    for second in range(11):
+    refusals = await twice_capacity(g, clock, seconds=12, key=300)
+    assert [r.final for r in refusals] == [False] * 11 + [True]
+
+
+async def twice_capacity(g, clock, seconds: int, key: int) -> list[Overloaded]:
+    """From the first request on, demand at about twice the 1000 tokens/s served (offers between
+    requests), one request a second, each refused. The gate reads demand as each request arrives."""
+    refusals = []
+    for second in range(seconds):
         with pytest.raises(Overloaded) as e:
-            await g.admit(400 + second, 100, Caller())
-        finals.append(e.value.final)
+            await g.admit(key + second, 100, Caller())
+        refusals.append(e.value)
         clock.t += 1
-        g.estimator.offered(1900)
-    assert finals == [False] * 10 + [True]
+        g.estimator.offered(10_000 if second == 0 else 1900)
+    return refusals
 
 
 async def test_a_held_caller_joins_as_soon_as_the_queue_has_room():
