@@ -4,16 +4,17 @@ Throughput strategy (predictive): a request joins the queue at once when the bac
 computes within MAX_DRAIN_TIME_MS less the batcher's reorder window at the measured service rate,
 so accepted latency stays bounded by the budget plus the request's own work. A request that finds
 no room is not dropped but scheduled: it is told when there will be (`retry_after_ms`) and its
-tokens are booked for its retry (reservations.py), provided
-the moment lies within RESERVATION_HORIZON_MS (a flood cannot book the future); past it, it is
-told when booking will be possible again. Booking turns a burst into a short wait. Under
-*sustained* overload it would only turn the excess into a queue as deep as the horizon, every
-served call waiting that long: so once the horizon is full and new demand has exceeded capacity
-for a whole horizon, every request that finds no room is refused as `sustained`, books nothing
-and is told not to retry, until demand falls clearly below capacity (`still_sustained`).
-Latency strategy (reactive): shed 25% of requests while the
-windowed P95 is above LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so
-it empties and admission resumes by itself.
+tokens are booked for its retry (reservations.py), provided the moment lies within
+RESERVATION_HORIZON_MS (a flood cannot book the future); past it, it is told when booking will
+be possible again. Booking turns a burst into a short wait. Under *sustained* overload it would
+only turn the excess into a queue as deep as the horizon, every served call waiting that long:
+so once the horizon is full and new demand has exceeded capacity for a whole horizon, every
+request that finds no room is refused as `sustained`, books nothing and is told not to retry,
+until demand falls clearly below capacity (`still_sustained`).
+
+Latency strategy (reactive): shed 25% of requests while the windowed P95 is above
+LATENCY_SOFT_MS, all above LATENCY_HARD_MS; the window is time-based, so it empties and
+admission resumes by itself.
 
 Every quantity is in real tokens, as the estimator's.
 """
