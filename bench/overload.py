@@ -86,7 +86,7 @@ async def unbooked(server: ServerProcess) -> None:
     """Until the open loop's refused requests (which never retry) no longer hold booked room:
     a retry's moment is behind every booking, so a saturation window started earlier would wait
     for callers that are gone; and until the server no longer reads the overload as sustained
-    (its arrival rate fell below capacity), which would refuse the window's callers outright."""
+    (its arrival rate fell below 0.9x capacity), which would refuse the window's callers outright."""
     for _ in range(300):
         if (counter(server.http, "embedfleet_reserved_tokens") == 0 and counter(server.http, "embedfleet_queued_tokens") == 0
                 and not server.health()[1]["sustained_overload"]):
