@@ -65,10 +65,10 @@ class Decision:
 ADMIT = Decision(True)
 
 
-def still_sustained(snap: Snapshot, was: bool) -> bool:
+def still_sustained(arrival_rate: float, service_rate: float, was: bool) -> bool:
     """A sustained overload lasts while new demand (the shared arrival/service signal) has not
     fallen clearly below capacity: a lull between refusals does not start booking again."""
-    return was and snap.arrival_rate >= SUSTAINED_EXIT * snap.service_rate
+    return was and arrival_rate >= SUSTAINED_EXIT * service_rate
 
 
 def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, reserved_tokens: float = 0.0,

@@ -22,9 +22,12 @@ class DecayingRate:
         self._rate = 0.0
         self._at: float | None = None
 
-    def add(self, amount: float, now: float) -> None:
-        self._rate = self.read(now) + amount / self.tau
+    def add(self, amount: float, now: float) -> float:
+        """→ the rate just before this event."""
+        before = self.read(now)
+        self._rate = before + amount / self.tau
         self._at = now
+        return before
 
     def read(self, now: float) -> float:
         if self._at is None:
@@ -127,11 +130,8 @@ class Estimator:
         """New demand arrived; → the arrival rate just before it (between arrivals the average only
         decays, so that is its low point: what "demand has stayed over capacity" must test)."""
         with self._lock:
-            now = self.clock()
-            before = self._arrival.read(now)
-            self._arrival.add(tokens, now)
             self._offered_total += tokens
-            return before
+            return self._arrival.add(tokens, self.clock())
 
     @property
     def offered_total(self) -> float:

@@ -46,7 +46,7 @@ class Gate:
 
     def sustained(self, snap) -> bool:
         """Sustained overload now (for /health): refused without booking."""
-        return admission.still_sustained(snap, self._sustained)
+        return admission.still_sustained(snap.arrival_rate, snap.service_rate, self._sustained)
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -66,7 +66,7 @@ class Gate:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
         snap = self.estimator.snapshot(latency=self.policy.latency)
         if demand_before is not None:
-            self._follow_demand(snap._replace(arrival_rate=demand_before), now)
+            self._follow_demand(demand_before, snap.service_rate, now)
         over_for = 0.0 if self._over_since is None else now - self._over_since
         decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, self._sustained, over_for)
         self._sustained = self._sustained or decision.final
@@ -85,11 +85,11 @@ class Gate:
         self.observer.held()
         await self._hold(booking, wait_s)  # then in, as a retry on time would be
 
-    def _follow_demand(self, snap, now: float) -> None:
+    def _follow_demand(self, arrival_rate: float, service_rate: float, now: float) -> None:
         """At each new request, with the arrival rate read just before it: since when demand has
         exceeded capacity without a break, and whether a sustained overload has ended."""
-        self._sustained = admission.still_sustained(snap, self._sustained)
-        if snap.arrival_rate < snap.service_rate:
+        self._sustained = admission.still_sustained(arrival_rate, service_rate, self._sustained)
+        if arrival_rate < service_rate:
             self._over_since = None
         elif self._over_since is None:
             self._over_since = now

@@ -12,8 +12,8 @@ from embedserve.estimator import Snapshot
 POLICY = Policy(throughput=True, latency=True, max_drain_s=0.5, latency_soft_s=0.2, latency_hard_s=1.0)
 
 
-def snap(queued=0, rate=1000.0, p95=0.0, arrival=0.0):
-    return Snapshot(service_rate=rate, arrival_rate=arrival, queued_tokens=queued, p95_latency_s=p95)
+def snap(queued=0, rate=1000.0, p95=0.0):
+    return Snapshot(service_rate=rate, arrival_rate=0.0, queued_tokens=queued, p95_latency_s=p95)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_booking_off_says_when_there_will_be_room():
     ],
 )
 def test_sustained_overload_lasts_until_demand_falls_clearly_below_capacity(was, arrival, still):
-    assert still_sustained(snap(arrival=arrival), was) is still
+    assert still_sustained(arrival, 1000.0, was) is still
 
 
 def test_the_reorder_window_is_held_back():
