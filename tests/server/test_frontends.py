@@ -4,9 +4,13 @@ metrics summed over the processes, cancellation reaching the model, and a gracef
 
 import asyncio
 import json
+import os
 import re
 import signal
+import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -60,6 +64,85 @@ def test_metrics_sum_over_the_processes_and_the_signal_is_one(fronted):
     assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second ", text, re.M)) == 1  # one signal
     limits = re.findall(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M)  # from the model process
     assert len(limits) == 1 and 300 <= float(limits[0]) <= 600 - 0.05
+
+
+def children(pid: int) -> set[int]:
+    """The live processes `pid` started: a model process's front ends."""
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(p) for p in f.read().split()}
+    return {p for p in out if alive(p)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def post(url: str, body: dict, timeout: float = 30) -> int:
+    """One request on a new connection (any front end may take it) → its HTTP status."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_killed_front_end_is_replaced_and_callers_meanwhile_are_all_served(fronted):
+    """SIGKILL one front end: the model process starts another in its place. Started beside a
+    sibling that serves the ports, it listens only once it can serve, so no caller on a new
+    connection gets an error from it (listening first answered 404 to HTTP callers while it
+    asked the model process for the tokenizer: a window of milliseconds, caught here only by
+    chance; what is tested for certain is the replacement and that serving never stops)."""
+    before = children(fronted.proc.pid)
+    assert len(before) == 2, before
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(victim):  # its sockets are closed from here on: no connection lands on them
+        assert time.monotonic() < deadline, "the killed front end did not die"
+        time.sleep(0.01)
+    statuses, seen = [], set()
+    deadline = time.monotonic() + 60
+    while not seen - before:  # until the replacement has answered a caller
+        assert time.monotonic() < deadline, f"no new front end served within 60 s: {children(fronted.proc.pid)}"
+        statuses.append(post(fronted.http + "/embed", {"inputs": [f"while restarting {len(statuses)}"]}))
+        seen.add(fronted.health()[1]["frontend_pid"])
+    statuses += [post(fronted.http + "/embed", {"inputs": [f"after {i}"]}) for i in range(20)]
+    assert set(statuses) == {200}, statuses
+    assert len(children(fronted.proc.pid)) == 2
+
+
+def test_when_the_model_process_is_gone_the_front_ends_answer_what_waits_and_exit():
+    """The model process dies without a word (SIGKILL, an OOM kill). In a pod it is PID 1 and
+    the container goes with it; under an init process, or anywhere else, its front ends would
+    hold the ports and leave their callers waiting forever. They answer UNAVAILABLE (503) and
+    exit instead."""
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    fronts = children(server.proc.pid)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # ~800 tokens on a 300 tokens/s device: held for seconds
+            call = pool.submit(post, server.http + "/embed", {"inputs": [f"held by a slow device {i} " * 20 for i in range(8)]})
+            while server.health()[1]["queued_tokens"] == 0 and not call.done():
+                time.sleep(0.02)
+            server.proc.kill()
+            assert call.result(timeout=20) == 503
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in fronts):
+            assert time.monotonic() < deadline, "front ends outlived their model process"
+            time.sleep(0.05)
+    finally:
+        for pid in fronts:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.stop()
 
 
 async def test_one_admission_view_across_front_ends_and_cancellation_reaches_the_model():
