@@ -67,7 +67,7 @@ embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, tests.conft
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
-timeout 100 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py tests/server/test_packing.py \
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py tests/server/test_packing.py \
   tests/server/test_packing_models.py > "$out/pytest.txt" 2>&1
 status=$?
 tail -30 "$out/pytest.txt"

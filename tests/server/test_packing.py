@@ -204,7 +204,10 @@ def test_cuda_packed_graphs_compute_what_the_padded_model_does_at_every_stream_s
     padded = cuda_encoder(tiny_dir, dtype, "padded", "false")
     truth = cuda_encoder(tiny_dir, "float32", "padded", "false")
     assert packed.attention == "packed" and packed.placement.cuda_graphs
-    spec = PackSpec(max_len=256, max_rows=64, ladder=token_ladder(4096))
+    # The server's defaults: the longest bucket 512 pinned, MAX_BATCH_SIZE 512 rows,
+    # MAX_TOKENS_PER_BATCH 32768 (37 stream sizes), as its warm-up captures them.
+    spec = PackSpec.for_plan(512, 512, 32768, True)
+    assert spec.ladder == token_ladder(32768) and len(spec.ladder) == 37
     rng = np.random.default_rng(0)
     worst = []
     for _ in range(2):
