@@ -9,12 +9,13 @@ cd "$(dirname "$0")/.."
 dir=${1:-bench/wheels}
 py=${PYTHON:-.venv/bin/python}
 target=${TARGET_PYTHON:-3.12}  # the device image's python3
-mkdir -p "$dir"
+mkdir -p "$dir" && rm -rf "$dir"/*.whl "$dir/tokenizer"  # no wheels of an earlier set beside these
+echo "$target" > "$dir/PYTHON"
 "$py" -m pip download -q -d "$dir" -c constraints.txt --only-binary=:all: \
   --python-version "$target" --implementation cp --abi "cp${target/./}" --abi abi3 --abi none --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
   --platform any \
   transformers tokenizers huggingface_hub grpcio grpcio-health-checking grpcio-reflection protobuf prometheus_client \
-  fastapi pydantic uvicorn pyzmq pytest pytest-asyncio pytest-timeout
+  fastapi pydantic uvicorn pyzmq pytest pytest-asyncio pytest-timeout aiohttp
 rm -f "$dir"/numpy-*.whl  # the image's own (torch is built against it)
 PYTHONPATH=server "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model_source import packaged_model_dir; \
 AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.argv[1])" "$dir/tokenizer" > /dev/null

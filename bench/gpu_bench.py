@@ -51,8 +51,8 @@ BUCKETS = (16, 64, 128, 256, 512)
 BATCHES = (8, 32, 128)
 MAX_TOKENS = 32768  # the server's default MAX_TOKENS_PER_BATCH
 STREAMS = (1024, 4096, 16384, 32768)  # packed stream sizes timed in (1)
-# Flags a packed stream whose unit vectors differ from the padded rows' by more than bf16 rounding
-# can (~1e-3; the CUDA tests hold the bound): a wrong layout or mask differs by ~0.1-1.
+# Notes a packed stream whose unit vectors differ from the padded rows' by more than bf16 rounding
+# usually does (~1e-3). Not a verdict: the CUDA tests hold the calibrated bound.
 PACKED_TOLERANCE = 2e-2
 INDUCTOR_SHAPES = ((8, 16), (32, 128), (64, 512))  # (rows, bucket)
 PEAK_TFLOPS = (("H100 PCIe", 756), ("H200 NVL", 835), ("H100", 989), ("H200", 989), ("A100", 312), ("L40S", 362))
@@ -164,7 +164,11 @@ def kernels(model_dir: str, rows: list[np.ndarray], cuda: bool, budget_s: float,
                     "speedup": e / g, "tokens_per_s": n * bucket / g, "mfu": mfu(n * bucket / g), "max_abs_dev": deviation})
         print("kernels", out[-1], flush=True)
     del graphs
-    packed = encoder(model_dir, {"DTYPE": "bfloat16", "COMPILE": "graphs", "ATTENTION": "packed"}, cuda)
+    try:  # refused (ATTENTION=packed: the kernel missing or failing its check): the padded rows above stand
+        packed = encoder(model_dir, {"DTYPE": "bfloat16", "COMPILE": "graphs", "ATTENTION": "packed"}, cuda)
+    except Exception as e:  # noqa: BLE001
+        out.append({"note": f"kernels: packed rows refused: {type(e).__name__}: {e}"})
+        return out
     spec = PackSpec.for_plan(512, 512, MAX_TOKENS, cuda)
     for size in STREAMS:
         if time.monotonic() - start > budget_s:
@@ -181,10 +185,10 @@ def kernels(model_dir: str, rows: list[np.ndarray], cuda: bool, budget_s: float,
         out.append({"layout": "packed", "stream": batch.padded_tokens, "rows": batch.rows, "real_tokens": batch.real_tokens,
                     "graph_ms": t * 1e3, "tokens_per_s": batch.real_tokens / t, "mfu": mfu(batch.real_tokens / t),
                     "max_abs_dev_vs_padded": deviation})
-        if deviation > PACKED_TOLERANCE:
-            out.append({"note": f"kernels: packed stream {size} differs from padded rows by {deviation:.1e} "
-                                f"(> {PACKED_TOLERANCE:.0e}): WRONG"})
         print("kernels", out[-1], flush=True)
+        if not deviation <= PACKED_TOLERANCE:  # NaN too
+            out.append({"note": f"kernels: packed stream {size} differs from padded rows by {deviation:.1e} "
+                                f"(> {PACKED_TOLERANCE:.0e}): check it (the CUDA tests hold the calibrated bound)"})
     del eager, packed
     if cuda:
         torch.cuda.empty_cache()

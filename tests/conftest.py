@@ -161,9 +161,16 @@ def dns():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from embedserve.model_source import packaged_model_dir
+    from embedserve.model_source import ModelSourceError, packaged_model_dir
 
-    return str(packaged_model_dir())
+    try:
+        return str(packaged_model_dir())
+    except ModelSourceError:
+        # bench/gpu.sh's machine has no packaged model (~90 MB: more than its carry holds); its
+        # CUDA tests build their own. Anywhere else the model's absence is an error.
+        if os.environ.get("EMBEDFLEET_GPU_CHECK") == "1":
+            pytest.skip("no packaged model on the GPU machine")
+        raise
 
 
 class Reference:

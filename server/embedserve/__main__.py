@@ -53,7 +53,7 @@ class FrontEnds:
     to drain (SIGTERM), waited for, killed only past the grace period."""
 
     def __init__(self, count: int, ipc_path: str):
-        self.count, self.env = count, {**os.environ, "EMBEDSERVE_IPC": ipc_path}
+        self.count, self.env = count, {**os.environ, "EMBEDSERVE_IPC": ipc_path, "EMBEDSERVE_MODEL_PID": str(os.getpid())}
         self.procs: list[subprocess.Popen] = []
         self.stopping = False
         # Per slot: when its process started and how long to wait before the next restart

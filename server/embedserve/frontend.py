@@ -69,7 +69,9 @@ class Frontend:
     def __init__(self, settings: Settings, path: str, late: bool = False):
         self.settings = settings
         self.late = late  # started again beside front ends that serve: listen only once it can serve
-        self.parent = os.getppid()  # the model process
+        # The model process (its pid from its environment: if it died while this one imported,
+        # the parent is already another process).
+        self.parent = int(os.environ.get("EMBEDSERVE_MODEL_PID", os.getppid()))
         self.link = ipc.Link(path)
         self.state: dict = {"health": {"status": "starting"}, "healthy": False, "signal": None}
         self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -112,9 +114,12 @@ class Frontend:
                                      None if hello["simulated"] else head, self.task, self._executor)
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
         if self.late:
-            # Its siblings serve the ports meanwhile. The kernel spreads new connections over every
-            # listening socket at once: listening before the API is installed would answer some
-            # callers 404 (HTTP) or UNAVAILABLE (gRPC) while the pod is Ready.
+            # Its siblings serve the ports meanwhile, and the kernel spreads new connections over
+            # every listening socket at once: started before the API was installed, it answered
+            # some callers 404 (HTTP) or UNAVAILABLE (gRPC) while the pod was Ready. Now the HTTP
+            # socket is not listening until here; gRPC's listens from the moment its port was
+            # added, and what lands there waits in the backlog until this start: served, late by
+            # one round trip to the model process.
             await self.transports.start()
         await self._refresh()
         self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
@@ -161,6 +166,8 @@ class Frontend:
         log.error("the model process %d is gone: failing %d requests in flight and stopping", self.parent,
                   self.link.pending)
         self.draining = True
+        if self.service is not None:
+            self.service.draining = True  # refused before any work, as in a graceful stop
         self.link.fail_all(NotReady("the model process of this server is gone; retry on another server"))
         os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop: refuse, drain what is left, exit
 

@@ -100,8 +100,11 @@ class Link(_Endpoint):
         self.socket.connect(address(path))
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
+        self._gone: Exception | None = None  # fail_all's error: every later call raises it at once
 
     async def call(self, header: dict, payload: bytes = b"") -> tuple[dict, memoryview]:
+        if self._gone is not None:  # sent, it would wait in ZeroMQ's queue for a peer that never comes
+            raise self._gone
         if self._receiver is None:
             self._receiver = asyncio.create_task(self._receive(), name="ipc-link")
         request_id = next(self._ids)
@@ -122,7 +125,9 @@ class Link(_Endpoint):
         return len(self._waiting)
 
     def fail_all(self, error: Exception) -> None:
-        """The other side is gone: every call waiting raises `error` (its answer will never come)."""
+        """The other side is gone: every call waiting, and every later one, raises `error` (no
+        answer will come)."""
+        self._gone = error
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(error)

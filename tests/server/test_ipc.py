@@ -56,3 +56,23 @@ def test_a_requests_key_is_the_same_in_every_process():
     assert len(keys) == 1
     assert int(keys.pop().split()[0]) == content_key(True, "query: ", "a text", b"raw", 3)
     assert content_key(True, "", "ab") != content_key(True, "", "a", "b")  # parts are delimited
+
+
+async def test_once_the_model_process_is_gone_every_call_fails_at_once(tmp_path):
+    """A front end whose model process died: calls waiting, and calls made later (a request
+    still tokenizing then), raise at once. Sent, a later one would wait in ZeroMQ's queue for a
+    peer that never comes back, and its caller with it."""
+    link = ipc.Link(str(tmp_path / "nobody.ipc"))  # no door: nothing will ever answer
+    try:
+        waiting = asyncio.ensure_future(link.call({"op": "rows"}))
+        while link.pending == 0:
+            await asyncio.sleep(0)
+        link.fail_all(RuntimeError("gone"))
+        for call in (waiting, link.call({"op": "rows"})):
+            try:
+                await asyncio.wait_for(call, 5)
+                raise AssertionError("answered by nobody")
+            except RuntimeError as e:
+                assert str(e) == "gone"
+    finally:
+        await link.close()
