@@ -154,7 +154,9 @@ def start_infinity(python: str, model_dir: str, port: int, device: str) -> subpr
     return subprocess.Popen(
         [str(Path(python).parent / "infinity_emb"), "v2", "--model-id", model_dir, "--served-model-name", "bench",
          "--engine", "torch", "--device", device, "--port", str(port)],
-        env={**os.environ, "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"},
+        # Without our PYTHONPATH: gpu.sh puts our pinned transformers first there, not infinity's.
+        env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"},
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
