@@ -70,13 +70,23 @@ class FrontEnds:
         env = {**self.env, "EMBEDSERVE_FRONTEND_LATE": "1"} if late else self.env
         return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=env)
 
-    async def watch(self) -> None:
+    async def watch(self, heard: dict[int, float], unresponsive_s: float) -> None:
+        """Restart front ends that exit; kill one whose loop is stuck (not `heard` from, asking for
+        the model's state, for `unresponsive_s`), so that it is restarted: its callers would wait
+        forever, and the probes, each reaching one front end of N, would not notice."""
         while not self.stopping:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for i, p in enumerate(self.procs):
+                last = heard.get(p.pid)
+                if p.poll() is None and last is not None and now - last > unresponsive_s and not self.stopping:
+                    log.error("front end %d has not asked for the model's state for %.0f s: stuck, killing it",
+                              p.pid, now - last)
+                    p.kill()
+                    continue  # restarted on a later turn, once it has exited
                 if p.poll() is None or self.stopping or now < self._since[i] + self._delay[i]:
                     continue
+                heard.pop(p.pid, None)
                 self._delay[i] = restart_delay(now - self._since[i], self._delay[i])
                 log.error("front end %d exited with %s: starting another%s", p.pid, p.returncode,
                           f" (it died young: the next restart waits {self._delay[i]:.0f} s)" if self._delay[i] else "")
@@ -104,7 +114,7 @@ async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -
     door.start()
     fronts = FrontEnds(count, ipc_path)
     fronts.start()
-    watcher = asyncio.create_task(fronts.watch())
+    watcher = asyncio.create_task(fronts.watch(door.heard, settings.frontend_unresponsive_s))
     try:
         start, stop = await until_stopped(server.start())
         if start.done() and start.exception() is not None:

@@ -142,6 +142,10 @@ class Settings:
     one process. 0 (default): 1 on CPU; on a GPU, the container's cores less two (one for the
     model process's loop and worker), at most 8: one event loop serves ~1,300-2,500 single-text
     requests/s, a GPU can compute far more."""
+    frontend_unresponsive_s: float = 20.0
+    """FRONTEND_UNRESPONSIVE_S: a front end that has not asked the model process for its state
+    (it does every 0.25 s) for this long is stuck: it is killed and started again. The pod's
+    probes cannot tell: each reaches one of the N front ends."""
     gil_switch_interval_ms: float = 1.0
     """GIL_SWITCH_INTERVAL_MS: how long a thread may hold the GIL while another waits for it
     (Python's default is 5). The busy event loop holds it; the model worker waits for it to hand
@@ -196,6 +200,7 @@ class Settings:
             watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple),
             watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s),
             frontends=s.int("FRONTENDS", d.frontends),
+            frontend_unresponsive_s=s.float("FRONTEND_UNRESPONSIVE_S", d.frontend_unresponsive_s),
             gil_switch_interval_ms=s.float("GIL_SWITCH_INTERVAL_MS", d.gil_switch_interval_ms),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
         )

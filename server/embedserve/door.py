@@ -5,6 +5,7 @@ Admission, its estimator and the batcher stay here: one home each, one view for 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from embedserve.gate import Caller
 class ModelDoor:
     def __init__(self, server, path: str):
         self.server = server
+        self.heard: dict[int, float] = {}  # front end pid → when it last asked for the state
         self.door = ipc.Door(path, {"hello": self.hello, "rows": self.rows, "state": self.state})
 
     def start(self) -> None:
@@ -49,6 +51,9 @@ class ModelDoor:
         return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
 
     async def state(self, header: dict, payload) -> ipc.Message:
-        """/health's fields and the shared signal, for a front end's probes and /metrics."""
+        """/health's fields and the shared signal, for a front end's probes and /metrics (asked
+        every STATE_EVERY_S: how the model process knows each front end's loop still turns)."""
+        if "pid" in header:
+            self.heard[header["pid"]] = time.monotonic()
         s = self.server
         return {"health": s.health_fields(), "healthy": s.healthy, "signal": metrics.signal(s)}, b""

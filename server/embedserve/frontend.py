@@ -135,7 +135,7 @@ class Frontend:
 
     async def _refresh(self) -> None:
         try:
-            state, _ = await asyncio.wait_for(self.link.call({"op": "state"}), STATE_TIMEOUT_S)
+            state, _ = await asyncio.wait_for(self.link.call({"op": "state", "pid": os.getpid()}), STATE_TIMEOUT_S)
             self._missed = 0
         except Exception:  # noqa: BLE001 - no answer, or a broken one
             self._missed += 1
