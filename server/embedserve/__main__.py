@@ -22,6 +22,7 @@ from embedserve.lifecycle import until_stopped
 log = logging.getLogger("embedserve")
 RESTART_YOUNG_S = 10.0  # a front end that dies sooner than this after its start died young
 RESTART_MAX_DELAY_S = 30.0
+WATCH_EVERY_S = 1.0  # how often the model process looks at its front ends
 
 
 async def _serve(settings: Settings) -> None:
@@ -60,10 +61,12 @@ class FrontEnds:
         # (doubled while it keeps dying young, so a front end that cannot start does not spin).
         self._since: list[float] = []
         self._delay: list[float] = []
+        self._silent: list[float | None] = []  # killed as stuck: when it fell silent (its life ended then)
 
     def start(self) -> None:
         self.procs = [self._spawn() for _ in range(self.count)]
         self._since, self._delay = [time.monotonic()] * self.count, [0.0] * self.count
+        self._silent = [None] * self.count
 
     def _spawn(self, late: bool = False) -> subprocess.Popen:
         """`late`: started again while its siblings serve the ports (it listens only once ready)."""
@@ -74,23 +77,34 @@ class FrontEnds:
         """Restart front ends that exit; kill one whose loop is stuck (not `heard` from, asking for
         the model's state, for `unresponsive_s`), so that it is restarted: its callers would wait
         forever, and the probes, each reaching one front end of N, would not notice."""
+        turn = time.monotonic()
         while not self.stopping:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_EVERY_S)
             now = time.monotonic()
+            # After a stall of this process's own loop, what the front ends sent meanwhile is not
+            # read yet: judge their silence on a later turn, not on stale stamps.
+            stalled, turn = now - turn > 2 * WATCH_EVERY_S, now
             for i, p in enumerate(self.procs):
-                last = heard.get(p.pid)
-                if p.poll() is None and last is not None and now - last > unresponsive_s and not self.stopping:
-                    log.error("front end %d has not asked for the model's state for %.0f s: stuck, killing it",
-                              p.pid, now - last)
-                    p.kill()
-                    continue  # restarted on a later turn, once it has exited
-                if p.poll() is None or self.stopping or now < self._since[i] + self._delay[i]:
+                if p.poll() is None:
+                    last = heard.get(p.pid)
+                    if (not stalled and last is not None and now - last > unresponsive_s
+                            and self._silent[i] is None and not self.stopping):
+                        log.error("front end %d has not asked for the model's state for %.0f s: stuck, killing it",
+                                  p.pid, now - last)
+                        p.kill()  # restarted on a later turn, once it has exited
+                        self._silent[i] = last
+                    continue
+                if self.stopping or now < self._since[i] + self._delay[i]:
                     continue
                 heard.pop(p.pid, None)
-                self._delay[i] = restart_delay(now - self._since[i], self._delay[i])
+                # A front end killed as stuck lived until it fell silent: one that wedges soon
+                # after each start backs off as one that dies young does.
+                lived = (self._silent[i] or now) - self._since[i]
+                self._delay[i] = restart_delay(lived, self._delay[i])
                 log.error("front end %d exited with %s: starting another%s", p.pid, p.returncode,
                           f" (it died young: the next restart waits {self._delay[i]:.0f} s)" if self._delay[i] else "")
-                self.procs[i], self._since[i] = self._spawn(late=True), now
+                self.procs[i], self._since[i], self._silent[i] = self._spawn(late=True), now, None
+                heard.pop(self.procs[i].pid, None)  # a reused pid's old stamp is not this one's
 
     async def stop(self, grace: float) -> None:
         self.stopping = True

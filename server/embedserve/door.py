@@ -5,7 +5,6 @@ Admission, its estimator and the batcher stay here: one home each, one view for 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -17,8 +16,13 @@ from embedserve.gate import Caller
 class ModelDoor:
     def __init__(self, server, path: str):
         self.server = server
-        self.heard: dict[int, float] = {}  # front end pid → when it last asked for the state
         self.door = ipc.Door(path, {"hello": self.hello, "rows": self.rows, "state": self.state})
+
+    @property
+    def heard(self) -> dict[int, float]:
+        """Front end pid → when it last said hello or asked for the state (every STATE_EVERY_S):
+        how the model process knows each front end's loop still turns."""
+        return self.door.heard
 
     def start(self) -> None:
         self.door.start()
@@ -51,9 +55,6 @@ class ModelDoor:
         return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
 
     async def state(self, header: dict, payload) -> ipc.Message:
-        """/health's fields and the shared signal, for a front end's probes and /metrics (asked
-        every STATE_EVERY_S: how the model process knows each front end's loop still turns)."""
-        if "pid" in header:
-            self.heard[header["pid"]] = time.monotonic()
+        """/health's fields and the shared signal, for a front end's probes and /metrics."""
         s = self.server
         return {"health": s.health_fields(), "healthy": s.healthy, "signal": metrics.signal(s)}, b""

@@ -105,7 +105,7 @@ class Frontend:
         self._watcher = asyncio.create_task(self._watch_model(), name="model-process")
         if not self.late:  # at the pod's start: nothing serves the ports yet, and probes read "starting"
             await self.transports.start()
-        hello, _ = await self.link.call({"op": "hello"})  # answered once the model is ready
+        hello, _ = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the model is ready
         head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
         s = self.settings
         tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
@@ -136,6 +136,8 @@ class Frontend:
     async def _refresh(self) -> None:
         try:
             state, _ = await asyncio.wait_for(self.link.call({"op": "state", "pid": os.getpid()}), STATE_TIMEOUT_S)
+            if "error" in state:  # the model process failed to answer (a bug there): a missed answer
+                raise RuntimeError(f"state request answered {state}")
             self._missed = 0
         except Exception:  # noqa: BLE001 - no answer, or a broken one
             self._missed += 1
@@ -150,9 +152,14 @@ class Frontend:
             await self.transports.serving(self.healthy)
 
     async def _keep_fresh(self) -> None:
+        """Also this front end's heartbeat: the model process kills one that stops asking
+        (FRONTEND_UNRESPONSIVE_S), so nothing may end this loop but a stop."""
         while True:
             await asyncio.sleep(STATE_EVERY_S)
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception:  # noqa: BLE001
+                log.exception("refreshing the model's state failed")
 
     async def _watch_model(self) -> None:
         while os.getppid() == self.parent:
@@ -173,10 +180,10 @@ class Frontend:
 
     async def stop(self, grace: float) -> None:
         self.draining = True
+        await self.transports.stop(grace)  # still asking for the state: draining, not stuck
         for task in (self._refresher, self._watcher):
             if task and task is not asyncio.current_task():
                 task.cancel()
-        await self.transports.stop(grace)
         await self.link.close()
         self._executor.shutdown(wait=False)
 

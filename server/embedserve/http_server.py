@@ -121,10 +121,7 @@ class HttpServer:
         if self._task.done():
             self._task.result()
 
-    async def stop(self, timeout: float = 1.0) -> None:
-        """Stop; a handler still running `timeout` seconds on is cancelled (uvicorn's default waits
-        for it forever: one whose answer never comes would keep the process alive)."""
+    async def stop(self) -> None:
         if self._task:
-            self._uvicorn.config.timeout_graceful_shutdown = max(0.1, timeout)
             self._uvicorn.should_exit = True
             await self._task

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 from typing import Awaitable, Callable
 
 import zmq
@@ -61,6 +62,9 @@ class Door(_Endpoint):
         self.handlers = handlers
         self.socket.bind(address(path))
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
+        # Sender pid → when a message naming it (hello, state) last arrived: stamped on receipt,
+        # so a request that waits, or is cancelled before it runs, still shows its sender alive.
+        self.heard: dict[int, float] = {}
 
     def start(self) -> None:
         self._receiver = asyncio.create_task(self._receive(), name="ipc-door")
@@ -69,6 +73,8 @@ class Door(_Endpoint):
         while True:
             peer, header, payload = await self.socket.recv_multipart(copy=False)
             h = json.loads(header.bytes)
+            if "pid" in h:
+                self.heard[h["pid"]] = time.monotonic()
             key = (peer.bytes, h.get("id", 0))
             if h["op"] == "cancel":
                 task = self._tasks.get(key)
