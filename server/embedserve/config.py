@@ -206,6 +206,9 @@ class Settings:
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
+        if not settings.frontend_unresponsive_s >= 1:  # NaN too: it would kill every front end
+            raise ConfigError(f"FRONTEND_UNRESPONSIVE_S={settings.frontend_unresponsive_s}: must be >= 1 "
+                              "(front ends ask for the model's state every 0.25 s)")
         if not settings.max_message_bytes:
             from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
 

@@ -45,6 +45,8 @@ def test_values_are_parsed():
         ({"COMPILE": "reduce-overhead"}, "COMPILE='reduce-overhead': expected one of auto, graphs, true, false"),
         ({"BATCH_CAPS": "16"}, "BATCH_CAPS"),
         ({"LATENCY_SOFT_MS": "900", "LATENCY_HARD_MS": "100"}, "LATENCY_SOFT_MS"),
+        ({"FRONTEND_UNRESPONSIVE_S": "0"}, "FRONTEND_UNRESPONSIVE_S=0.0: must be >= 1"),
+        ({"FRONTEND_UNRESPONSIVE_S": "nan"}, "FRONTEND_UNRESPONSIVE_S=nan: must be >= 1"),
     ],
 )
 def test_bad_values_name_the_variable(env, message):
