@@ -95,7 +95,7 @@ class Ours:
     def __call__(self, fleet, t):
         samples = [autoscale.PodSample(str(id(r)), r.ready(t), r.ready(t), CAPACITY if r.ready(t) else 0.0,
                                        r.arrival.read(t), r.queued(t), r.offered_total,
-                                       STARTUP_S if r.ready(t) else None,
+                                       startup_s=STARTUP_S if r.ready(t) else None,
                                        backlog_limit_s=POLICY.backlog_limit_s) for r in fleet]
         d = autoscale.decide(samples, len(fleet), self.policy, self.history, t)
         self.history = d.history

@@ -20,10 +20,13 @@ def main(argv=None) -> int:
     import embedop.handlers  # noqa: F401 - registers the handlers
 
     kopf.run(
-        standalone=True,  # one operator replica; no peering CRD needed
+        # No kopf peering: it would pause kopf's handlers but not our own loops; a Lease elects
+        # the one operator pod that acts (leader.py).
+        standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(namespaces=args.namespace or []),  # the informers watch the same namespaces
     )
     return 0
 

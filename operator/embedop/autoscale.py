@@ -1,20 +1,26 @@
 """The autoscaling decision: replicas from the servers' own signal. Pure — samples, policy and
 history in; a decision and the next history out.
 
-capacity per replica = median of the ready pods' measured service rates (robust to an outlier
+capacity per replica = median of the serving pods' measured service rates (robust to an outlier
   and to a fresh pod with no samples yet; the last known value when none reports one)
 demand = Σ offered rate (rejected demand included: while shedding, the accepted rate understates
   need), each pod's measured as its offered-tokens counter's increase over the interval (the
   interval's exact mean; the arrival-rate gauge, an EMA seen at one instant, only for a pod
   seen for the first time) + the backlog, present at two reads in a row, beyond the queue a pod
   holds at target utilization, to be cleared within targetDrainTime
-forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready)
+forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready), on a
+  sustained ramp only (a step is already in demand: extrapolating its jump would overshoot)
 recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window, which starts out holding the current size (as the
-HPA's: an operator restart does not forget why the fleet is as large as it is); pods still starting count as capacity on its way,
-and those the latest recommendation no longer needs are cancelled without waiting for the
-window (they never served) unless demand is still rising; a failed scrape never lets the fleet shrink.
+HPA's: an operator restart does not forget why the fleet is as large as it is); pods still starting
+(never Ready: the kubelet has not yet marked their container started) count as capacity on its
+way, and those the latest recommendation no longer needs are cancelled without waiting for the
+window (they never served) once demand is known to have stopped rising (an operator restart, with
+no trend yet, never reads as falling). A pod that served and turned unready (a readiness timeout
+under load, a node NotReady) is not starting but *blind*, as is a failed scrape or an answer
+without the shared signal: blindness never lets the fleet shrink (overload makes pods unready, so
+cutting them would be a death spiral), though what the readable pods show may still grow it.
 All rates and backlogs are in the servers' one unit, real tokens (capacity is real tokens per
 second of model-busy time, so padding shows as lower capacity).
 """
@@ -54,6 +60,12 @@ class PodSample:
     busy_seconds: float | None = None  # model-busy seconds served (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
     backlog_limit_s: float | None = None  # the queue its admission lets grow, s of model time (None: not exported)
+    started: bool = False  # its container passed the startup probe (a Ready pod has, whatever this says)
+
+    @property
+    def was_ready(self) -> bool:
+        """Whether the pod has been Ready: only a pod that never was is starting."""
+        return self.ready or self.started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +96,7 @@ class History:
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
     surge: "Surge | None" = None  # the scale-up under way
+    startups: tuple[tuple[str, float], ...] = ()  # (pod, creation → its first Ready), as first measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,18 +165,44 @@ def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> floa
     return cov / var_t if r2 >= min_fit else 0.0
 
 
+def ramp(points: tuple[tuple[float, float], ...]) -> float:
+    """The upward trend to look ahead on: only a sustained ramp, demand up at each of the last
+    two reads as well as fitted over the window. A step is already in demand: a fit over a window
+    that holds it reads as a slope, and extrapolating that a start-up ahead would overshoot."""
+    rising = len(points) >= 3 and points[-1][1] > points[-2][1] > points[-3][1]
+    return max(0.0, trend(points)) if rising else 0.0
+
+
+def falling(points: tuple[tuple[float, float], ...]) -> bool:
+    """Whether demand is known to have stopped rising: not up since the last read (with two
+    points) or over the window (three or more). A single point (a new service, or an operator
+    restart with no trend yet) never reads as falling."""
+    if len(points) < 2:
+        return False
+    return (points[-1][1] <= points[-2][1]) if len(points) == 2 else trend(points, min_fit=0.0) <= 0
+
+
+def startups(samples: list[PodSample], known: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """Each present pod's start-up, kept as first measured: a pod whose readiness flapped reports
+    the last flap as its Ready time, which says nothing about how long a pod takes to start."""
+    first = dict(known)
+    return tuple((s.name, first.get(s.name, s.startup_s)) for s in samples
+                 if s.name in first or s.startup_s is not None)
+
+
 def decide(samples: list[PodSample], current: int, policy: Policy, history: History, now: float) -> Decision:
     """`current` is the Deployment's replica count, starting pods included."""
-    ready = [s for s in samples if s.ready]
-    scraped = [s for s in ready if s.scraped]
+    # Pods that served and turned unready may still carry load (their connections stay open):
+    # what can be read from them counts.
+    scraped = [s for s in samples if s.was_ready and s.scraped]
     # A pod that has served little still reports its warm-up's rate (full rows, an upper bound):
     # the pods that have served decide capacity when there are any.
     measured = [s for s in scraped if s.service_rate > 0]
     served = [s for s in measured if s.busy_seconds is None or s.busy_seconds >= SERVED_BUSY_S]
     rates = [s.service_rate for s in served or measured]
     capacity = statistics.median(rates) if rates else history.capacity
-    startups = [s.startup_s for s in samples if s.startup_s is not None]
-    startup_s = statistics.median(startups) if startups else history.startup_s
+    measured_startups = startups(samples, history.startups)
+    startup_s = statistics.median(v for _, v in measured_startups) if measured_startups else history.startup_s
     # Backlog counts only beyond the queue a pod holds at target utilization: admission lets a
     # queue grow to the pod's backlog limit (its drain budget less the batcher's reorder window;
     # the whole budget for a pod that does not say), and a pod busy `target_utilization` of the
@@ -181,14 +220,13 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(
         p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
     demand_points = tuple(p for p in history.demand if p[0] > now - TREND_WINDOW_S) + ((now, demand),)
-    # Look-ahead is for ramps (a few % per start-up); a step is already in `demand`, and
-    # extrapolating its jump a whole start-up ahead would overshoot: the look-ahead is capped.
+    # Look-ahead is for sustained ramps (a few % per start-up, see ramp()), and capped.
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
     # later: until then, what we decide now has to carry the load.
     interval = now - history.demand[-1][0] if history.demand else 0.0
-    rising = max(0.0, trend(demand_points))
-    forecast = demand + min(rising * (startup_s + interval), LOOKAHEAD_CAP * demand)
-    blind = len(scraped) < len(ready)  # some serving pods could not be read: demand is a floor
+    forecast = demand + min(ramp(demand_points) * (startup_s + interval), LOOKAHEAD_CAP * demand)
+    # Pods that served and could not be read, or serve no more (unready): demand is a floor.
+    blind = any(s.was_ready and not (s.ready and s.scraped) for s in samples)
 
     def keep(recommendation: int) -> History:
         horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
@@ -196,7 +234,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         # current size, as the HPA's does, so the first decision cannot drop 4 pods to 2 at once.
         past = history.recommendations or (((now, current),) if policy.scale_down_stabilization_s else ())
         recs = tuple(r for r in past if r[0] >= horizon) + ((now, recommendation),)
-        return History(recs, demand_points, capacity, startup_s, pods)
+        return History(recs, demand_points, capacity, startup_s, pods, startups=measured_startups)
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
@@ -216,7 +254,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     if surge:
         low = recommendation <= surge.base
         surge = dataclasses.replace(surge, low_since=(surge.low_since or now) if low else None)
-    falling = trend(demand_points, min_fit=0.0) <= 0
+    not_rising = falling(demand_points)
 
     if recommendation > current:
         # Scale-up stabilization (0 by default): the lowest recommendation of its window.
@@ -228,10 +266,11 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
             surge = Surge(now, surge.base if surge else current)
     elif recommendation < current:
         windowed = max(in_window(policy.scale_down_stabilization_s))
-        starting = current - len(ready)
+        # Only pods that were never Ready are starting; the rest of the count has served.
+        starting = current - sum(s.was_ready for s in samples)
         if blind:
-            desired, reason = current, "hold: some ready pods could not be scraped"
-        elif surge and surge.low_since is not None and now - surge.low_since >= SURGE_LULL * startup_s and falling:
+            desired, reason = current, "hold: some serving pods could not be read or are unready"
+        elif surge and surge.low_since is not None and now - surge.low_since >= SURGE_LULL * startup_s and not_rising:
             # The demand that called the surge has gone (a spike shorter than the window, or one
             # that ended before its pods were ready): the window protects the fleet from a noisy
             # signal, not pods added for load that is no longer there. Once the demand has been
@@ -242,11 +281,11 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         elif windowed < current:
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
-        elif (starting > 0 and falling
+        elif (starting > 0 and not_rising
               and (confirmed := max(r for _, r in new_history.recommendations[-CANCEL_CONFIRMATIONS:])) < current):
             # Capacity that came too late: cancel starting pods that the latest recommendation(s)
             # no longer need. They never served, so this cannot flap the serving fleet.
-            desired = max(confirmed, len(ready))
+            desired = max(confirmed, current - starting)
             reason = f"cancel {current - desired} starting pod(s) no longer needed"
         else:
             desired, reason = current, f"hold: scale-down window ({policy.scale_down_stabilization_s:.0f}s)"

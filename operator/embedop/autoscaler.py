@@ -1,26 +1,33 @@
-"""One autoscaling step for one EmbeddingService (mode: operator): list its pods, scrape each
-ready pod's /metrics concurrently with a short timeout, decide, scale, record. The decision
-itself is autoscale.decide (pure); this module is its I/O.
+"""One autoscaling step for one EmbeddingService (mode: operator): take its pods from the watch's
+copies, scrape each serving pod's /metrics concurrently with a short timeout, decide, scale,
+record. The decision itself is autoscale.decide (pure); this module is its I/O.
 
 The count changes through the same render and apply as the reconcile (deployment_for), guarded by
 the Deployment's resourceVersion: one writer of the field (field manager embedop), and a decision
-taken on a count that has changed meanwhile is dropped rather than applied. Right after a change
-the service's spec.replicas is set to it (reconcile.mirror_count), so that a switch to mode off
-keeps the fleet as it is."""
+taken on a count that has changed meanwhile is dropped rather than applied. When admission refuses
+the whole Deployment, the count still changes, through the scale subresource
+(reconcile.apply_deployment). Right after a change the service's spec.replicas is set to it
+(reconcile.mirror_count), so that a switch to mode off keeps the fleet as it is.
+
+A settled service costs no API request: the Deployment, the service and the pods are read from the
+watches, and status is written only when the decision or a condition changes (the measured rates
+at most once a minute, status.MEASURED_REFRESH_S)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import datetime
+import ipaddress
 import logging
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedop import autoscale, crd, render, reconcile, spec as specs, status
+from embedop.cache import Cluster
 from embedop.config import OperatorSettings
-from embedop.kube import Conflict, Kube, Rejected
+from embedop.kube import Conflict, Rejected
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,11 @@ METRICS = {
     "embedfleet_model_busy_seconds_total": "busy_seconds",
     "embedfleet_admission_backlog_limit_seconds": "backlog_limit_s",
 }
+
+
+# The series a server must export for its demand and capacity to be read (DESIGN's shared signal);
+# an answer without them (another program on the port, an incompatible version) is blind, not zero.
+REQUIRED = ("service_rate", "arrival_rate", "queued_tokens")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -50,34 +62,68 @@ def _time(value: str | None) -> datetime.datetime | None:
     return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-def pod_view(pod: dict) -> tuple[str, str | None, bool, float | None]:
-    """→ (name, podIP, ready, seconds from creation to ready)."""
+@dataclasses.dataclass(frozen=True)
+class PodView:
+    name: str
+    ip: str | None
+    ready: bool
+    started: bool  # the kubelet marked its containers started: the startup probe passed
+    startup_s: float | None  # creation → Ready, when that Ready follows the container's start
+
+
+def pod_view(pod: dict, startup_allowance_s: float = render.STARTUP_ALLOWANCE_S) -> PodView | None:
+    """What the autoscaler needs of a Pod, as the API keeps it (an operator restart forgets
+    nothing): None for a pod being deleted (it leaves the fleet, whatever its state).
+
+    A container's `started` stays true from its startup probe's success until it restarts, so a
+    pod that served and turned unready is told from one still starting. Start-up time is
+    creation → Ready, measured only where that Ready is the container's first (no restart, and
+    within the startup probe's allowance of the container's start): after a flap, Ready's
+    lastTransitionTime is the flap's."""
+    if pod["metadata"].get("deletionTimestamp"):
+        return None
     st = pod.get("status") or {}
     cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), {})
-    ready = cond.get("status") == "True" and not pod["metadata"].get("deletionTimestamp")
+    ready = cond.get("status") == "True"
+    containers = st.get("containerStatuses") or []
+    started = bool(containers) and all(c.get("started") for c in containers)
     created, became_ready = _time(pod["metadata"].get("creationTimestamp")), _time(cond.get("lastTransitionTime"))
-    startup = (became_ready - created).total_seconds() if ready and created and became_ready else None
-    return pod["metadata"]["name"], st.get("podIP"), ready, startup
+    running = [_time(((c.get("state") or {}).get("running") or {}).get("startedAt")) for c in containers]
+    first = not any(c.get("restartCount") for c in containers) and all(
+        t is None or became_ready is None or (became_ready - t).total_seconds() <= startup_allowance_s for t in running)
+    startup = (became_ready - created).total_seconds() if ready and first and created and became_ready else None
+    return PodView(pod["metadata"]["name"], st.get("podIP"), ready, started, startup)
+
+
+def metrics_url(ip: str, port: int) -> str:
+    """An IPv6 literal goes in brackets (IPv6-only and IPv6-first dual-stack clusters)."""
+    host = f"[{ip}]" if isinstance(ipaddress.ip_address(ip), ipaddress.IPv6Address) else ip
+    return f"http://{host}:{port}/metrics"
 
 
 async def scrape(session: aiohttp.ClientSession, pods: list[dict], port: int, timeout: float,
                  errors: dict[str, str] | None = None) -> list[autoscale.PodSample]:
-    """`errors`, when given, gets each failed scrape's error by pod name."""
-    async def one(pod):
-        name, ip, ready, startup = pod_view(pod)
-        if not ready or not ip:
-            return autoscale.PodSample(name, False, False, startup_s=startup)
+    """Every pod that has served (Ready, or started and turned unready: it may still carry load)
+    is scraped. `errors`, when given, gets each failed scrape's error by pod name."""
+    async def one(view: PodView):
+        base = dict(name=view.name, ready=view.ready, started=view.started, startup_s=view.startup_s)
+        if not (view.ready or view.started) or not view.ip:
+            return autoscale.PodSample(scraped=False, **base)
         try:
-            async with session.get(f"http://{ip}:{port}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with session.get(metrics_url(view.ip, port), timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 r.raise_for_status()
-                text = await r.text()
-            return autoscale.PodSample(name, True, True, startup_s=startup, **parse_metrics(text))
+                values = parse_metrics(await r.text())
+            if missing := [f for f in REQUIRED if f not in values]:
+                raise ValueError("no " + ", ".join(k for k, v in METRICS.items() if v in missing) +
+                                 " in its /metrics: not an embedfleet server, or an incompatible version")
+            return autoscale.PodSample(scraped=True, **base, **values)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             if errors is not None:
-                errors[name] = f"{type(e).__name__}: {e}" if str(e) else f"no answer within {timeout:g} s"
-            return autoscale.PodSample(name, True, False, startup_s=startup)
+                errors[view.name] = f"{type(e).__name__}: {e}" if str(e) else f"no answer within {timeout:g} s"
+            return autoscale.PodSample(scraped=False, **base)
 
-    return list(await asyncio.gather(*(one(p) for p in pods)))
+    views = [v for v in map(pod_view, pods) if v is not None]
+    return list(await asyncio.gather(*(one(v) for v in views)))
 
 
 def unscraped(samples: list[autoscale.PodSample], errors: dict[str, str], port: int) -> str | None:
@@ -91,12 +137,6 @@ def unscraped(samples: list[autoscale.PodSample], errors: dict[str, str], port: 
             "(a NetworkPolicy that keeps the operator from the pods' metrics port does this)")
 
 
-def owned_pods(pods: list[dict], name: str) -> list[dict]:
-    """The service's pods (filtered here too: not every API server applies label selectors)."""
-    want = render.selector(name)
-    return [p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())]
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     history: autoscale.History  # for the next step
@@ -104,61 +144,70 @@ class Step:
     current: int  # the count it was decided on
     body: dict | None  # the service as read
     unscraped: str | None = None  # see unscraped()
+    refused: str | None = None  # admission refused the Deployment: the count changed through /scale
 
 
-async def step(kube: Kube, settings: OperatorSettings, session: aiohttp.ClientSession, namespace: str, name: str,
-               history: autoscale.History, now: float) -> Step:
-    live = await kube.get("Deployment", namespace, name)  # first, as reconcile does
-    body = await kube.get(crd.KIND, namespace, name)
+async def step(cluster: Cluster, settings: OperatorSettings, session: aiohttp.ClientSession, namespace: str,
+               name: str, history: autoscale.History, now: float, measured_due: bool = True) -> Step:
+    """`measured_due`: the measured rates in status may be refreshed (status.MEASURED_REFRESH_S)."""
+    live = await cluster.get("Deployment", namespace, name)  # first, as reconcile does
+    body = await cluster.get(crd.KIND, namespace, name)
     if live is None or body is None or body["metadata"].get("deletionTimestamp"):
         return Step(history, None, 0, body)
     spec = specs.defaulted(body.get("spec") or {})
-    if spec["autoscaling"]["mode"] != "operator" or specs.problems(spec):
+    if (spec["autoscaling"]["mode"] != "operator" or specs.problems(spec, name)
+            or reconcile.not_ours(live, reconcile.owner_of(body))):
         return Step(history, None, 0, body)
     current = int(live["spec"].get("replicas") or 0)
-    pods = owned_pods(await kube.list("Pod", namespace, render.selector(name)), name)
     errors: dict[str, str] = {}
-    samples = await scrape(session, pods, settings.metrics_port, settings.scrape_timeout_s, errors)
+    samples = await scrape(session, cluster.pods(namespace, render.selector(name)), settings.metrics_port,
+                           settings.scrape_timeout_s, errors)
     blind = unscraped(samples, errors, settings.metrics_port)
     decision = autoscale.decide(samples, current, autoscale.Policy.from_spec(spec["autoscaling"], spec["admission"]), history, now)
-    if decision.desired != current and not await _scale(kube, settings, body, spec, live, decision.desired):
-        decision = dataclasses.replace(decision, desired=current, reason="the count changed meanwhile: decide again")
-    await _write_status(kube, namespace, name, spec, decision, samples, current, unscraped=blind)
-    return Step(decision.history, decision, current, body, blind)
+    refused = None
+    if decision.desired != current:
+        scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired)
+        if not scaled:
+            decision = dataclasses.replace(decision, desired=current, reason="the count changed meanwhile: decide again")
+    await _write_status(cluster, namespace, name, spec, decision, samples, current, unscraped=blind, due=measured_due)
+    return Step(decision.history, decision, current, body, blind, refused)
 
 
-async def _scale(kube: Kube, settings: OperatorSettings, body: dict, spec: dict, live: dict, desired: int) -> bool:
-    """Apply the service's Deployment with the new count, then mirror it into spec.replicas.
-    → False when the Deployment changed since it was read and its count is no longer the one
-    decided on (the next step decides again)."""
+async def _scale(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, live: dict,
+                 desired: int) -> tuple[bool, str | None]:
+    """Apply the service's Deployment with the new count (through the scale subresource when
+    admission refuses the whole spec), then mirror it into spec.replicas. → (False when the
+    Deployment changed since it was read and its count is no longer the one decided on: the next
+    step decides again; the refusal's message when the fallback was taken)."""
     current = live["spec"].get("replicas")
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     for _ in range(reconcile.CONFLICT_RETRIES):
         deployment, _ = reconcile.deployment_for(settings, body, spec, live, desired)
         try:
-            await kube.apply(deployment)
+            refused = await reconcile.apply_deployment(cluster, deployment, live)
         except Conflict:
-            live = await kube.get("Deployment", body["metadata"]["namespace"], body["metadata"]["name"])
+            live = await cluster.get("Deployment", namespace, name, fresh=True)
             if live is None or live["spec"].get("replicas") != current:
-                return False
-            body = await kube.get(crd.KIND, body["metadata"]["namespace"], body["metadata"]["name"]) or body
+                return False, None
+            body = await cluster.get(crd.KIND, namespace, name, fresh=True) or body
             spec = specs.defaulted(body.get("spec") or {})
             continue
         if (count := render.mirrored_replicas(spec, desired)) is not None:
             try:
-                await reconcile.mirror_count(kube, body, count)
+                await reconcile.mirror_count(cluster, body, count)
             except Rejected as e:  # the reconcile tries again, and reports it as Degraded
-                log.warning("%s/%s: spec.replicas not updated: %s", body["metadata"]["namespace"],
-                            body["metadata"]["name"], e)
-        return True
-    return False
+                log.warning("%s/%s: spec.replicas not updated: %s", namespace, name, e)
+        return True, refused
+    return False, None
 
 
-async def _write_status(kube: Kube, namespace: str, name: str, spec: dict, decision: autoscale.Decision,
+async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict, decision: autoscale.Decision,
                         samples: list[autoscale.PodSample], current: int, body: dict | None = None,
-                        unscraped: str | None = None) -> None:
-    """The autoscaler's status fields (see status.py); `body`: a fresh read to start from. The
-    measurements are written only when one has moved meaningfully (status.steady): a write per
-    interval per service would be as many watch events and etcd writes for nothing."""
+                        unscraped: str | None = None, due: bool = True) -> None:
+    """The autoscaler's status fields (see status.py); `body`: a read to start from. The
+    measurements are written only when one has moved meaningfully and a refresh is `due`, or
+    with a change of the decision or a condition (status.steady): a write per interval per service
+    would be as many watch events and etcd writes for nothing."""
     scraped = [s for s in samples if s.scraped]
     measured = {
         "serviceRateTokensPerSecond": decision.capacity or 0.0,
@@ -181,7 +230,8 @@ async def _write_status(kube: Kube, namespace: str, name: str, spec: dict, decis
             generation, before, now)
         metrics = status.condition("MetricsUnavailable", unscraped is not None, reason, unscraped or "",
                                    generation, before, now)
-        return {**new, **status.steady(previous, measured),
-                "conditions": status.merge_conditions(before, [limited, metrics])}
+        conditions = status.merge_conditions(before, [limited, metrics])
+        changed = previous.get("desiredReplicas") != decision.desired or conditions != before
+        return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions}
 
-    await reconcile.update_status(kube, namespace, name, compute, body)
+    await reconcile.update_status(cluster, namespace, name, compute, body)

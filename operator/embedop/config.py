@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import socket
+import uuid
 from typing import Mapping
 
 from embedop import __version__
@@ -15,7 +18,8 @@ class OperatorSettings:
     """EMBEDOP_SERVER_IMAGE: the server image used when a spec names none."""
     resync_seconds: float = 30.0
     """EMBEDOP_RESYNC_SECONDS: how often each service's owned objects and status are checked
-    (drift is also reverted at once on events)."""
+    against the watches' copies (costs no API request when nothing drifted; drift is also reverted
+    at once on the watch events)."""
     scrape_timeout_s: float = 2.0
     """EMBEDOP_SCRAPE_TIMEOUT_S: per-pod timeout of a /metrics scrape."""
     api_timeout_s: float = 10.0
@@ -25,16 +29,46 @@ class OperatorSettings:
     HTTP_HEALTH_PORT, probes and Services, and scraped by the autoscaler."""
     grace_seconds: int = 45
     """EMBEDOP_GRACE_SECONDS: terminationGracePeriodSeconds of server pods (drain time)."""
+    leader_election: bool = True
+    """EMBEDOP_LEADER_ELECTION: hold a coordination.k8s.io Lease before writing anything, so that
+    of several operator pods exactly one acts (false: one operator pod only, never two)."""
+    lease_namespace: str = "default"
+    """EMBEDOP_LEASE_NAMESPACE (else POD_NAMESPACE, the chart's downward API): where the Lease is."""
+    lease_name: str = "embedop-leader"
+    """EMBEDOP_LEASE_NAME: the Lease's name (operators sharing it elect one leader among them)."""
+    lease_seconds: float = 15.0
+    """EMBEDOP_LEASE_SECONDS: the Lease's duration: how long a successor waits after the leader
+    stops renewing (a crash; a clean stop releases it at once). Renewed every third of it."""
+    identity: str = ""
+    """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
         env = os.environ if env is None else env
         d = cls()
+
+        def positive(key: str, default: float) -> float:
+            raw = env.get(key)
+            value = float(raw) if raw else default
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{key}={raw!r}: must be a positive number of seconds")
+            return value
+
+        election = (env.get("EMBEDOP_LEADER_ELECTION") or "true").strip().lower()
+        if election not in ("true", "false", "1", "0"):
+            raise ValueError(f"EMBEDOP_LEADER_ELECTION={election!r}: must be true or false")
+        who = env.get("EMBEDOP_IDENTITY") or env.get("POD_NAME") or socket.gethostname()
         return cls(
             server_image=env.get("EMBEDOP_SERVER_IMAGE") or d.server_image,
-            resync_seconds=float(env.get("EMBEDOP_RESYNC_SECONDS") or d.resync_seconds),
-            scrape_timeout_s=float(env.get("EMBEDOP_SCRAPE_TIMEOUT_S") or d.scrape_timeout_s),
-            api_timeout_s=float(env.get("EMBEDOP_API_TIMEOUT_S") or d.api_timeout_s),
+            resync_seconds=positive("EMBEDOP_RESYNC_SECONDS", d.resync_seconds),
+            scrape_timeout_s=positive("EMBEDOP_SCRAPE_TIMEOUT_S", d.scrape_timeout_s),
+            api_timeout_s=positive("EMBEDOP_API_TIMEOUT_S", d.api_timeout_s),
             metrics_port=int(env.get("EMBEDOP_METRICS_PORT") or d.metrics_port),
             grace_seconds=int(env.get("EMBEDOP_GRACE_SECONDS") or d.grace_seconds),
+            leader_election=election in ("true", "1"),
+            lease_namespace=env.get("EMBEDOP_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or d.lease_namespace,
+            lease_name=env.get("EMBEDOP_LEASE_NAME") or d.lease_name,
+            lease_seconds=positive("EMBEDOP_LEASE_SECONDS", d.lease_seconds),
+            # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
+            identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )

@@ -13,6 +13,14 @@ GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices"
 API_VERSION = f"{GROUP}/{VERSION}"
 # The CEL rule's message, and the operator's problem for a server without CEL. The HPA reads the
 # same pods (its own scale to zero is the alpha HPAScaleToZero gate, and only on object metrics).
+# A Service's name is a DNS label (63 characters); the headless one adds "-headless".
+MAX_NAME = 63 - len("-headless")
+NAME_RULE = (f"at most {MAX_NAME} characters: the service's headless Service, NAME-headless, must fit a "
+             "DNS label (63)")
+RESERVED_ENV_RULE = ("set by the operator (the probes, the Services and the autoscaler's scrapes use these ports); "
+                     "spec.env cannot override them")
+GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserved and left idle; "
+            "scale with replicas (the autoscaler does)")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
                      "so 0 pods never scale up; to stop a service use mode off with replicas 0")
 
@@ -88,7 +96,8 @@ SPEC = obj(
         "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
         "replicas": integer("Server replicas. Mode off: the count, set here, by kubectl scale (the scale subresource) or by an external HPA/KEDA. Modes operator and hpa: a new service starts with it (within min/max), then the autoscaler or the HorizontalPodAutoscaler owns the count and the operator writes the live count here, so a switch to off keeps the fleet as it is; a value set by hand is undone (use mode off to scale by hand; GitOps tools should ignore this field).", 1, 0, 1000),
         "resources": obj("Resources of each server pod.", {
-            "gpu": integer("NVIDIA GPUs per pod (nvidia.com/gpu); 0 runs on CPU.", 1, 0, 16),
+            "gpu": integer("NVIDIA GPUs per pod (nvidia.com/gpu): 1, or 0 to run on CPU. A server process "
+                           "drives one GPU: scale with replicas.", 1, 0, 1),
             "cpu": quantity("CPU request and limit, e.g. 4 or 3500m.", "4"),
             "memory": quantity("Memory request and limit, e.g. 16Gi.", "16Gi"),
             "frontends": integer("Front-end processes per pod serving gRPC/HTTP and tokenizing for the one model "
@@ -152,13 +161,14 @@ SPEC = obj(
                             "value": string("Taint value."), "effect": string("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                             "tolerationSeconds": integer("How long a NoExecute taint is tolerated."),
                         })},
-        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting); an entry named like one the operator sets overrides it. Secrets: valueFrom.secretKeyRef (e.g. HF_TOKEN, AWS_ACCESS_KEY_ID).",
+        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting); an entry named like one the operator sets overrides it, but GRPC_PORT and HTTP_HEALTH_PORT (the probes, Services and scrapes use them). Secrets: valueFrom.secretKeyRef (e.g. HF_TOKEN, AWS_ACCESS_KEY_ID).",
                 "items": obj("A name and either a literal value or valueFrom.", {
                     "name": string("Variable name.", minLength=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
                     "value": string("Variable value."),
                     "valueFrom": kubernetes("Where the value comes from: a Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."),
                 }, required=["name"], **{"x-kubernetes-validations": [
-                    {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "env: value and valueFrom are exclusive"}]})},
+                    {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "env: value and valueFrom are exclusive"},
+                    {"rule": "!(self.name in ['GRPC_PORT', 'HTTP_HEALTH_PORT'])", "message": RESERVED_ENV_RULE}]})},
         "envFrom": kubernetes("Whole Secrets or ConfigMaps as environment variables of the server container (Kubernetes EnvFromSource list).", "array"),
         "imagePullSecrets": {"type": "array", "description": "Secrets (in the service's namespace) to pull the server image with.",
                              "items": obj("A Secret of type kubernetes.io/dockerconfigjson.", {
@@ -196,6 +206,8 @@ STATUS = obj("Observed state, written by the operator.", {
     "estimatedDrainMs": number("Largest backlog drain time among the replicas."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),
+    "defaultImage": string("The operator's default server image this service was given (spec.image unset), kept so "
+                           "that a Deployment made again runs the same server; set spec.image to move to another."),
 })
 
 
@@ -214,7 +226,8 @@ def crd() -> dict:
                 "schema": {"openAPIV3Schema": obj("An embedding inference service: a fleet of embedserve pods.", {
                     "apiVersion": string("API version."), "kind": string("Kind."), "metadata": {"type": "object"},
                     "spec": SPEC, "status": STATUS,
-                }, required=["spec"])},
+                }, required=["spec"], **{"x-kubernetes-validations": [
+                    {"rule": f"self.metadata.name.size() <= {MAX_NAME}", "message": NAME_RULE}]})},
                 "subresources": {"status": {}, "scale": {
                     "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
                     "labelSelectorPath": ".status.selector"}},
@@ -234,6 +247,23 @@ def crd() -> dict:
 def render_yaml() -> str:
     header = "# Generated by `python -m embedop.crd`; edit operator/embedop/crd.py, not this file.\n"
     return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+
+
+# Helm never upgrades a CRD under a chart's crds/ (new fields would be stripped without a word), so
+# the chart ships it as a template: upgrades apply it; `keep` leaves it at uninstall, since deleting
+# a CRD deletes every EmbeddingService of the cluster, and their fleets with them.
+KEEP = {"helm.sh/resource-policy": "keep"}
+
+
+def render_chart_template() -> str:
+    """charts/embedfleet/templates/crd.yaml (`python -m embedop.crd --chart`; a test keeps them equal)."""
+    body = crd()
+    body["metadata"]["annotations"] = dict(KEEP)
+    return ("{{- /* Generated by `python -m embedop.crd --chart`; edit operator/embedop/crd.py, not this file.\n"
+            "A template, not crds/: Helm applies templates on upgrade, never what is under crds/. Kept at\n"
+            "uninstall (deleting a CRD deletes every EmbeddingService). crds.install=false leaves it to you. */ -}}\n"
+            "{{- if .Values.crds.install }}\n"
+            + yaml.safe_dump(body, sort_keys=False, width=120) + "{{- end }}\n")
 
 
 def with_defaults(value: Any, schema: dict) -> Any:
@@ -257,4 +287,4 @@ def _copy(v):
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render_yaml())
+    sys.stdout.write(render_chart_template() if sys.argv[1:] == ["--chart"] else render_yaml())

@@ -1,5 +1,6 @@
-"""One background task per EmbeddingService: the periodic reconcile (drift, status) and, in mode
-operator, the autoscaler's steps.
+"""One background task per EmbeddingService while this operator pod leads: the periodic reconcile
+(drift, status), at once when a watched object of the service changes, and, in mode operator, the
+autoscaler's steps.
 
 Deliberately not kopf timers or daemons: kopf puts a finalizer on every object that has one, and a
 finalizer outlives the operator (after `helm uninstall` the services hang in Terminating, their
@@ -15,34 +16,57 @@ from typing import Callable
 
 import aiohttp
 
-from embedop import autoscale, autoscaler, reconcile, spec as specs
+from embedop import autoscale, autoscaler, crd, reconcile, spec as specs, status
+from embedop.cache import Cluster, NotLeader
 from embedop.config import OperatorSettings
-from embedop.kube import Kube, NotFound, Retryable
+from embedop.kube import NotFound, Retryable
+from embedop.render import SERVICE_LABEL
 
 log = logging.getLogger(__name__)
 RETRY_S = 5.0
 
 
 class Fleet:
-    def __init__(self, kube: Kube, settings: OperatorSettings,
+    def __init__(self, cluster: Cluster, settings: OperatorSettings,
                  on_outcome: Callable[[reconcile.Outcome], None],
                  on_decision: Callable[[dict, autoscaler.Step], None]):
-        self.kube, self.settings = kube, settings
+        self.cluster, self.settings = cluster, settings
         self.on_outcome, self.on_decision = on_outcome, on_decision
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.kicks: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
         # One write sequence per service at a time within this process (handlers, loop, autoscaler);
-        # across processes the resourceVersion guards keep them correct.
+        # across processes the resourceVersion guards keep them correct, and the lease keeps
+        # a second operator pod from writing at all.
         self.locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def ensure(self, namespace: str, name: str) -> None:
         key = (namespace, name)
-        if key not in self.tasks or self.tasks[key].done():
+        if self.cluster.may_write() and (key not in self.tasks or self.tasks[key].done()):
+            self.kicks[key].set()  # its first pass reconciles at once
             self.tasks[key] = asyncio.create_task(self._run(namespace, name), name=f"embedop:{namespace}/{name}")
 
     def stop(self, namespace: str, name: str) -> None:
         task = self.tasks.pop((namespace, name), None)
         if task is not None:
             task.cancel()
+
+    def kick(self, kind: str, event: str, obj: dict) -> None:
+        """A watched object of a service changed (a rollout's progress, a hand edit, a deletion):
+        its loop reconciles now. Several changes before it runs are one reconcile. A pod's
+        change waits for the autoscaler's next step."""
+        if kind == "Pod":
+            return
+        meta = obj.get("metadata") or {}
+        service = (meta.get("labels") or {}).get(SERVICE_LABEL) or meta.get("name", "").removesuffix("-headless")
+        if (key := (meta.get("namespace"), service)) in self.tasks:
+            self.kicks[key].set()
+        # A marker in the log (the tests wait for it rather than for time to pass).
+        log.debug("followed %s %s/%s (%s)", kind, meta.get("namespace"), meta.get("name"), event)
+
+    async def lead(self) -> None:
+        """This pod now holds the lease: every known service gets its loop."""
+        for namespace, name in list(self.cluster.stores[crd.KIND].objects):
+            self.ensure(namespace, name)
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
@@ -51,50 +75,65 @@ class Fleet:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def reconcile(self, namespace: str, name: str) -> reconcile.Outcome:
+    async def reconcile(self, namespace: str, name: str) -> reconcile.Outcome | None:
+        """None when this pod does not lead (another one reconciles)."""
+        if not self.cluster.may_write():
+            return None
         async with self.locks[namespace, name]:
-            outcome = await reconcile.reconcile(self.kube, self.settings, namespace, name)
+            outcome = await reconcile.reconcile(self.cluster, self.settings, namespace, name)
         self.on_outcome(outcome)
         return outcome
 
     async def _run(self, namespace: str, name: str) -> None:
         try:
             await self._loop(namespace, name)
+        except NotLeader:  # the lease was lost mid-step: the new leader carries on
+            pass
         finally:  # a marker in the log (the tests wait for it: nothing acts on the service after)
             log.debug("%s/%s: loop ended", namespace, name)
 
     async def _loop(self, namespace: str, name: str) -> None:
         loop = asyncio.get_running_loop()
+        kick = self.kicks[namespace, name]
         history = autoscale.History()
-        # The handler that started the loop has just reconciled; the autoscaler's first step (which
-        # records desiredReplicas) comes at once.
-        next_resync, next_scale = loop.time() + self.settings.resync_seconds, loop.time()
+        next_resync = next_scale = loop.time()
+        last_measured = -status.MEASURED_REFRESH_S
         async with aiohttp.ClientSession() as session:
             while True:
-                await asyncio.sleep(max(0.0, min(next_resync, next_scale) - loop.time()))
                 try:
-                    if loop.time() >= next_resync:
+                    await asyncio.wait_for(kick.wait(), max(0.0, min(next_resync, next_scale) - loop.time()))
+                except TimeoutError:
+                    pass
+                try:
+                    if kick.is_set() or loop.time() >= next_resync:
+                        kick.clear()
                         next_resync = loop.time() + self.settings.resync_seconds
-                        if (await self.reconcile(namespace, name)).gone:
+                        outcome = await self.reconcile(namespace, name)
+                        if outcome is None or outcome.gone:
                             return
                         log.debug("%s/%s: periodic check done", namespace, name)
                     if loop.time() >= next_scale:
                         next_scale = loop.time() + RETRY_S  # unless the step says otherwise
+                        due = loop.time() - last_measured >= status.MEASURED_REFRESH_S
                         async with self.locks[namespace, name]:
-                            step = await autoscaler.step(self.kube, self.settings, session, namespace, name,
-                                                         history, loop.time())
+                            step = await autoscaler.step(self.cluster, self.settings, session, namespace, name,
+                                                         history, loop.time(), measured_due=due)
                         if step.body is None or step.body["metadata"].get("deletionTimestamp"):
                             return
+                        if due and step.decision is not None:
+                            last_measured = loop.time()
                         interval = specs.defaulted(step.body.get("spec") or {})["autoscaling"]["intervalSeconds"]
                         next_scale = loop.time() + interval
                         # Not autoscaled now (no decision): start afresh if it is again.
                         history = step.history if step.decision is not None else autoscale.History()
                         if step.decision is not None:
                             self.on_decision(step.body, step)
-                except NotFound:  # the service went while a step ran
+                except (NotFound, NotLeader):  # the service went while a step ran; the lease went
                     return
                 except Retryable as e:
-                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, RETRY_S)
-                    next_resync = min(next_resync, loop.time() + RETRY_S)
+                    wait = e.retry_after or RETRY_S  # API Priority and Fairness says how long (429)
+                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, wait)
+                    next_resync = min(next_resync, loop.time() + wait)
+                    next_scale = max(next_scale, loop.time() + wait)
                 except Exception:  # noqa: BLE001 - a bug must not end the service's loop for good
                     log.exception("%s/%s: loop step failed", namespace, name)

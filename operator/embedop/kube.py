@@ -21,7 +21,9 @@ import httpx2
 from lightkube import ALL_NS, AsyncClient
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
+from lightkube import codecs
 from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
+from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Pod, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import CascadeType, PatchType
@@ -40,6 +42,7 @@ RESOURCES = {
     "PodDisruptionBudget": (PodDisruptionBudget, "policy", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": (HorizontalPodAutoscaler, "autoscaling", "horizontalpodautoscalers"),
     "Pod": (Pod, "", "pods"),
+    "Lease": (Lease, "coordination.k8s.io", "leases"),
     crd.KIND: (EmbeddingService, crd.GROUP, crd.PLURAL),
 }
 
@@ -50,9 +53,14 @@ CALLS = {
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
       for v in ("get", "create", "patch")),
     ("autoscaling", "horizontalpodautoscalers", "delete"),  # when a service leaves hpa mode
-    ("", "pods", "list"),  # the autoscaler's scrape targets
-    ("apps", "deployments", "list"),  # kopf watches the Deployments to follow their status
-    ("apps", "deployments", "watch"),
+    # The owned kinds are listed and watched by the operator's label (cache.py): the reconcile
+    # and the autoscaler read those copies, never the API, while nothing changes.
+    *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
+                                                      "HorizontalPodAutoscaler") for v in ("list", "watch")),
+    # The count through the scale subresource when admission refuses the whole Deployment.
+    ("apps", "deployments/scale", "patch"),
+    # Leader election (leader.py), in the operator's own namespace.
+    *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write
     (crd.GROUP, crd.PLURAL, "list"),  # kopf: watching, and its annotations
     (crd.GROUP, crd.PLURAL, "watch"),
@@ -70,7 +78,15 @@ RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 
 
 class Retryable(RuntimeError):
-    """A transient API failure: try again later."""
+    """A transient API failure: try again later (`retry_after` seconds, when the API said so)."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Gone(Retryable):
+    """410: a watch's resourceVersion is too old (compacted away): list again."""
 
 
 class Conflict(Retryable):
@@ -96,6 +112,14 @@ def _message(response: httpx2.Response) -> str:
     return response.text[:300] or str(response.status_code)
 
 
+def _retry_after(response: httpx2.Response) -> float | None:
+    """The seconds a 429 (API Priority and Fairness) or 503 asks us to wait, when it says."""
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
 @contextlib.asynccontextmanager
 async def _errors(what: str) -> AsyncIterator[None]:
     try:
@@ -107,8 +131,10 @@ async def _errors(what: str) -> AsyncIterator[None]:
             raise Conflict(message) from e
         if code == 404:
             raise NotFound(message) from e
+        if code == 410:
+            raise Gone(message) from e
         if code in RETRYABLE:
-            raise Retryable(message) from e
+            raise Retryable(message, _retry_after(e.response)) from e
         raise Rejected(message) from e
     except httpx2.TransportError as e:  # refused, reset, timed out
         raise Retryable(f"{what}: {type(e).__name__}: {e}") from e
@@ -142,6 +168,39 @@ class Kube:
         async with _errors(f"list {kind}"):
             return [_plain(o) async for o in self.client.list(RESOURCES[kind][0], namespace=namespace or ALL_NS,
                                                                labels=labels)]
+
+    async def list_versioned(self, kind: str, namespace: str | None, labels: dict) -> tuple[list[dict], str | None]:
+        """→ (the objects matching `labels` server-side, the list's resourceVersion: where a watch
+        of changes since starts). namespace None: all namespaces."""
+        async with _errors(f"list {kind}"):
+            listing = self.client.list(RESOURCES[kind][0], namespace=namespace or ALL_NS, labels=labels)
+            objects = [_plain(o) async for o in listing]
+            try:
+                version = listing.resourceVersion
+            except Exception:  # noqa: BLE001 - lightkube's NotReadyError on an empty list's first page
+                version = None
+        return objects, version
+
+    async def watch(self, kind: str, namespace: str | None, labels: dict, version: str | None,
+                    timeout_s: int) -> AsyncIterator[tuple[str, dict]]:
+        """(event type, object) of the changes since `version`, matching `labels` server-side,
+        until the API server ends the stream after `timeout_s` (lightkube then resumes it from the
+        last version seen) or it fails (Gone: list again)."""
+        async with _errors(f"watch {kind}"):
+            async for event, obj in self.client.watch(RESOURCES[kind][0], namespace=namespace or ALL_NS, labels=labels,
+                                                      resource_version=version, server_timeout=timeout_s):
+                yield event, _plain(obj)
+
+    async def create(self, obj: dict) -> dict:
+        """Create `obj`; Conflict (409 AlreadyExists) when it exists."""
+        async with _errors(f"create {obj['kind']}/{obj['metadata']['name']}"):
+            return _plain(await self.client.create(codecs.from_dict(obj), namespace=obj["metadata"].get("namespace")))
+
+    async def merge_patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        """A merge patch; a metadata.resourceVersion in `body` is a precondition (409 when stale)."""
+        async with _errors(f"patch {kind}/{name}"):
+            return _plain(await self.client.patch(RESOURCES[kind][0], name, body, namespace=namespace,
+                                                  patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER))
 
     async def apply(self, obj: dict, manager: str = FIELD_MANAGER, force: bool = True) -> dict:
         """Server-side apply: the object gets exactly the fields `manager` sends (those it sent before
@@ -179,6 +238,17 @@ class Kube:
         async with _errors(f"patch {crd.KIND}/{name}/scale"):
             await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE,
                                           field_manager=FIELD_MANAGER)
+
+    async def scale_deployment(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
+        """Merge-patch a Deployment's count through its scale subresource, guarded by the
+        Deployment's resourceVersion. Admission webhooks that judge Deployments (Kyverno,
+        Gatekeeper) see a Scale here, not the pod template, so the count can change while an
+        apply of the whole spec is refused. The API records it as an Update of spec.replicas by
+        our manager, which the next accepted apply (which sends the count) takes back."""
+        body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
+        async with _errors(f"patch Deployment/{name}/scale"):
+            await self.client.patch(Deployment.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE,
+                                    field_manager=FIELD_MANAGER)
 
     async def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         """Merge-patch the service's status, guarded: the patch carries the resourceVersion it was

@@ -1,13 +1,20 @@
 """One reconcile of an EmbeddingService: render what it owns, apply what drifted, report status.
-Plain async functions over a Kube client; the kopf handlers and the service loops call them.
+Plain async functions over the operator's Cluster (cache.py: reads from the watches' copies,
+writes to the API); the kopf handlers and the service loops call them.
 
-Every write is computed from fresh reads and guarded by their resourceVersion. The Deployment is
+Every write is guarded by the resourceVersion of what it was computed from. The Deployment is
 read first and the service after it, so whatever an apply carries comes from a spec at least as new
 as the one behind the Deployment it replaces: the autoscaler (which applies the same render with
 its count) and the reconcile cannot undo each other, and a stale count or spec fails with Conflict
-and is recomputed. (Kubernetes' documentation advises controllers against a resourceVersion in an
-apply because the object's status moves it often; only the Deployment's apply carries one, for the
-count's sake, and a conflict costs a re-read.)"""
+and is recomputed from fresh reads. (Kubernetes' documentation advises controllers against a
+resourceVersion in an apply because the object's status moves it often; only the Deployment's
+apply carries one, for the count's sake, and a conflict costs a re-read.)
+
+Drift is judged against what the API server stores, not what we send: it drops empty values
+(omitempty), adds defaults and writes quantities canonically (subset). An object of an owned kind
+and name that this service does not own (someone else's Service, PDB, HPA or Deployment) is never
+applied over: SSA would take it over, rewrite its selector and have it garbage-collected with the
+service. It is reported instead (Degraded, reason NotOwned)."""
 
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ from typing import Awaitable, Callable
 from lightkube.utils.quantity import parse_quantity
 
 from embedop import crd, render, spec as specs, status
+from embedop.cache import Cluster
 from embedop.config import OperatorSettings
-from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, Kube, NotFound, Rejected, Retryable
+from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
 
 CONFLICT_RETRIES = 5
 LEGACY_FINALIZER = f"{crd.GROUP}/finalizer"
@@ -34,6 +42,8 @@ class Outcome:
     notice: str | None = None  # e.g. a newer default image that this service does not get
     gone: bool = False  # the service no longer exists or is being deleted
     body: dict | None = None  # the service as read
+    foreign: list[str] = dataclasses.field(default_factory=list)  # "Kind/name" taken by someone else
+    scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
 
 
 # The fields we write that the API server stores as resource.Quantity, rewritten in its canonical
@@ -61,10 +71,11 @@ def _same_scalar(a, b, path: tuple[str, ...] = ()) -> bool:
 
 
 def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
-    """Whether every field we set has our value (the server may add defaults of its own, and
-    writes quantities in its canonical form). `path`: where `desired` sits in its object."""
+    """Whether every field we set has our value as the server stores it: it may add defaults of
+    its own, writes quantities in its canonical form, and omits empty strings (an env entry's
+    `value: ""` comes back without its value). `path`: where `desired` sits in its object."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(k in actual and subset(v, actual[k], (*path, k))
+        return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v == ""
                                                 for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(actual, list) and len(desired) == len(actual)
@@ -75,6 +86,18 @@ def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
 def owner_of(body: dict) -> render.Owner:
     meta = body["metadata"]
     return render.Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
+
+
+def owned_by(obj: dict, owner: render.Owner) -> bool:
+    """Whether `obj` is this service's: its controller reference names this very service (its uid:
+    a service deleted and created again under the same name owns nothing of the old one's)."""
+    return any(r.get("kind") == crd.KIND and r.get("apiVersion", "").startswith(f"{crd.GROUP}/")
+               and r.get("name") == owner.name and (not owner.uid or r.get("uid") == owner.uid)
+               for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def not_ours(obj: dict | None, owner: render.Owner) -> bool:
+    return obj is not None and not owned_by(obj, owner)
 
 
 def _alive(body: dict | None) -> bool:
@@ -88,7 +111,7 @@ def owns_replicas(deployment: dict, manager: str = FIELD_MANAGER) -> bool:
                for m in (deployment.get("metadata") or {}).get("managedFields") or [])
 
 
-async def hand_over_replicas(kube: Kube, live: dict) -> dict:
+async def hand_over_replicas(cluster: Cluster, live: dict) -> dict:
     """Before our first apply without spec.replicas (mode hpa): a one-off apply of only the live
     count under a second manager, so the field keeps an owner and its value until the
     HorizontalPodAutoscaler writes it (it then owns it alone). A conflict means the HPA already
@@ -98,7 +121,7 @@ async def hand_over_replicas(kube: Kube, live: dict) -> dict:
             "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
             "spec": {"replicas": live["spec"]["replicas"]}}
     try:
-        return await kube.apply(body, manager=HANDOVER_MANAGER, force=False)
+        return await cluster.apply(body, manager=HANDOVER_MANAGER, force=False)
     except Conflict:
         return live
 
@@ -109,7 +132,7 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     render.deployment_replicas says (from the live Deployment, or the autoscaler's `decision`),
     guarded by the live resourceVersion. → (body, image notice)."""
     live_count = live["spec"].get("replicas") if live else (body.get("status") or {}).get("desiredReplicas")
-    image, notice = render.server_image(spec, live, settings.server_image)
+    image, notice = render.server_image(spec, live, settings.server_image, (body.get("status") or {}).get("defaultImage"))
     replicas = render.deployment_replicas(spec, live_count, decision, exists=live is not None)
     obj = render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port)
     if live is not None:
@@ -117,7 +140,24 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     return obj, notice
 
 
-async def mirror_count(kube: Kube, body: dict, count: int) -> bool:
+async def apply_deployment(cluster: Cluster, deployment: dict, live: dict | None) -> str | None:
+    """Apply the Deployment. When admission refuses the whole spec (a Kyverno or Gatekeeper
+    policy, a quota) and only the count had to change, the count changes anyway, through the
+    scale subresource: scaling must not stop because of an unrelated rule. → the refusal's
+    message when that fallback was taken; Rejected when the count could not change either."""
+    try:
+        await cluster.apply(deployment)
+        return None
+    except Rejected as e:
+        count = deployment["spec"].get("replicas")
+        if live is None or count is None or count == live["spec"].get("replicas") or isinstance(e, NotFound):
+            raise
+        meta = live["metadata"]
+        await cluster.scale_deployment(meta["namespace"], meta["name"], count, meta["resourceVersion"])
+        return str(e)
+
+
+async def mirror_count(cluster: Cluster, body: dict, count: int) -> bool:
     """spec.replicas := `count` (the live Deployment's, render.mirrored_replicas) through the
     service's scale subresource, guarded by the resourceVersion of `body`. On a conflict the
     Deployment and the service are read again, and the live count is written unless spec.replicas
@@ -129,13 +169,13 @@ async def mirror_count(kube: Kube, body: dict, count: int) -> bool:
     seen = (body.get("spec") or {}).get("replicas")
     for _ in range(CONFLICT_RETRIES):
         try:
-            await kube.patch_scale(namespace, name, count, body["metadata"]["resourceVersion"])
+            await cluster.patch_scale(namespace, name, count, body["metadata"]["resourceVersion"])
             return True
         except NotFound:
             return False
         except Conflict:
-            live = await kube.get("Deployment", namespace, name)
-            body = await kube.get(crd.KIND, namespace, name)
+            live = await cluster.get("Deployment", namespace, name, fresh=True)
+            body = await cluster.get(crd.KIND, namespace, name, fresh=True)
             if not _alive(body) or live is None or (body.get("spec") or {}).get("replicas") != seen:
                 return False
             count = live["spec"].get("replicas")
@@ -144,85 +184,102 @@ async def mirror_count(kube: Kube, body: dict, count: int) -> bool:
     raise Retryable(f"spec.replicas of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts")
 
 
-async def retry_conflicts(attempt: Callable[[], Awaitable]):
-    """Run `attempt` (which reads fresh and writes guarded) again while it meets a Conflict."""
+async def retry_conflicts(attempt: Callable[[bool], Awaitable]):
+    """Run `attempt(fresh)` (which reads and writes guarded) again while it meets a Conflict,
+    reading fresh from the API after the first: the watches' copies may lag our own writes."""
     for i in range(CONFLICT_RETRIES):
         try:
-            return await attempt()
+            return await attempt(i > 0)
         except Conflict:
             await asyncio.sleep(0.05 * (i + 1))
     raise Retryable(f"still conflicting after {CONFLICT_RETRIES} attempts")
 
 
-async def reconcile(kube: Kube, settings: OperatorSettings, namespace: str, name: str) -> Outcome:
+async def reconcile(cluster: Cluster, settings: OperatorSettings, namespace: str, name: str) -> Outcome:
     """Bring the owned objects to the spec (only those that differ are written) and the status
     to what is observed. An unworkable spec writes nothing but a Degraded status."""
-    return await retry_conflicts(lambda: _reconcile_once(kube, settings, namespace, name))
+    return await retry_conflicts(lambda fresh: _reconcile_once(cluster, settings, namespace, name, fresh))
 
 
-async def _reconcile_once(kube: Kube, settings: OperatorSettings, namespace: str, name: str) -> Outcome:
-    live = await kube.get("Deployment", namespace, name)  # first: see the module's docstring
-    body = await kube.get(crd.KIND, namespace, name)
+async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespace: str, name: str,
+                          fresh: bool) -> Outcome:
+    live = await cluster.get("Deployment", namespace, name, fresh)  # first: see the module's docstring
+    body = await cluster.get(crd.KIND, namespace, name, fresh)
     if body is not None and LEGACY_FINALIZER in (body["metadata"].get("finalizers") or []):
         # Left by an operator before 0.1.1 (or one that died holding it): it would keep a deleted
         # service in Terminating, and its namespace with it, for as long as no operator runs.
         kept = [f for f in body["metadata"]["finalizers"] if f != LEGACY_FINALIZER]
-        await kube.set_finalizers(namespace, name, kept, body["metadata"]["resourceVersion"])
-        body = await kube.get(crd.KIND, namespace, name)
+        await cluster.set_finalizers(namespace, name, kept, body["metadata"]["resourceVersion"])
+        body = await cluster.get(crd.KIND, namespace, name, fresh=True)
     if not _alive(body):  # deleted: the garbage collector removes what it owned
         return Outcome([], [], gone=True, body=body)
+    owner = owner_of(body)
     spec = specs.defaulted(body.get("spec") or {})
-    problems = specs.problems(spec)
+    problems = specs.problems(spec, name)
     outcome = Outcome(problems, [], body=body)
     hpa = None
-    if not problems:
+    if not_ours(live, owner):
+        outcome.foreign.append(f"Deployment/{name}")
+        live = None  # not ours to scale, mirror or report on
+    elif not problems:
         try:
-            hpa = await _apply_owned(kube, settings, body, spec, live, outcome)
+            hpa = await _apply_owned(cluster, settings, body, spec, live, outcome)
         except Rejected as e:
             outcome.rejected = str(e)
-        live = await kube.get("Deployment", namespace, name) if outcome.applied else live
+        live = await cluster.get("Deployment", namespace, name) if outcome.applied or outcome.scaled else live
     # Whatever the spec's problems: the fleet runs at this count, and a switch to off must keep it.
     count = render.mirrored_replicas(spec, live["spec"].get("replicas") if live else None)
     if count is not None:
         try:
-            if await mirror_count(kube, body, count):
+            if await mirror_count(cluster, body, count):
                 outcome.applied.append(f"{crd.KIND}/{name} spec.replicas={count}")
         except Rejected as e:
             outcome.rejected = outcome.rejected or str(e)
-        body = await kube.get(crd.KIND, namespace, name)  # its generation has moved
+        body = await cluster.get(crd.KIND, namespace, name, fresh=True)  # its generation has moved
         if not _alive(body):
             return dataclasses.replace(outcome, gone=True, body=body)
         outcome.body = body
-    await _write_status(kube, body, spec, live, hpa, outcome)
+    await _write_status(cluster, body, spec, live, hpa, outcome)
     return outcome
 
 
-async def _apply_owned(kube: Kube, settings: OperatorSettings, body: dict, spec: dict, live: dict | None,
+async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, live: dict | None,
                        outcome: Outcome) -> dict | None:
     """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
     owner = owner_of(body)
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
     # Whether we own the count must match whether we send it: after a mode switch, an apply takes
-    # it (from the HPA's controller, kubectl scale) or, in mode hpa, releases it after the handover.
+    # it (from the HPA's controller, kubectl scale, our own scale-subresource fallback) or, in
+    # mode hpa, releases it after the handover.
     ownership_differs = live is not None and ("replicas" in deployment["spec"]) != owns_replicas(live)
     if ownership_differs and "replicas" not in deployment["spec"] and not owns_replicas(live, HANDOVER_MANAGER):
-        live = await hand_over_replicas(kube, live)
+        live = await hand_over_replicas(cluster, live)
         deployment["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     if live is None or ownership_differs or not subset(_unguarded(deployment), live):
-        await kube.apply(deployment)
-        outcome.applied.append(f"Deployment/{owner.name}")
+        try:
+            outcome.scaled = await apply_deployment(cluster, deployment, live)
+        except Rejected as e:
+            outcome.rejected = str(e)
+        else:
+            if outcome.scaled is None:
+                outcome.applied.append(f"Deployment/{owner.name}")
+            else:
+                outcome.rejected = outcome.scaled
     hpa = None
     for obj in render.companions(owner, spec, settings.metrics_port):
-        current = await kube.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+        current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+        if not_ours(current, owner):
+            outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
+            continue
         if current is None or not subset(obj, current):
-            current = await kube.apply(obj)
+            current = await cluster.apply(obj)
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current
     if spec["autoscaling"]["mode"] != "hpa":
-        existing = await kube.get("HorizontalPodAutoscaler", owner.namespace, owner.name)
-        if existing is not None and _owned_by(existing, owner):
-            await kube.delete("HorizontalPodAutoscaler", owner.namespace, owner.name)
+        existing = await cluster.get("HorizontalPodAutoscaler", owner.namespace, owner.name)
+        if existing is not None and owned_by(existing, owner):
+            await cluster.delete("HorizontalPodAutoscaler", owner.namespace, owner.name)
             outcome.applied.append(f"-HorizontalPodAutoscaler/{owner.name}")
     return hpa
 
@@ -244,45 +301,48 @@ def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> i
     return None
 
 
-async def _write_status(kube: Kube, body: dict, spec: dict, deployment: dict | None, hpa: dict | None,
+async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: dict | None, hpa: dict | None,
                         outcome: Outcome) -> None:
     owner = owner_of(body)
+    autoscaled = spec["autoscaling"]["mode"] == "operator"
 
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}
         generation = fresh["metadata"].get("generation")
         wanted = (spec["replicas"] if spec["autoscaling"]["mode"] == "off"
                   else ((deployment or {}).get("spec") or {}).get("replicas"))
-        new = status.from_deployment(deployment, wanted, outcome.problems, generation,
-                                     previous.get("conditions") or [], rejected=outcome.rejected)
+        conditions = [c for c in previous.get("conditions") or []
+                      if autoscaled or c.get("type") not in status.AUTOSCALER_CONDITIONS]
+        new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions,
+                                     rejected=outcome.rejected, foreign=outcome.foreign)
         new["selector"] = render.selector_string(owner.name)
         if (desired := desired_replicas(spec, deployment, hpa)) is not None:
             new["desiredReplicas"] = desired
         if generation is not None:
             new["observedGeneration"] = generation
+        if not spec.get("image") and (image := render.pinned_image(deployment)):
+            new["defaultImage"] = image  # outlives the Deployment (render.server_image)
+        if not autoscaled:  # the autoscaler's measurements would go stale: none is better
+            new.update(dict.fromkeys(status.MEASURED, None))
         return new
 
-    await update_status(kube, owner.namespace, owner.name, compute, body)
+    await update_status(cluster, owner.namespace, owner.name, compute, body)
 
 
-async def update_status(kube: Kube, namespace: str, name: str, compute: Callable[[dict], dict],
+async def update_status(cluster: Cluster, namespace: str, name: str, compute: Callable[[dict], dict],
                         body: dict | None = None) -> None:
-    """Write `compute(service)` to its status when it differs, guarded by the resourceVersion
-    it was computed from; on Conflict the service is read again and the status recomputed.
-    `body`: a fresh read to start from."""
+    """Write `compute(service)` to its status when it differs from what is there (a None value:
+    the field is removed), guarded by the resourceVersion it was computed from; on Conflict the
+    service is read again from the API and the status recomputed. `body`: the read to start from."""
     pending = [body]
 
-    async def attempt():
-        fresh = (pending.pop() if pending else None) or await kube.get(crd.KIND, namespace, name)
-        if _alive(fresh) and not subset(new := compute(fresh), fresh.get("status") or {}):
+    async def attempt(fresh_read: bool):
+        fresh = (None if fresh_read else pending.pop() if pending else None) or await cluster.get(
+            crd.KIND, namespace, name, fresh=fresh_read)
+        if _alive(fresh) and status.differs(new := compute(fresh), fresh.get("status") or {}, subset):
             try:
-                await kube.patch_status(namespace, name, new, fresh["metadata"]["resourceVersion"])
+                await cluster.patch_status(namespace, name, new, fresh["metadata"]["resourceVersion"])
             except NotFound:  # deleted since it was read: nothing left to report on
                 pass
 
     await retry_conflicts(attempt)
-
-
-def _owned_by(obj: dict, owner: render.Owner) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences", [])
-    return any(r.get("kind") == "EmbeddingService" and r.get("name") == owner.name for r in refs)

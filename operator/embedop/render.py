@@ -61,6 +61,11 @@ def cpu_for(resources: dict) -> str:
     return cpu
 
 
+# Settings spec.env may not override: the probes, the Services and the autoscaler's scrapes use
+# these ports (envFrom cannot either: Kubernetes lets env win over envFrom).
+RESERVED_ENV = ("GRPC_PORT", "HTTP_HEALTH_PORT")
+
+
 def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> list[dict]:
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
@@ -82,15 +87,17 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
         # Unset: the server pools as the model declares.
         **({"POOLING": p["strategy"]} if p.get("strategy") else {}),
         **({"NORMALIZE": p["normalize"]} if p.get("normalize") is not None else {}),
-        "EXCLUDE_TOKENS": ",".join(p.get("excludeTokens", [])),
+        # Only when set: the API server drops an empty value, and a value it drops is drift for ever.
+        **({"EXCLUDE_TOKENS": ",".join(p["excludeTokens"])} if p.get("excludeTokens") else {}),
         # The server stops admitting at SIGTERM and finishes in-flight work within this.
         "SHUTDOWN_GRACE_S": max(1, grace_seconds - 10),
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         **({"FRONTENDS": spec["resources"]["frontends"]} if spec["resources"].get("frontends") else {}),
     }
     env = [{"name": k, "value": str(v).lower() if isinstance(v, bool) else str(v)} for k, v in values.items()]
-    extra = {e["name"]: e for e in spec.get("env", [])}
-    env = [extra.pop(e["name"], e) for e in env]  # spec.env may override any of ours
+    # spec.env may override any of ours but the ports (RESERVED_ENV: spec.problems refuses them).
+    extra = {e["name"]: e for e in spec.get("env", []) if e["name"] not in RESERVED_ENV}
+    env = [extra.pop(e["name"], e) for e in env]
     return env + list(extra.values())
 
 
@@ -104,14 +111,21 @@ PROGRESS_DEADLINE_S = STARTUP_ALLOWANCE_S + 900
 DEFAULT_IMAGE = "embedfleet.dev/default-server-image"
 
 
-def server_image(spec: dict, live: dict | None, default: str) -> tuple[str, str | None]:
+def pinned_image(deployment: dict | None) -> str | None:
+    """The default image a Deployment was given ("" when it runs spec.image; None: no record)."""
+    return (((deployment or {}).get("metadata") or {}).get("annotations") or {}).get(DEFAULT_IMAGE)
+
+
+def server_image(spec: dict, live: dict | None, default: str, kept: str | None = None) -> tuple[str, str | None]:
     """→ (image, notice). spec.image wins. Without it a service keeps the default image it was
     created with: an operator upgrade that changes the default does not roll existing fleets (a new
     server version may change the vectors an index was built with; restarts cost GPU warm-ups).
-    The notice, when there is one, says that a newer default exists and how to move to it."""
+    The live Deployment's annotation says which; without a Deployment (deleted by hand, or by a
+    backup restore), the copy `kept` in the service's status.defaultImage. The notice, when there
+    is one, says that a newer default exists and how to move to it."""
     if spec.get("image"):
         return spec["image"], None
-    pinned = (((live or {}).get("metadata") or {}).get("annotations") or {}).get(DEFAULT_IMAGE)
+    pinned = pinned_image(live) if live is not None else kept
     if pinned and pinned != default:
         return pinned, (f"keeping server image {pinned}; this operator's default is now {default}: "
                         f"set spec.image to move to it")
@@ -158,8 +172,9 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
     )
     pod = {
         "terminationGracePeriodSeconds": grace_seconds,
+        # OnRootMismatch: a model cache volume of many files is not walked and re-owned at every start.
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+                            "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}],
         "enableServiceLinks": False,
@@ -255,12 +270,15 @@ def headless_service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
 
 def pod_disruption_budget(owner: Owner, spec: dict) -> dict:
     """Evictions (node drains) may take down as many pods at once as a rollout does, and at least
-    one: a budget of 0 would block every drain, and so cluster upgrades, for good."""
+    one: a budget of 0 would block every drain, and so cluster upgrades, for good. Pods that are not
+    Ready (Pending, crash-looping) may always be evicted: they serve nothing, and under the default
+    policy they use up the budget and block every drain of their nodes."""
     unavailable = spec["rollout"]["maxUnavailable"]
     if str(unavailable) in ("0", "0%"):
         unavailable = 1
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(owner),
-            "spec": {"maxUnavailable": unavailable, "selector": {"matchLabels": selector(owner.name)}}}
+            "spec": {"maxUnavailable": unavailable, "selector": {"matchLabels": selector(owner.name)},
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
 
 
 def horizontal_pod_autoscaler(owner: Owner, spec: dict) -> dict:

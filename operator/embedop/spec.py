@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from lightkube.models import core_v1
 
-from embedop import crd
+from embedop import crd, render
 
 # Spec fields of Kubernetes types the CRD leaves open, and the model each must fit.
 KUBERNETES_TYPES = {
@@ -53,10 +53,13 @@ def _zero(v) -> bool:
     return str(v) in ("0", "0%")
 
 
-def problems(spec: dict) -> list[str]:
-    """Reasons a schema-valid spec still cannot work (the CRD's CEL rules are repeated here, so
-    a server without them, or an emulator, gets the same answer). Empty when it can."""
+def problems(spec: dict, name: str | None = None) -> list[str]:
+    """Reasons a schema-valid spec (of the service `name`) still cannot work (the CRD's CEL rules
+    are repeated here, so a server without them, or an emulator, gets the same answer). Empty when
+    it can."""
     out = []
+    if name is not None and len(name) > crd.MAX_NAME:
+        out.append(f"metadata.name: {crd.NAME_RULE}")
     b, a, p, s = spec["batching"], spec["admission"], spec["pooling"], spec["autoscaling"]
     buckets = b["buckets"]
     if buckets != sorted(set(buckets)):
@@ -76,6 +79,10 @@ def problems(spec: dict) -> list[str]:
         out.append("rollout.maxSurge and maxUnavailable cannot both be 0: the rollout could never progress")
     if any("value" in e and "valueFrom" in e for e in spec.get("env", [])):
         out.append("env: value and valueFrom are exclusive")
+    if reserved := sorted({e["name"] for e in spec.get("env", [])} & set(render.RESERVED_ENV)):
+        out.append(f"env: {', '.join(reserved)}: {crd.RESERVED_ENV_RULE}")
+    if spec["resources"]["gpu"] > 1:
+        out.append(f"resources.gpu: {crd.GPU_RULE}")
     if "image" in spec and not spec["image"].strip():
         out.append("image is empty")
     return out + kubernetes_problems(spec)

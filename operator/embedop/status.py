@@ -2,8 +2,9 @@
 
 Two writers share the status, each with its own fields (and each writes only with the
 resourceVersion it read, so neither undoes the other):
-- the reconcile: observedGeneration, replicas, readyReplicas, selector, the Ready, Progressing and
-  Degraded conditions, and desiredReplicas in modes off and hpa;
+- the reconcile: observedGeneration, replicas, readyReplicas, selector, defaultImage, the Ready,
+  Progressing and Degraded conditions, and desiredReplicas in modes off and hpa (where it clears
+  the autoscaler's conditions and measurements, which would go stale);
 - the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason and the
   ScalingLimited and MetricsUnavailable conditions.
 (spec.replicas, in modes operator and hpa, mirrors the live count: reconcile.mirror_count.)
@@ -15,6 +16,11 @@ import datetime
 
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
 AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable")
+MEASURED = ("serviceRateTokensPerSecond", "arrivalRateTokensPerSecond", "estimatedDrainMs")
+# The measured rates are refreshed at most this often (with a decision or condition that changes,
+# at once): Prometheus has the live series, and a status write is an etcd write and a watch event
+# for every client watching services.
+MEASURED_REFRESH_S = 60.0
 # A measurement (tokens/s, ms) is rewritten only when it has moved by more than this fraction, and by
 # more than the floor: the gauges move a little at every scrape, and a status write per interval per
 # service costs as many etcd writes and watch events (kopf's, kubectl's, dashboards') for nothing.
@@ -41,16 +47,23 @@ def significant(x: float, digits: int = MEASURED_DIGITS) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def steady(previous: dict, measured: dict[str, float]) -> dict[str, float]:
+def steady(previous: dict, measured: dict[str, float], due: bool = True) -> dict[str, float]:
     """`measured` to write: each value rounded to MEASURED_DIGITS, or the previous one kept where it
-    has not moved meaningfully (so an unchanged decision writes nothing)."""
+    has not moved meaningfully, or where a refresh is not `due` (so an unchanged decision writes
+    nothing). A value never written yet is written."""
     out = {}
     for key, value in measured.items():
         before = previous.get(key)
-        moved = not isinstance(before, (int, float)) or abs(value - before) > max(
+        moved = not isinstance(before, (int, float)) or due and abs(value - before) > max(
             MEASURED_CHANGE * max(abs(value), abs(before)), MEASURED_FLOOR)
         out[key] = significant(value) if moved else before
     return out
+
+
+def differs(new: dict, previous: dict, subset) -> bool:
+    """Whether writing `new` (merge-patch semantics: None removes a field) changes `previous`."""
+    return any(k in previous if v is None else k not in previous or not subset(v, previous[k])
+               for k, v in new.items())
 
 
 def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
@@ -62,9 +75,11 @@ def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
 
 
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
-                    previous: list[dict], now: str | None = None, rejected: str | None = None) -> dict:
+                    previous: list[dict], now: str | None = None, rejected: str | None = None,
+                    foreign: list[str] | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
-    is the API's message when it refused an object the spec rendered."""
+    is the API's message when it refused an object the spec rendered; `foreign`, the objects of
+    the service's names that someone else owns (never applied over)."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
     replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
@@ -75,6 +90,11 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                or (c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded")]
     if problems:
         degraded = condition("Degraded", True, "InvalidSpec", "; ".join(problems), generation, previous, now)
+    elif foreign:
+        degraded = condition("Degraded", True, "NotOwned",
+                             f"{', '.join(foreign)} already exist(s) and belong(s) to someone else (no ownerReference "
+                             "to this EmbeddingService): not taken over; rename the service or remove them",
+                             generation, previous, now)
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
     elif deployment is None:

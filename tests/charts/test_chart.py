@@ -12,7 +12,7 @@ import yaml
 
 import embedop
 import embedserve
-from embedop import kube, uninstall
+from embedop import crd, kube, uninstall
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "embedfleet"
@@ -23,6 +23,8 @@ HELM_DEFAULT_TIMEOUT_S = 300  # helm uninstall --timeout
 MATRIX = {
     "defaults": {},
     "namespaced": {"watchNamespace": "search"},
+    "hooks": {"uninstall": {"deleteServices": True}},
+    "hooks-namespaced": {"watchNamespace": "search", "uninstall": {"deleteServices": True}},
     "all-on": {"example": {"enabled": True}, "serviceMonitor": {"enabled": True},
                "prometheusAdapter": {"enabled": True}, "grafanaDashboard": {"enabled": True},
                "nodeSelector": {"pool": "system"}, "imagePullSecrets": [{"name": "regcred"}],
@@ -97,13 +99,17 @@ def test_rbac_is_exactly_what_the_operator_calls(case):
     objects = [o for o in render(MATRIX[case]) if not is_hook(o)]
     assert rbac_calls(objects) == kube.CALLS
     assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
-    roles = {o["kind"] for o in objects if "Role" in o["kind"]}
+    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not o["metadata"]["name"].endswith("-leader")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
+    # The Lease is the operator's own, in its own namespace, whatever it watches.
+    (lease,) = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"].endswith("-leader")]
+    assert lease["metadata"]["namespace"] == "embedfleet-system"
+    assert rbac_calls([lease]) == {c for c in kube.CALLS if c[1] == "leases"}
     assert not any("*" in str(rule) for o in objects if "Role" in o["kind"] for rule in o.get("rules", []))
     assert not any(r == "secrets" for _, r, _ in rbac_calls(objects))
 
 
-@pytest.mark.parametrize("case", ["defaults", "namespaced"])
+@pytest.mark.parametrize("case", ["hooks", "hooks-namespaced"])
 def test_uninstall_hook_deletes_the_services_with_exactly_its_own_rights(case):
     hooks = [o for o in render(MATRIX[case]) if is_hook(o)]
     assert {o["metadata"]["annotations"]["helm.sh/hook"] for o in hooks} == {"pre-delete"}
@@ -112,7 +118,7 @@ def test_uninstall_hook_deletes_the_services_with_exactly_its_own_rights(case):
     pod = job["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["python", "-m", "embedop.uninstall"] and "--timeout=240" in c["args"]
-    assert ("--namespace=search" in c["args"]) == (case == "namespaced")
+    assert ("--namespace=search" in c["args"]) == (case == "hooks-namespaced")
     assert pod["serviceAccountName"] in {o["metadata"]["name"] for o in hooks if o["kind"] == "ServiceAccount"}
     assert c["securityContext"]["readOnlyRootFilesystem"]
     # Its RBAC exists before the Job runs, and lasts until it has finished.
@@ -122,6 +128,7 @@ def test_uninstall_hook_deletes_the_services_with_exactly_its_own_rights(case):
 
 
 def hook_job(values):
+    values = {**values, "uninstall": {"deleteServices": True, **values.get("uninstall", {})}}
     return next(o for o in render(values) if is_hook(o) and o["kind"] == "Job")
 
 
@@ -136,7 +143,7 @@ def test_uninstall_hook_makes_one_attempt_within_helms_wait(timeout):
     assert (timeout or 240) < job["spec"]["activeDeadlineSeconds"] < HELM_DEFAULT_TIMEOUT_S
 
 
-@pytest.mark.parametrize("case", ["defaults", "namespaced"])
+@pytest.mark.parametrize("case", ["hooks", "hooks-namespaced"])
 def test_uninstall_hook_pod_is_not_taken_for_the_operator(case):
     """Nothing that selects the operator's pods (its Deployment, kubectl logs -l) selects the hook's."""
     operator = next(o for o in render(MATRIX[case]) if o["kind"] == "Deployment" and not is_hook(o))
@@ -146,11 +153,10 @@ def test_uninstall_hook_pod_is_not_taken_for_the_operator(case):
     assert hook_pod["app.kubernetes.io/name"] != operator["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
 
 
-def test_uninstall_hook_can_be_turned_off():
-    assert not any(is_hook(o) for o in render({"uninstall": {"deleteServices": False}}))
-    notes = helm.Chart.load(str(CHART)).render({"uninstall": {"deleteServices": False}}, name="ef",
-                                                namespace="x", is_install=True)
-    assert "unmanaged" in next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+def test_uninstall_leaves_the_services_by_default():
+    """One mistake (an uninstall to reinstall) must not delete every fleet and cost their warm-ups."""
+    assert not any(is_hook(o) for o in render({}))
+    assert "unmanaged" in notes({}) and "uninstall.deleteServices=true" in notes({})
 
 
 def notes(values):
@@ -159,16 +165,18 @@ def notes(values):
 
 
 def test_notes_explain_rollouts_images_replicas_and_uninstall():
-    text = notes({})
-    for words in ("valueFrom", "maxSurge 0, maxUnavailable 1", "spec.image", "pre-delete", "kubectl delete crd",
-                  "spec.replicas", "use mode off", "/spec/replicas", "--timeout"):
-        assert words in text, words
+    for values, words in (({}, ("valueFrom", "maxSurge 0, maxUnavailable 1", "spec.image", "kubectl delete crd",
+                                "spec.replicas", "use mode off", "/spec/replicas", "kubectl delete embsvc")),
+                          (MATRIX["hooks"], ("pre-delete", "--timeout", "kubectl delete crd"))):
+        text = notes(values)
+        for w in words:
+            assert w in text, w
 
 
-def test_notes_warn_loudly_that_uninstall_deletes_every_service_in_the_cluster():
+def test_notes_warn_loudly_that_the_hook_deletes_every_service_in_the_cluster():
     """watchNamespace "": the hook deletes every EmbeddingService in the cluster, whoever made it."""
-    assert "WARNING" in notes({}) and "EVERY EmbeddingService IN EVERY NAMESPACE" in notes({})
-    assert "WARNING" not in notes({"watchNamespace": "search"}) and "in search" in notes({"watchNamespace": "search"})
+    assert "WARNING" in notes(MATRIX["hooks"]) and "EVERY EmbeddingService IN EVERY NAMESPACE" in notes(MATRIX["hooks"])
+    assert "WARNING" not in notes(MATRIX["hooks-namespaced"]) and "in search" in notes(MATRIX["hooks-namespaced"])
 
 
 def test_the_chart_works_as_a_dependency(tmp_path):
@@ -209,8 +217,30 @@ def test_values_schema_rejects_bad_values(values, message):
         render(values)
 
 
-def test_chart_crd_is_the_repository_crd_byte_for_byte():
-    assert (CHART / "crds" / "embeddingservice.yaml").read_bytes() == (ROOT / "crds" / "embeddingservice.yaml").read_bytes()
+def test_chart_crd_is_the_operators_crd_byte_for_byte():
+    assert (CHART / "templates" / "crd.yaml").read_text() == crd.render_chart_template()
+    assert (ROOT / "crds" / "embeddingservice.yaml").read_text() == crd.render_yaml()
+
+
+def test_an_upgrade_applies_the_crds_new_schema_and_uninstall_keeps_it():
+    """Helm never upgrades what is under crds/: the CRD is a template, rendered by an upgrade as by
+    an install, with the schema the operator defaults from, and kept at uninstall."""
+    assert not (CHART / "crds").exists()
+    chart = helm.Chart.load(str(CHART))
+    files = chart.render({}, name="ef", namespace="x", is_upgrade=True)
+    (rendered,) = [d for p, t in files.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t)
+                   if d and d["kind"] == "CustomResourceDefinition"]
+    assert rendered["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert rendered["spec"] == crd.crd()["spec"]
+    schema = rendered["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert "defaultImage" in schema["properties"]["status"]["properties"]  # a field added since 0.1.0
+    assert not any(o["kind"] == "CustomResourceDefinition" for o in render({"crds": {"install": False}}))
+
+
+def test_the_example_service_is_created_after_the_crd():
+    """Helm cannot build an object whose kind a template of the same release defines."""
+    (example,) = [o for o in render({"example": {"enabled": True}}) if o["kind"] == "EmbeddingService"]
+    assert example["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
 
 
 def test_versions_agree():

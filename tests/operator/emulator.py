@@ -10,6 +10,7 @@ import datetime
 import itertools
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -39,6 +40,14 @@ conflicts: list[tuple] = []
 writes: list[tuple] = []
 
 
+# Every call made by anything but the tests' own kubectl stand-in, in order:
+# (time.monotonic(), subject, verb as RBAC sees it, resource plural[/subresource], namespace).
+calls: list[tuple] = []
+# Admission policies (as Kyverno or Gatekeeper webhooks): each takes an object being created or
+# changed by the operator (not through a subresource) and returns a refusal message or None.
+policies: list = []
+
+
 # Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
 # (status, message) pairs) to answer with, one per call, in order. The tests' own calls are never
 # faulted.
@@ -54,6 +63,38 @@ def api_error(status: int, reason: str, message: str) -> kmock.KubernetesError:
 
 
 CONFLICT = "the object has been modified; please apply your changes to the latest version and try again"
+
+
+def selector_matches(selector: str | None, labels: dict) -> bool:
+    """A label selector as the API server reads it: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-joined."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            ok = labels.get(k.strip()) != v.strip()
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            ok = labels.get(k.strip()) == v.strip()
+        elif term.startswith("!"):
+            ok = term[1:].strip() not in labels
+        else:
+            ok = term in labels
+        if not ok:
+            return False
+    return True
+
+
+def _labels(obj: dict) -> dict:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _drop_empty_env(obj: dict) -> None:
+    """What the API server stores of a pod template: an env entry's value "" is omitted (omitempty)."""
+    spec = obj.get("spec") or {}
+    template = (spec.get("template") or {}).get("spec") or spec
+    for container in (template.get("containers") or []) + (template.get("initContainers") or []):
+        for entry in container.get("env") or []:
+            if entry.get("value") == "":
+                del entry["value"]
 
 
 def _manager(request) -> str:
@@ -76,12 +117,17 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       value conflicts with its owners; owners show in metadata.managedFields;
     - the API's validation of the built-in kinds the operator writes (kubernetes_validate,
       strict): an invalid object is refused with 422 and the validator's message;
+    - admission webhooks (`policies`): a refusal is a 403 with the webhook's message, for writes
+      to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
+    - what the API server stores, not what was sent: an env entry's empty value is dropped;
+    - label selectors on lists and watches (a watched object that stops matching is DELETED to
+      that watch), and 429 answers that carry Retry-After;
     - in the record of calls as RBAC sees them, the OwnerReferencesPermissionEnforcement admission
       plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
 
     Not emulated (tests/cluster/ judges these on a real API server): ownership and removal of every
     other field (kmock merges dicts: a field dropped from an apply stays), garbage collection
-    through ownerReferences, foreground deletion, controllers, admission plugins, label selectors."""
+    through ownerReferences, foreground deletion, controllers, field selectors."""
 
     subject = "operator"
 
@@ -102,6 +148,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     await asyncio.sleep(3)
                 else:  # a status, or (status, the API's message)
                     status, message = status if isinstance(status, tuple) else (status, f"injected {status} for {key}")
+                    if status == 429:  # API Priority and Fairness: try again after Retry-After seconds
+                        return aiohttp.web.json_response(
+                            {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                             "reason": "TooManyRequests", "code": 429}, status=429, headers={"Retry-After": "2"})
                     raise api_error(status, "Injected", message)
         current = self._current(request) if is_object_call and request.name else None
         is_apply = (request.method == kmock.method.PATCH and request.name is not None
@@ -117,6 +167,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     "UPDATE": "update" if request.method == kmock.method.PUT else "patch"}[request.action.value]
             resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
             recorded[self.subject].add((request.resource.group or "", resource, verb))
+            calls.append((time.monotonic(), self.subject, verb, resource, request.namespace))
             if verb not in ("list", "watch", "get"):
                 writes.append((self.subject, resource, request.namespace, request.name))
             if is_apply:
@@ -139,9 +190,17 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         if isinstance(data, dict) and request.resource is not None and request.resource.plural == "deployments" \
                 and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             self._replicas(request, current, is_apply)
-        if ours and isinstance(data, dict) and data.get("kind") in VALIDATED and not request.subresource \
+        if isinstance(data, dict) and request.action in (kmock.action.CREATE, kmock.action.UPDATE) \
+                and not request.subresource:
+            _drop_empty_env(data)
+        if ours and isinstance(data, dict) and not request.subresource \
                 and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
-            self._validate(data if current is None else kmock_dicts.patch_dict(current, data))
+            merged = data if current is None else kmock_dicts.patch_dict(current, data)
+            if data.get("kind") in VALIDATED:
+                self._validate(merged)
+            for policy in policies:
+                if refusal := policy(merged):
+                    raise api_error(403, "Forbidden", f'admission webhook "validate.kyverno.svc" denied the request: {refusal}')
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_versions))
             if isinstance(data, dict):
@@ -205,6 +264,26 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             data.setdefault("metadata", {})["managedFields"] = [
                 {"manager": m, "operation": op, "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
                  "fieldsV1": {"f:spec": {"f:replicas": {}}}} for m, op in owners.items()]
+
+    async def _serve_list(self, request):
+        out = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        return {**out, "items": [o for o in out["items"] if selector_matches(selector, _labels(o))]}
+
+    async def _serve_watch(self, request):
+        selector, sent = request.params.get("labelSelector"), set()
+        async for event in super()._serve_watch(request):
+            if not selector or not isinstance(event, dict):
+                yield event
+                continue
+            meta = event["object"].get("metadata") or {}
+            key = (meta.get("namespace"), meta.get("name"))
+            if selector_matches(selector, _labels(event["object"])):
+                (sent.discard if event["type"] == "DELETED" else sent.add)(key)
+                yield event
+            elif key in sent:  # it no longer matches: gone, as far as this watch can tell
+                sent.discard(key)
+                yield {"type": "DELETED", "object": event["object"]}
 
     @staticmethod
     def _validate(obj: dict) -> None:

@@ -197,7 +197,7 @@ def test_failed_scrapes_hold_and_never_scale_down():
     samples = pods(4, 100)
     samples[3] = PodSample("unreachable", True, False)
     d = run(samples, 4, History(capacity=CAP, recommendations=((0.0, 4),)), now=1000.0)
-    assert d.desired == 4 and "could not be scraped" in d.reason
+    assert d.desired == 4 and "could not be read" in d.reason
     # but a blind spot does not stop a scale-up the visible pods already justify
     samples = pods(4, 1000)
     samples[3] = PodSample("unreachable", True, False)
@@ -276,3 +276,60 @@ def test_a_lull_inside_a_step_keeps_the_surge():
     assert lull.desired == 8  # 10 s < a quarter of the 90 s start-up
     back = run(pods(8, 500), 8, lull.history, now=1020.0)
     assert back.desired == 8 and back.history.surge.low_since is None
+
+
+def test_serving_pods_that_turn_unready_hold_the_fleet():
+    """The death spiral: 8 pods at 93% of target, 3 turn unready under load (readiness timeouts)
+    while their connections still carry load, and nothing can be read from them. They served:
+    they are blind, not starting; the fleet holds (it used to go 8 → 5, the ReplicaSet deleting
+    exactly those pods)."""
+    policy = Policy(1, 20, 0.7, 1.0, 0, 60)
+    history, now = History(capacity=CAP), 1000.0
+    for _ in range(6):  # settled at 8: 8 × 650 = 5200 tok/s needs ceil(5200 / 700) = 8
+        d = decide(pods(8, 650), 8, policy, history, now)
+        history, now = d.history, now + 5
+    assert d.desired == 8
+    for _ in range(6):
+        samples = pods(8, 650)
+        samples[5:] = [PodSample(f"p{i}", False, False, started=True) for i in range(5, 8)]
+        d = decide(samples, 8, policy, history, now)
+        history, now = d.history, now + 5
+        assert d.desired == 8 and "unready" in d.reason, d.reason
+
+
+def test_an_unready_pod_that_still_answers_counts_its_demand():
+    samples = pods(4, 1000)  # 4000 tok/s at 0.5 → 8
+    samples[3] = dataclasses.replace(samples[3], ready=False, started=True)
+    assert run(samples, 4).desired == 8
+
+
+def test_after_an_operator_restart_starting_pods_are_not_cancelled_on_one_read():
+    """No trend yet is not a falling one: the pods a scale-up ordered before the restart stay."""
+    d = run(pods(8, 400, ready=2), 8, History(capacity=CAP))
+    assert d.desired == 8
+
+
+def test_a_step_in_demand_is_not_extrapolated():
+    """3,500 tok/s after a step on 1,000 tok/s pods at 0.7: ceil(3500 / 700) = 5, and it stays 5
+    (the trend fitted over a window holding the step used to add a start-up's worth: 7)."""
+    policy = Policy(1, 20, 0.7, 1.0, 0, 120)
+    history, now, current = History(capacity=CAP, startup_s=60.0), 1000.0, 1
+    for _ in range(4):
+        d = decide(pods(current, 400 / current), current, policy, history, now)
+        history, current, now = d.history, d.desired, now + 15
+    sizes = []
+    for _ in range(12):  # three minutes of a flat 3,500 tok/s, new pods ready at once
+        d = decide(pods(current, 3500 / current), current, policy, history, now)
+        history, current, now = d.history, d.desired, now + 15
+        sizes.append(current)
+    assert set(sizes) == {5}, sizes
+
+
+def test_a_pod_start_up_is_measured_once():
+    """A pod whose readiness flapped reports its last flap as its Ready time: its start-up stays
+    as first measured."""
+    first = [dataclasses.replace(s, startup_s=40.0) for s in pods(2, 500)]
+    d = run(first, 2, History(capacity=CAP))
+    assert d.history.startup_s == 40.0
+    flapped = [dataclasses.replace(s, startup_s=3600.0) for s in pods(2, 500)]
+    assert run(flapped, 2, d.history, now=1015.0).history.startup_s == 40.0

@@ -84,9 +84,9 @@ def test_a_service_being_deleted_is_not_reconciled(emulator, operators):
     mark = len(op.log())
     emulator.request("DELETE", f"{DEPLOY}/leaving")  # as the garbage collector would
     # The absence of a write is the point. What could write has to have acted, as the operator's
-    # log shows: its reconcile on the Deployment's deletion (the way a live service's Deployment,
-    # deleted by hand, comes back at once), and the end of the service's own loop (periodic
-    # checks, autoscaler), which stops when it sees the deletion.
+    # log shows: it has seen the Deployment's deletion (the way a live service's Deployment,
+    # deleted by hand, comes back at once), and the service's own loop (reconciles, periodic
+    # checks, autoscaler) has ended, which it does when it sees the deletion.
     eventually(lambda: "followed Deployment default/leaving (DELETED)" in op.log()[mark:])
     eventually(lambda: "default/leaving: loop ended" in op.log())
     assert emulator.get(f"{DEPLOY}/leaving") is None

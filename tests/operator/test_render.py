@@ -29,7 +29,7 @@ VARIATIONS = {
     "off": {"model": "m", "replicas": 5, "autoscaling": {"mode": "off"}},
     "stopped": {"model": "m", "replicas": 0, "autoscaling": {"mode": "off", "minReplicas": 0}},
     "cls-pooling": {"model": "m", "pooling": {"strategy": "cls", "normalize": False}},
-    "many-gpus": {"model": "m", "resources": {"gpu": 8, "cpu": 32, "memory": "200Gi"}},
+    "big": {"model": "m", "resources": {"gpu": 1, "cpu": 32, "memory": "200Gi"}},
     "env-override": {"model": "m", "env": [{"name": "MAX_DRAIN_TIME_MS", "value": "900"}, {"name": "X", "value": "1"}]},
     "production": {
         "model": "s3://models/bge", "image": "registry.example/embedserve:1.2",

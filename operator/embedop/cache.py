@@ -1,0 +1,198 @@
+"""What the operator reads: in-memory copies of the objects it owns, kept current by list + watch
+(client-go's informers), so that a settled service costs no API request at all.
+
+The owned kinds (Deployments, their Pods, Services, PodDisruptionBudgets, HorizontalPodAutoscalers)
+are listed and watched with a server-side label selector, the operator's managed-by label: the
+API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
+EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here).
+
+Reads come from these copies. An object missing from them is read from the API (`Cluster.get`):
+it may exist without our label (someone else's object of the same name, which the reconcile must
+not take over) or its watch event may not have arrived yet. Writes go to the API, guarded by the
+resourceVersion they were computed from, and their answers are kept here at once (write-through),
+so the next read does not act on the state before our own write. A write computed from a stale
+copy fails with Conflict; the caller then reads fresh (`fresh=True`) and computes again.
+
+Every write first checks `may_write` (the leader election's lease), so that of two operator pods
+only the one holding the lease ever changes anything."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Callable
+
+from embedop import crd
+from embedop.kube import Gone, Kube, Retryable
+from embedop.render import MANAGED_BY
+
+log = logging.getLogger(__name__)
+
+# The kinds listed and watched by the operator's label (the pods carry it through the template).
+WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed where it stopped
+BACKOFF_S = (0.5, 30.0)  # first and largest wait before listing again after a failure
+
+Key = tuple[str, str]
+
+
+def key_of(obj: dict) -> Key:
+    meta = obj["metadata"]
+    return meta.get("namespace") or "", meta["name"]
+
+
+class NotLeader(Retryable):
+    """This operator pod does not hold the lease: it must not write."""
+
+
+class Store:
+    """The objects of one kind, by (namespace, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[Key, dict] = {}
+
+    def get(self, namespace: str, name: str) -> dict | None:
+        return self.objects.get((namespace, name))
+
+    def put(self, obj: dict) -> None:
+        self.objects[key_of(obj)] = obj
+
+    def drop(self, namespace: str, name: str) -> None:
+        self.objects.pop((namespace, name), None)
+
+    def replace(self, namespace: str | None, objects: list[dict]) -> None:
+        """What a fresh list says of `namespace` (None: all): what it lacks was deleted meanwhile."""
+        self.objects = {k: v for k, v in self.objects.items() if namespace is not None and k[0] != namespace}
+        for obj in objects:
+            self.put(obj)
+
+    def select(self, namespace: str, labels: dict) -> list[dict]:
+        return [o for (ns, _), o in self.objects.items() if ns == namespace
+                and all(((o["metadata"].get("labels") or {}).get(k)) == v for k, v in labels.items())]
+
+
+class Informer:
+    """One kind, listed then watched from the list's resourceVersion, in each namespace the
+    operator serves (None: all). Listed again after a 410 Gone (the version is too old) or any
+    failure (with backoff, and at the API's Retry-After). `on_change(kind, event, obj)` is called
+    for every object that changed or went (event: ADDED, MODIFIED, DELETED; LISTED after a list)."""
+
+    def __init__(self, kube: Kube, kind: str, namespaces: list[str] | None, store: Store,
+                 on_change: Callable[[str, str, dict], None]):
+        self.kube, self.kind, self.store, self.on_change = kube, kind, store, on_change
+        self.namespaces = namespaces or [None]
+        self.synced = asyncio.Event()  # every namespace listed once
+        self._listed: set[str | None] = set()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._namespace(ns) for ns in self.namespaces))
+
+    async def _namespace(self, namespace: str | None) -> None:
+        failures = 0
+        while True:
+            try:
+                version = await self._list(namespace)
+                failures = 0
+                await self._watch(namespace, version)
+            except Gone:  # compacted away while we were not looking: list again, at once
+                continue
+            except Exception as e:  # noqa: BLE001 - an informer never gives up; it lists again
+                failures += 1
+                wait = getattr(e, "retry_after", None) or min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (failures - 1))
+                log.warning("watching %s: %s; listing again in %.1f s", self.kind, e, wait)
+                await asyncio.sleep(wait * random.uniform(0.8, 1.2))
+
+    async def _list(self, namespace: str | None) -> str | None:
+        objects, version = await self.kube.list_versioned(self.kind, namespace, MANAGED_BY)
+        before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
+        self.store.replace(namespace, objects)
+        for k in before - set(self.store.objects):  # deleted while we were not watching
+            self.on_change(self.kind, "DELETED", {"metadata": {"namespace": k[0], "name": k[1]}})
+        for obj in objects:
+            self.on_change(self.kind, "LISTED", obj)
+        self._listed.add(namespace)
+        if len(self._listed) == len(self.namespaces):
+            self.synced.set()
+        return version
+
+    async def _watch(self, namespace: str | None, version: str | None) -> None:
+        """Until the stream fails. Each stream is bounded in time, so a connection that died
+        without a word (no FIN, no RST) is noticed; it resumes from the last version seen."""
+        while True:
+            try:
+                async with asyncio.timeout(WATCH_TIMEOUT_S + 30):
+                    async for kind, obj in self.kube.watch(self.kind, namespace, MANAGED_BY, version, WATCH_TIMEOUT_S):
+                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                        if kind == "BOOKMARK":
+                            continue
+                        if kind == "DELETED":
+                            self.store.drop(*key_of(obj))
+                        else:
+                            self.store.put(obj)
+                        self.on_change(self.kind, kind, obj)
+            except TimeoutError:
+                continue
+
+
+class Cluster:
+    """The operator's reads (the stores first) and writes (the API, after the leader check)."""
+
+    def __init__(self, kube: Kube, stores: dict[str, Store], may_write: Callable[[], bool] = lambda: True):
+        self.kube, self.stores, self.may_write = kube, stores, may_write
+
+    async def get(self, kind: str, namespace: str, name: str, fresh: bool = False) -> dict | None:
+        store = self.stores.get(kind)
+        if store is not None and not fresh and (obj := store.get(namespace, name)) is not None:
+            return obj
+        obj = await self.kube.get(kind, namespace, name)
+        if store is not None:
+            if obj is None:
+                store.drop(namespace, name)
+            elif kind not in WATCHED or _ours(obj):  # a watch would show it: keep it
+                store.put(obj)
+        return obj
+
+    def pods(self, namespace: str, labels: dict) -> list[dict]:
+        return self.stores["Pod"].select(namespace, labels)
+
+    def _check(self, what: str) -> None:
+        if not self.may_write():
+            raise NotLeader(f"{what}: this operator pod does not hold the lease")
+
+    def _keep(self, kind: str, obj: dict) -> dict:
+        if kind in self.stores and obj.get("metadata", {}).get("name"):
+            self.stores[kind].put(obj)
+        return obj
+
+    async def apply(self, obj: dict, **kwargs) -> dict:
+        self._check(f"apply {obj['kind']}/{obj['metadata']['name']}")
+        return self._keep(obj["kind"], await self.kube.apply(obj, **kwargs))
+
+    async def delete(self, kind: str, namespace: str, name: str, **kwargs) -> None:
+        self._check(f"delete {kind}/{name}")
+        await self.kube.delete(kind, namespace, name, **kwargs)
+        if kind in self.stores:
+            self.stores[kind].drop(namespace, name)
+
+    async def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
+        self._check(f"status of {name}")
+        return self._keep(crd.KIND, await self.kube.patch_status(namespace, name, status, resource_version))
+
+    async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
+        self._check(f"scale of {name}")
+        await self.kube.patch_scale(namespace, name, replicas, resource_version)
+
+    async def scale_deployment(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
+        self._check(f"scale of Deployment/{name}")
+        await self.kube.scale_deployment(namespace, name, replicas, resource_version)
+
+    async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
+        self._check(f"finalizers of {name}")
+        await self.kube.set_finalizers(namespace, name, finalizers, resource_version)
+
+
+def _ours(obj: dict) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in MANAGED_BY.items())
+

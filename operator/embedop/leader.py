@@ -1,0 +1,111 @@
+"""Leader election on a coordination.k8s.io Lease, as client-go's leaderelection does it, so that
+of several operator pods (a rollout's surge, replicas for a fast fail-over) exactly one writes.
+
+kopf's own peering is not used: it pauses kopf's handlers but not the operator's own tasks (the
+service loops and their autoscaling), and two paused peers freeze each other. Here every write
+checks `held()` first (cache.Cluster), and the service loops run only while the lease is held.
+
+The holder renews the lease every third of its duration. A candidate takes it over only after it
+has seen the lease unchanged for a whole duration, timed by its own clock (never by comparing
+another pod's timestamps with it, so clock skew between nodes does not matter). The holder counts
+itself leader only for a duration from the moment it *sent* its last successful renewal: by the
+time another pod may take over, the old holder has already stopped writing. On a clean stop the
+lease is released, so a successor takes over at once instead of after a duration."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import Awaitable, Callable
+
+from embedop.kube import Conflict, Kube, Retryable
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # MicroTime
+
+
+class Leadership:
+    def __init__(self, kube: Kube, namespace: str, name: str, identity: str, duration_s: float,
+                 on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]]):
+        self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
+        self.duration_s = duration_s
+        self.on_start, self.on_stop = on_start, on_stop
+        self._held_until = 0.0  # loop time
+        self._seen: tuple | None = None  # the lease's record as last seen, and since when (loop time)
+        self._seen_at = 0.0
+        self._leading = False
+
+    def held(self) -> bool:
+        return asyncio.get_running_loop().time() < self._held_until
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await self._try()
+                except Retryable as e:
+                    log.warning("leader election: %s", e)
+                if self.held() != self._leading:
+                    self._leading = self.held()
+                    log.info("%s leadership of %s/%s", "acquired" if self._leading else "lost", self.namespace, self.name)
+                    await (self.on_start() if self._leading else self.on_stop())
+                await asyncio.sleep(self.duration_s / 3)  # the holder renews, a candidate looks
+        finally:
+            if self._leading:
+                await self._release()
+
+    async def _try(self) -> None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        lease = await self.kube.get("Lease", self.namespace, self.name)
+        if lease is None:
+            try:
+                await self.kube.create(self._lease(transitions=0))
+            except Conflict:  # another candidate created it first
+                return
+            self._held_until = sent + self.duration_s
+            return
+        spec = lease.get("spec") or {}
+        record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
+        if record != self._seen:
+            self._seen, self._seen_at = record, loop.time()
+        holder = spec.get("holderIdentity")
+        duration = spec.get("leaseDurationSeconds") or self.duration_s
+        if holder == self.identity:
+            body = {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                    "spec": {"renewTime": _now(), "leaseDurationSeconds": int(self.duration_s)}}
+        elif not holder or loop.time() - self._seen_at >= duration:  # released, or expired: take it
+            body = {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                    "spec": self._lease(transitions=(spec.get("leaseTransitions") or 0) + 1)["spec"]}
+        else:
+            self._held_until = 0.0
+            return
+        try:
+            await self.kube.merge_patch("Lease", self.namespace, self.name, body)
+        except Conflict:  # someone else renewed or took it meanwhile
+            self._held_until = 0.0
+            return
+        self._held_until = sent + self.duration_s
+
+    def _lease(self, transitions: int) -> dict:
+        now = _now()
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
+                         "acquireTime": now, "renewTime": now, "leaseTransitions": transitions}}
+
+    async def _release(self) -> None:
+        """Give the lease up (a clean stop): a successor need not wait a whole duration."""
+        self._held_until = 0.0
+        try:
+            lease = await self.kube.get("Lease", self.namespace, self.name)
+            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+                await self.kube.merge_patch("Lease", self.namespace, self.name, {
+                    "metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                    "spec": {"holderIdentity": None}})
+        except Exception as e:  # noqa: BLE001 - stopping anyway: the lease expires by itself
+            log.warning("leader election: could not release the lease: %s", e)
