@@ -10,7 +10,9 @@ horizon and the call's deadline (`timeout_s`). Within that deadline the call ret
 RESOURCE_EXHAUSTED after the server's retry-after-ms; a refusal for sustained overload
 (`grpc-retry-pushback-ms` negative) only once, at once, on the pod round robin picks next; and UNAVAILABLE
 or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
-says so. Retries after a refusal are marked so servers do not count them as new demand.
+says so. A pod that stops answering without closing its connection (frozen, partitioned) is
+noticed by keepalive within about 10 s, and its calls end UNAVAILABLE and are retried likewise.
+Retries after a refusal are marked so servers do not count them as new demand.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import numpy as np
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 
+# A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
+# is retried elsewhere, a third of the default 30 s deadline. 5 s for the answer is generous:
+# gRPC core answers pings on its own threads, not on the server's (possibly busy) event loop.
+KEEPALIVE_TIME_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 5000
 CHANNEL_OPTIONS = [
     ("grpc.lb_policy_name", "round_robin"),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -35,6 +42,26 @@ CHANNEL_OPTIONS = [
     # A channel asks DNS again when a connection closes (servers age them out), but by default
     # not within 30 s of the last answer: new pods would wait that long for a share.
     ("grpc.dns_min_time_between_resolutions_ms", 1000),
+    # Keepalive (off in gRPC by default). A pod that stops answering without closing anything
+    # (SIGSTOP, a hung node, a partition) keeps its connection READY, and round robin hands it
+    # every caller in turn, each waiting out its deadline. A connection silent for
+    # KEEPALIVE_TIME_MS is pinged and closed when no answer comes within KEEPALIVE_TIMEOUT_MS:
+    # its calls end UNAVAILABLE, retried at once on the next pod (ELSEWHERE), and round robin
+    # stops picking it (a frozen process's kernel still accepts the reconnect, but the HTTP/2
+    # handshake does not complete: not READY until the pod answers again). Any byte received
+    # resets the timer, so a busy connection is never pinged.
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # ... which grpcio 1.85's transport does not apply (it arms that timer only when one is
+    # already armed): what closes the connection is the timeout of any unanswered ping, 1 minute
+    # by default once keepalive is on (measured without it: every caller still stuck 18 s on).
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Idle connections too, so a pod that froze between calls is dropped before one lands there;
+    # and without gRPC's limit of 2 pings until the client sends data (an idle channel, a call
+    # held on the server for its booked room), after which it would stop watching. Servers
+    # accept this (grpc_server.py); a default gRPC server would answer GOAWAY too_many_pings.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 # A call that does not fit a server's drain budget now waits on that server for the room booked
 # for it (within the reservation horizon and its deadline), rather than coming back: the retry

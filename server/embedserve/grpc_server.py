@@ -97,6 +97,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._observe(rpc, code.name, time.perf_counter() - t0)
 
 
+# The most often a client may ping. One second is gRPC core's own floor for a client's pings, so
+# no gRPC client's keepalive (ours: every 5 s on a silent connection) is refused; a faster flood
+# still earns GOAWAY after gRPC's default 2 strikes.
+MIN_PING_INTERVAL_MS = 1000
+
+
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
                  max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 15.0,
                  reuse_port: bool = False):
@@ -106,6 +112,13 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
         ("grpc.so_reuseport", int(reuse_port)),
+        # Our Client pings connections silent for 5 s, calls or none, to notice a frozen pod.
+        # gRPC servers by default accept no ping on a connection without calls and one per
+        # 5 minutes otherwise, and after 2 more ("strikes") close it with GOAWAY too_many_pings.
+        ("grpc.keepalive_permit_without_calls", 1),
+        # (C core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; a misspelt name is
+        # ignored without a word.)
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]
     if max_connection_age_s > 0:
         # A client keeps its HTTP/2 connections and only re-resolves when one closes: without an

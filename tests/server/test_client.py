@@ -1,6 +1,7 @@
 """The library client and the openai client against a real server: bursts are scheduled and\ncomplete, deadlines are honoured, calls balance across pods."""
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -9,7 +10,7 @@ import pytest
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.client import Client, is_final, retry_after_s
+from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client, is_final, retry_after_s
 from embedserve.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
 
@@ -199,3 +200,32 @@ async def test_round_robin_across_pods():
     finally:
         for p in pods:
             p.stop()
+
+
+async def test_an_idle_clients_keepalive_is_accepted_and_notices_a_frozen_server():
+    """The Client pings its connections even between calls (a pod that froze while the Client was
+    idle is dropped before a call lands there), and the server accepts those pings: a default gRPC
+    server closes a connection pinged without calls with GOAWAY too_many_pings at the 4th ping.
+    (The frozen pod under load: test_fleet.py.)"""
+    server = ServerProcess(SIM).wait_ready()
+    # The Client's options, pinging every 1.2 s rather than 5 s: the 4 pings that would earn the
+    # GOAWAY take 5 s, not 20. The server accepts pings every second (gRPC's own floor).
+    ping_s = 1.2
+    options = [(k, int(ping_s * 1000) if k == "grpc.keepalive_time_ms" else v) for k, v in CHANNEL_OPTIONS]
+    try:
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            await pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=["connected"]))
+            ready = channel.get_state()
+            assert ready == grpc.ChannelConnectivity.READY
+            # Idle and pinged 5 times: a refused ping would close the connection.
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.wait_for_state_change(ready), 5.5 * ping_s)
+            server.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            # The next ping goes unanswered: the connection is closed when it times out (1 s of
+            # slack for this shared host).
+            await asyncio.wait_for(channel.wait_for_state_change(ready), ping_s + KEEPALIVE_TIMEOUT_MS / 1000 + 1.0)
+            print(f"a frozen server's connection closed {time.monotonic() - t0:.2f} s after the freeze")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)  # a stopped process acts on no SIGTERM
+        server.stop()

@@ -106,6 +106,78 @@ async def test_sigterm_to_one_of_two_pods_under_steady_load_loses_no_request(dns
             p.stop()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+async def test_a_pod_that_freezes_or_dies_under_load_stalls_no_caller(dns, port, sig):
+    """Two pods, 16 callers in a closed loop with the Client's defaults (30 s deadline); one pod
+    freezes (SIGSTOP: a hung node, a partition, a wedged driver) or dies (SIGKILL), and leaves DNS
+    2 s later. A frozen pod closes nothing: round robin keeps its connection READY, and without
+    keepalive every caller landed there in turn and waited out its deadline (the issue: all 16
+    calls DEADLINE_EXCEEDED, 11 calls in the next 20 s, the healthy pod idle). With it the dead
+    connection is noticed within seconds and its calls retried on the healthy pod. A killed pod's
+    kernel closes its connections at once; that must stay as harmless as it was."""
+    # The default connection age, as in a cluster: no connection ages out during the test, so
+    # nothing but keepalive can tell the client that a frozen pod's connection is dead.
+    victim, healthy = pods = [pod(host, port, MAX_CONNECTION_AGE_S="30") for host in ("127.0.0.2", "127.0.0.3")]
+    calls: list[tuple[float, float, str]] = []  # (start, end, outcome) of every finished call
+    in_flight: dict[int, float] = {}  # caller -> start of its call now in flight
+    window_s = 16.0  # from the signal to the end: a call stuck since the signal is past the 15 s bound
+    try:
+        for p in pods:
+            p.wait_ready()
+        dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]
+        async with Client(dns.target(NAME, port)) as client:
+            stop = asyncio.Event()
+
+            async def caller(k):
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    in_flight[k] = start = time.monotonic()
+                    try:
+                        await client.embed([f"caller {k} request {i}"])
+                        outcome = "OK"
+                    except Exception as e:  # noqa: BLE001 - every failure is counted, none hidden
+                        outcome = repr(e)
+                    del in_flight[k]
+                    calls.append((start, time.monotonic(), outcome))
+
+            load = [asyncio.ensure_future(caller(k)) for k in range(16)]
+            while min(served(p) for p in pods) < 50:  # both pods in use
+                await asyncio.sleep(0.05)
+            shared = served(healthy)
+            await asyncio.sleep(2.0)  # the healthy pod's rate while the two share the load
+            shared = (served(healthy) - shared) / 2.0
+            victim.proc.send_signal(sig)
+            t_signal = time.monotonic()
+            await asyncio.sleep(2.0)  # the scenario: the endpoint leaves DNS 2 s later
+            dns.records[NAME] = ["127.0.0.3"]
+            await asyncio.sleep(window_s - 4.0)  # every call the victim held ends in here
+            alone = served(healthy)
+            await asyncio.sleep(2.0)  # the healthy pod's rate at the end, alone
+            alone = (served(healthy) - alone) / 2.0
+            stop.set()
+            _, stuck = await asyncio.wait(load, timeout=2.0)  # the healthy pod answers in milliseconds
+            still_waiting = [time.monotonic() - start for start in in_flight.values()]
+            for task in stuck:
+                task.cancel()
+        failures = [o for _, _, o in calls if o != "OK"]
+        longest = max([end - start for start, end, _ in calls] + still_waiting)
+        after_signal = sum(1 for _, end, _ in calls if end >= t_signal)
+        print(f"{signal.Signals(sig).name}: {len(calls)} calls, {after_signal} after the signal, "
+              f"{len(failures)} failed, {len(still_waiting)} still waiting, longest {longest:.2f} s; "
+              f"healthy pod {shared:.0f} calls/s sharing the load, {alone:.0f} calls/s alone at the end")
+        assert failures == [] and still_waiting == [], (failures[:3], still_waiting)
+        assert longest <= 15.0, longest
+        # Throughput recovers on the healthy pod: it serves the callers the victim left (the
+        # callers' demand is unchanged, so alone it works at least as hard as before; half, for
+        # this shared 2-core host), rather than idling while they wait on a dead connection.
+        assert alone >= 0.5 * shared, (shared, alone)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)  # a stopped process acts on no SIGTERM
+        for p in pods:
+            p.stop()
+
+
 async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
     """A round-robin client's retry lands on another pod, where nothing is booked for it: the
     Client waits where its call landed instead, so a burst over a fleet completes in about the
