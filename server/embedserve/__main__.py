@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from embedserve.config import ConfigError, Settings, frontend_count
 from embedserve.lifecycle import until_stopped
@@ -73,10 +74,13 @@ class FrontEnds:
         env = {**self.env, "EMBEDSERVE_FRONTEND_LATE": "1"} if late else self.env
         return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=env)
 
-    async def watch(self, heard: dict[int, float], unresponsive_s: float) -> None:
+    async def watch(self, heard: dict[int, float], unresponsive_s: float,
+                    answering_since: Callable[[], float | None]) -> None:
         """Restart front ends that exit; kill one whose loop is stuck (not `heard` from, asking for
         the model's state, for `unresponsive_s`), so that it is restarted: its callers would wait
-        forever, and the probes, each reaching one front end of N, would not notice."""
+        forever, and the probes, each reaching one front end of N, would not notice. A front end
+        says only its hello until the model process answers it (`answering_since()`: when it
+        could, None before): its silence counts from then, not through the model's warm-up."""
         turn = time.monotonic()
         while not self.stopping:
             await asyncio.sleep(WATCH_EVERY_S)
@@ -84,11 +88,13 @@ class FrontEnds:
             # After a stall of this process's own loop, what the front ends sent meanwhile is not
             # read yet: judge their silence on a later turn, not on stale stamps.
             stalled, turn = now - turn > 2 * WATCH_EVERY_S, now
+            since = answering_since()
             for i, p in enumerate(self.procs):
                 if p.poll() is None:
                     last = heard.get(p.pid)
-                    if (not stalled and last is not None and now - last > unresponsive_s
-                            and self._silent[i] is None and not self.stopping):
+                    if (not stalled and last is not None and since is not None
+                            and now - max(last, since) > unresponsive_s and self._silent[i] is None
+                            and not self.stopping):
                         log.error("front end %d has not asked for the model's state for %.0f s: stuck, killing it",
                                   p.pid, now - last)
                         p.kill()  # restarted on a later turn, once it has exited
@@ -101,9 +107,17 @@ class FrontEnds:
                 # after each start backs off as one that dies young does.
                 lived = (self._silent[i] or now) - self._since[i]
                 self._delay[i] = restart_delay(lived, self._delay[i])
+                self._since[i], self._silent[i] = now, None
+                try:
+                    self.procs[i] = self._spawn(late=True)
+                except (OSError, subprocess.SubprocessError) as e:
+                    # EMFILE, ENOMEM, EAGAIN: tried again on a later turn, backing off as after a
+                    # life that ended at once (the supervisor had died with this, without a word).
+                    log.error("front end %d exited with %s; starting another failed (%s): trying again", p.pid,
+                              p.returncode, e)
+                    continue
                 log.error("front end %d exited with %s: starting another%s", p.pid, p.returncode,
                           f" (it died young: the next restart waits {self._delay[i]:.0f} s)" if self._delay[i] else "")
-                self.procs[i], self._since[i], self._silent[i] = self._spawn(late=True), now, None
                 heard.pop(self.procs[i].pid, None)  # a reused pid's old stamp is not this one's
 
     async def stop(self, grace: float) -> None:
@@ -128,7 +142,8 @@ async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -
     door.start()
     fronts = FrontEnds(count, ipc_path)
     fronts.start()
-    watcher = asyncio.create_task(fronts.watch(door.heard, settings.frontend_unresponsive_s))
+    watcher = asyncio.create_task(fronts.watch(door.heard, settings.frontend_unresponsive_s, lambda: server.loaded_at))
+    watcher.add_done_callback(_supervisor_ended)
     try:
         start, stop = await until_stopped(server.start())
         if start.done() and start.exception() is not None:
@@ -143,6 +158,12 @@ async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -
         watcher.cancel()
         await fronts.stop(0)
         await door.close()
+
+
+def _supervisor_ended(task: asyncio.Task) -> None:
+    """Never silently: front ends that die or wedge would no longer be replaced."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the front ends' supervisor failed: front ends are no longer restarted", exc_info=task.exception())
 
 
 def main() -> int:

@@ -64,6 +64,7 @@ class Server:
         self.started_at = time.monotonic()
         self.draining = False
         self.loaded = asyncio.Event()
+        self.loaded_at: float | None = None  # monotonic: from then on front ends get answers (FRONTENDS > 1)
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
         self.transports = Transports(self) if listen else None
 
@@ -74,6 +75,7 @@ class Server:
                      self.model_name)
         await self._load()
         settle_heap()
+        self.loaded_at = time.monotonic()
         self.loaded.set()
         if self.transports:
             self.transports.install_api()
@@ -123,9 +125,9 @@ class Server:
             self.service.gate.release_held()
 
     def _failing(self, failing: bool) -> None:
-        log.error("model worker %s", "failing: reporting NOT_SERVING" if failing else "recovered")
+        log.error("failing: reporting NOT_SERVING" if failing else "failing no more: the next batch succeeded")
         if self.transports:  # front ends follow /health's healthy instead
-            self._health_task = asyncio.ensure_future(self.transports.serving(not failing))
+            self._health_task = asyncio.ensure_future(self.transports.serving(self.healthy))
 
     async def refresh(self) -> None:
         """The model's state is this process's own: always fresh (a front end fetches it)."""

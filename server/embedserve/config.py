@@ -179,13 +179,13 @@ class Settings:
             batch_lookahead=s.optional_int("BATCH_LOOKAHEAD"),
             backpressure_throughput=s.bool("BACKPRESSURE_THROUGHPUT_ENABLED", d.backpressure_throughput),
             backpressure_latency=s.bool("BACKPRESSURE_LATENCY_ENABLED", d.backpressure_latency),
-            max_drain_time_ms=s.float("MAX_DRAIN_TIME_MS", d.max_drain_time_ms),
+            max_drain_time_ms=s.float("MAX_DRAIN_TIME_MS", d.max_drain_time_ms, positive=True),
             reservation_horizon_ms=s.float("RESERVATION_HORIZON_MS", d.reservation_horizon_ms),
             max_connection_age_s=s.float("MAX_CONNECTION_AGE_S", d.max_connection_age_s),
             max_connection_age_grace_s=s.float("MAX_CONNECTION_AGE_GRACE_S", d.max_connection_age_grace_s),
-            latency_soft_ms=s.float("LATENCY_SOFT_MS", d.latency_soft_ms),
-            latency_hard_ms=s.float("LATENCY_HARD_MS", d.latency_hard_ms),
-            latency_window_s=s.float("LATENCY_WINDOW_S", d.latency_window_s),
+            latency_soft_ms=s.float("LATENCY_SOFT_MS", d.latency_soft_ms, positive=True),
+            latency_hard_ms=s.float("LATENCY_HARD_MS", d.latency_hard_ms, positive=True),
+            latency_window_s=s.float("LATENCY_WINDOW_S", d.latency_window_s, positive=True),
             pooling=s.pooling("POOLING"),
             normalize=s.optional_bool("NORMALIZE"),
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
@@ -197,8 +197,8 @@ class Settings:
             task=s.choice("TASK", d.task, ("auto", "embed", "classify")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
-            watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple),
-            watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s),
+            watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple, positive=True),
+            watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s, positive=True),
             frontends=s.int("FRONTENDS", d.frontends),
             frontend_unresponsive_s=s.float("FRONTEND_UNRESPONSIVE_S", d.frontend_unresponsive_s),
             gil_switch_interval_ms=s.float("GIL_SWITCH_INTERVAL_MS", d.gil_switch_interval_ms),
@@ -251,14 +251,18 @@ class _Reader:
     def optional_int(self, name: str) -> int | None:
         return None if self._raw(name) is None else self.int(name, 0)
 
-    def float(self, name: str, default: float) -> float:
+    def float(self, name: str, default: float, positive: bool = False) -> float:
+        """A finite number >= 0 (`positive`: > 0, where 0 would break what it sizes, e.g. a
+        watchdog ticking every 0 s). NaN passed every comparison, infinity most."""
         v = self._raw(name)
         try:
             x = default if v is None else float(v)
         except ValueError:
             raise ConfigError(f"{name}={v!r}: expected a number") from None
-        if x < 0:
-            raise ConfigError(f"{name}={x}: must be >= 0")
+        if not math.isfinite(x):
+            raise ConfigError(f"{name}={v}: expected a finite number")
+        if x < 0 or (positive and x == 0):
+            raise ConfigError(f"{name}={x}: must be {'>' if positive else '>='} 0")
         return x
 
     def bool(self, name: str, default: bool) -> bool:

@@ -73,6 +73,7 @@ class Engine:
         self.in_worker = 0  # batches submitted and not yet reported
         self.failed_batches = 0  # consecutive; reset by a good batch
         self.hung = False  # a batch outran the watchdog: the device is lost until a restart
+        self.broken: str | None = None  # what failed for good (the batcher, the worker): served no more
         self._loop: asyncio.AbstractEventLoop | None = None
         # The batcher is a loop callback, not a task: a task waiting on an event with a timeout
         # costs a future and a timer per wake, and it woke once per request.
@@ -81,6 +82,7 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None  # the next deadline's look
         self._timer_at: float | None = None  # ... at this time of self.clock
         self._watch: asyncio.Task | None = None
+        self._forming: list = []  # rows taken for the batch being formed (failed with the rest if that fails)
         # Called before each batch is formed, to queue the rows of requests that wait to be
         # tokenized together (embedserve.intake, which reports them with `arriving`).
         self.feed: Callable[[], None] = lambda: None
@@ -91,7 +93,17 @@ class Engine:
 
     @property
     def failing(self) -> bool:
-        return self.hung or self.failed_batches >= FAILING_AFTER
+        return self.hung or self.broken is not None or self.failed_batches >= FAILING_AFTER
+
+    @property
+    def lost(self) -> NotReady | None:
+        """What every request gets once this engine serves nothing more until a restart (None:
+        it serves, or will once started)."""
+        if self.hung:
+            return DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
+        if self.broken is not None:
+            return NotReady(f"{self.broken}; this server will be restarted")
+        return None
 
     @property
     def packing(self):
@@ -172,9 +184,7 @@ class Engine:
                 rows = ids[positions[0] : positions[-1] + 1, :width]
             else:
                 rows = ids[positions, :width]
-            chunk = Chunk(request, rows, lengths[positions], positions)
-            request.chunks.append(chunk)
-            added += self.queues.add(bucket, chunk, now)
+            added += self.queues.add(bucket, Chunk(request, rows, lengths[positions], positions), now)
         request.tokens = added
         self.estimator.enqueued(added)
 
@@ -209,8 +219,8 @@ class Engine:
 
     def check_open(self) -> None:
         """Raise what a request gets from an engine that will not compute it."""
-        if self.hung:
-            raise DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
+        if (error := self.lost) is not None:
+            raise error
         if not self._batching:
             raise NotReady("the model is not serving")
 
@@ -226,10 +236,9 @@ class Engine:
             return
         try:
             wake_at = self._form_batches()
-        except Exception as e:  # a bug here stops all batching: say so, loudly (the engine is no longer ready)
-            self._batching = False
+        except Exception as e:  # a bug here stops all batching: say so, loudly, and to every probe
             log.exception("the batcher failed; this server serves nothing more")
-            self._fail_waiting(ModelFailure(f"the server's batcher failed: {e!r}"))
+            self._lose("the server's batcher failed", ModelFailure(f"the server's batcher failed: {e!r}"))
             return
         self._set_timer(wake_at)
 
@@ -266,6 +275,7 @@ class Engine:
                 return drain.wake_at
             self.worker.submit(self._form_packed() if self.packing else self._form(drain.bucket))
             self.in_worker += 1
+            self._forming = []
         return None
 
     def _form(self, bucket: int) -> Batch:
@@ -273,7 +283,7 @@ class Engine:
         rows = self.queues.rows[bucket]
         lengths = [r.length for r in rows[: within_window(rows, self.window_s)]]
         chosen = select_rows(lengths, self.caps[bucket], self.plan.max_tokens_per_batch, bucket if static else None)
-        taken = self.queues.take(bucket, chosen)
+        taken = self._forming = self.queues.take(bucket, chosen)
         if not static:
             return assemble(taken, self.plan.pad_id, None, None)
         width = fit_length(max(r.length for r in taken), self.lengths)
@@ -288,7 +298,8 @@ class Engine:
         heads = [self.queues.head(b, max(1, min(spec.max_rows, budget // (below + 1))))
                  for b, below in zip(buckets, [0, *buckets[:-1]])]
         chosen = pack_rows(heads, budget, spec.max_rows, self.window_s)
-        taken = [row for b, idx in zip(buckets, chosen) if len(idx) for row in self.queues.take(b, idx.tolist())]
+        taken = self._forming = [row for b, idx in zip(buckets, chosen) if len(idx)
+                                 for row in self.queues.take(b, idx.tolist())]
         return assemble_packed(taken, self.plan.pad_id, spec)
 
     def _report_from_worker(self, batch: Batch | PackedBatch, out, busy_s: float) -> None:
@@ -300,29 +311,37 @@ class Engine:
         self.on_batch(batch, busy_s)
         if self.hung:  # a device that came back late: its requests have been failed already
             return
+        was = self.failing
         if isinstance(out, BaseException):
             self.failed_batches += 1
-            if self.failed_batches == FAILING_AFTER:
-                self.on_failing(True)
             for request, _, _ in batch.routes:
                 request.fail(ModelFailure(f"model failed on this request's batch: {out}"))
                 self.drop(request)
         else:
-            if self.failed_batches >= FAILING_AFTER:
-                self.on_failing(False)
             self.failed_batches = 0
             for request, positions, rows in batch.routes:
                 request.deliver(positions, out[rows])
+        self._failing_changed(was)
         self.look_soon()
 
+    def _failing_changed(self, was: bool) -> None:
+        """Tell on_failing when `failing` turns (a good batch clears failed batches, never a
+        lost device or a broken batcher)."""
+        if self.failing != was:
+            self.on_failing(self.failing)
 
     async def _watchdog(self) -> None:
-        """Fail the device when a batch outruns its limit: a kernel that hangs raises nothing."""
+        """Fail the device when a batch outruns its limit (a kernel that hangs raises nothing), and
+        the engine when the worker thread has ended (nothing would compute what is queued)."""
         tick = min(1.0, self.watchdog.floor_s / 4)
-        while not self.hung:
+        while self.lost is None:
             await asyncio.sleep(tick)
             running = self.worker.running
-            if running and time.monotonic() - running[1] > self.watchdog.limit_s(running[0], self.warmup):
+            if not self.worker.alive:  # neither the batch it ran nor the rest will ever report
+                log.error("the model worker thread has ended: failing every request and reporting NOT_SERVING")
+                self.estimator.dequeued(running[0].real_tokens if running else 0)
+                self._lose("the model worker stopped", batches=[*self._never_to_run(), *([running[0]] if running else [])])
+            elif running and time.monotonic() - running[1] > self.watchdog.limit_s(running[0], self.warmup):
                 self._device_hung(running[0], time.monotonic() - running[1])
 
     def _device_hung(self, batch: Batch | PackedBatch, ran_s: float) -> None:
@@ -331,12 +350,26 @@ class Engine:
         log.error("a batch of %d rows has run %.1f s, past the watchdog's %.1f s: the device is not "
                   "responding; failing every request and reporting NOT_SERVING", batch.rows, ran_s,
                   self.watchdog.limit_s(batch, self.warmup))
-        self.hung = True
-        waiting = self.worker.drain()  # formed, never to run
+        was, self.hung = self.failing, True
+        self._fail_waiting(self.lost, (batch, *self._never_to_run()))
+        self._failing_changed(was)
+
+    def _never_to_run(self) -> list:
+        """Take back the batches the worker has not started (it never will): their tokens leave
+        the backlog, which only a batch's report would otherwise clear."""
+        waiting = self.worker.drain()
         self.in_worker -= len(waiting)
-        self._fail_waiting(DeviceUnresponsive("the model's device stopped responding; this server will be restarted"),
-                           (batch, *waiting))
-        self.on_failing(True)
+        self.estimator.dequeued(sum(b.real_tokens for b in waiting))
+        return waiting
+
+    def _lose(self, what: str, error: Exception | None = None, batches=()) -> None:
+        """A failure for good but the device's (the batcher, the worker thread): batching stops,
+        every request with rows still to compute, but in batches the worker will still run, fails
+        with `error` (default: the refusal every later request gets), and health reports
+        NOT_SERVING, so the liveness probe restarts this server."""
+        was, self._batching, self.broken = self.failing, False, what
+        self._fail_waiting(error or self.lost, batches)
+        self._failing_changed(was)
 
     def _fail_waiting(self, error: Exception, batches=()) -> None:
         """Fail every request with rows still to compute: waiting to be tokenized, queued, or
@@ -346,10 +379,13 @@ class Engine:
         except Exception:  # a bug there must not keep the rest from failing
             log.exception("queuing the requests waiting to be tokenized failed")
         pending = {id(r): r for b in batches for r, _, _ in b.routes}
-        pending.update((id(row.chunk.request), row.chunk.request) for q in self.queues.rows.values() for row in q)
+        pending.update((id(row.chunk.request), row.chunk.request) for q in [self._forming, *self.queues.rows.values()]
+                       for row in q)
+        self._forming = []
         for request in pending.values():
             request.fail(error)
             self.drop(request)
+        self.queues.purge()
 
 
 FIRST_ROW = np.zeros(1, dtype=np.int64)  # the positions of a one-row request (shared: read only)

@@ -12,6 +12,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
+
+# Characters per token a sample of text may show: from a symbol or CJK character split into
+# byte tokens, to the bound at which texts are cut before tokenizing anyway.
+CHARS_PER_TOKEN_RANGE = (0.25, float(CHARS_PER_TOKEN_BOUND))
+
 
 class DecayingRate:
     """Events per second, exponentially weighted over `tau` seconds of wall time: a steady stream
@@ -67,13 +73,22 @@ class LatencyWindow:
         self._p95 = 0.0
         self._computed_at = -math.inf
 
+    def __len__(self) -> int:
+        return len(self._samples)
+
     def add(self, latency_s: float, now: float) -> None:
+        """Samples past the window leave as new ones come (O(1) each): P95 may never be read
+        (latency admission off, no HTTP probe) and they would pile up without end."""
+        self._expire(now)
         self._samples.append((now, latency_s))
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window:
+            self._samples.popleft()
 
     def p95(self, now: float) -> float:
         if now - self._computed_at >= self.refresh:
-            while self._samples and self._samples[0][0] < now - self.window:
-                self._samples.popleft()
+            self._expire(now)
             lat = [s for _, s in self._samples]
             self._p95 = float(np.percentile(lat, 95)) if lat else 0.0
             self._computed_at = now
@@ -162,10 +177,13 @@ class Estimator:
 
     def learn_chars_per_token(self, chars: int, tokens: int) -> None:
         """The running mean at first (the prior of 4 is quickly forgotten), then an EMA: offered
-        load is counted from this estimate, so it must match the tokens later computed."""
+        load is counted from this estimate, so it must match the tokens later computed. A sample
+        is clamped to what text can be: one crafted text (4,096 spaces read as one token) had
+        made it 4,096, and every request's offered tokens, the autoscaler's demand, ~1/50th."""
         if tokens > 0 and chars > 0:
             self._cpt_samples += 1
-            self.chars_per_token += max(0.05, 1 / self._cpt_samples) * (chars / tokens - self.chars_per_token)
+            sample = min(max(chars / tokens, CHARS_PER_TOKEN_RANGE[0]), CHARS_PER_TOKEN_RANGE[1])
+            self.chars_per_token += max(0.05, 1 / self._cpt_samples) * (sample - self.chars_per_token)
 
     def snapshot(self, latency: bool = True) -> Snapshot:
         """`latency=False` leaves the P95 out (0): admission asks on every request, and needs

@@ -68,7 +68,10 @@ class Gate:
         if demand_before is not None:
             self._follow_demand(demand_before, snap.service_rate, now)
         over_for = 0.0 if self._over_since is None else now - self._over_since
-        decision = admission.decide(snap, cost, self.policy, self.draw(), self.book.reserved_tokens, self._sustained, over_for)
+        # Bookings past their grace leave before they count: nothing else may read the book for
+        # hours (probes over gRPC), and dead ones inflated every refusal's moment.
+        reserved = self.book.reserved(now)
+        decision = admission.decide(snap, cost, self.policy, self.draw(), reserved, self._sustained, over_for)
         self._sustained = self._sustained or decision.final
         if decision.admit:
             return

@@ -121,7 +121,11 @@ class HttpServer:
         if self._task.done():
             self._task.result()
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float) -> None:
+        """Stop; a request still unanswered `timeout` seconds on is cancelled. uvicorn's default
+        waits for every connection to finish its request, forever: a client that sends its body
+        slowly, or never, held the process past any grace."""
         if self._task:
+            self._uvicorn.config.timeout_graceful_shutdown = max(0.1, timeout)
             self._uvicorn.should_exit = True
             await self._task

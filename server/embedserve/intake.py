@@ -25,7 +25,7 @@ from embedserve.errors import InvalidInput, ModelFailure
 from embedserve.estimator import Estimator
 from embedserve.queues import PendingRequest
 from embedserve.shaping import Texts
-from embedserve.tokenization import TextTokenizer
+from embedserve.tokenization import TextTokenizer, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class Intake:
 
     def _alone(self, one: tuple[list[str], bool, str]):
         try:
-            return self.tokenizer.encode_each([one])[0]
-        except Exception as e:
-            return InvalidInput(f"the tokenizer could not read these texts: {e}")
+            return self.tokenizer.encode(*one)
+        except InvalidInput as e:
+            return e
+        except Exception as e:  # whatever else it raises fails this request only
+            return unreadable(e)

@@ -26,7 +26,7 @@ class PendingRequest:
         self.out: np.ndarray | None = None  # allocated at a first delivery of only some rows
         self.remaining = rows
         self.future = future
-        self.chunks: list[Chunk] = []
+        self.chunks: list[Chunk] = []  # its rows' chunks, as queued (BucketQueues.add)
         self.tokens = 0  # real tokens queued (usage), known once its rows are
 
     @property
@@ -63,6 +63,10 @@ class Chunk:
     ids: np.ndarray  # [n, width] int32, right-padded
     lengths: np.ndarray  # [n] int
     positions: np.ndarray  # [n] row index in the request's output
+    bucket: int = 0  # where its rows queue (BucketQueues.add)
+    queued_rows: int = 0  # of its rows, still in the queue (not taken into a batch, not dropped)
+    queued_tokens: int = 0
+    dropped: bool = False  # its request ended early: its rows left the count, the queue drops them lazily
 
 
 class QueuedRow:
@@ -73,11 +77,15 @@ class QueuedRow:
 
 
 class BucketQueues:
-    """FIFO row queues per bucket length, with the queued (real) token count kept exact."""
+    """FIFO row queues per bucket length, with the queued (real) token count kept exact. A dropped
+    request's rows leave the count at once and the queue at the next look (`views`): one pass per
+    look, however many requests were cancelled since (one pass per cancellation was quadratic
+    under mass cancellation on a deep queue)."""
 
     def __init__(self, buckets: Iterable[int]):
         self.rows: dict[int, list[QueuedRow]] = {b: [] for b in buckets}
         self.queued_tokens = 0
+        self._dead: set[int] = set()  # buckets whose lists still hold rows of dropped requests
 
     def add(self, bucket: int, chunk: Chunk, now: float) -> int:
         """Queue a chunk's rows as of `now`; returns their real tokens. A queue's times never
@@ -90,10 +98,20 @@ class BucketQueues:
         lengths = chunk.lengths.tolist()
         q.extend(QueuedRow(chunk, i, n, now) for i, n in enumerate(lengths))
         added = sum(lengths)
+        chunk.bucket, chunk.queued_rows, chunk.queued_tokens = bucket, len(lengths), added
+        chunk.request.chunks.append(chunk)  # how `drop` finds its rows
         self.queued_tokens += added
         return added
 
+    def purge(self) -> None:
+        """Rows of dropped requests leave the lists: `rows` holds live ones until the next drop."""
+        for b in self._dead:
+            self.rows[b] = [r for r in self.rows[b] if not r.chunk.dropped]
+        self._dead.clear()
+
     def views(self, caps: dict[int, int]) -> list[BucketView]:
+        """Each bucket as the batcher decides on it (purged first)."""
+        self.purge()
         return [
             BucketView(b, len(q), q[0].enqueued if q else 0.0, caps[b]) for b, q in self.rows.items()
         ]
@@ -108,16 +126,22 @@ class BucketQueues:
         keep = set(indices)
         taken = [q[i] for i in indices]
         self.rows[bucket] = [r for i, r in enumerate(q) if i not in keep]
+        for r in taken:
+            r.chunk.queued_rows -= 1
+            r.chunk.queued_tokens -= r.length
         self.queued_tokens -= sum(r.length for r in taken)
         return taken
 
     def drop(self, request: PendingRequest) -> int:
-        """Remove a finished (cancelled, failed) request's rows; returns the tokens freed."""
+        """Forget a finished (cancelled, failed) request's queued rows; returns the tokens freed.
+        Its own chunks only: no scan of the queues."""
         freed = 0
-        for b, q in self.rows.items():
-            if any(r.chunk.request is request for r in q):
-                freed += sum(r.length for r in q if r.chunk.request is request)
-                self.rows[b] = [r for r in q if r.chunk.request is not request]
+        for chunk in request.chunks:
+            if chunk.queued_rows and not chunk.dropped:
+                chunk.dropped = True
+                self._dead.add(chunk.bucket)
+                freed += chunk.queued_tokens
+                chunk.queued_rows = chunk.queued_tokens = 0
         self.queued_tokens -= freed
         return freed
 

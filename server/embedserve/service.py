@@ -12,7 +12,7 @@ import numpy as np
 from embedserve import admission
 from embedserve.declared import Head
 from embedserve.engine import Engine
-from embedserve.errors import DeviceUnresponsive, NotReady
+from embedserve.errors import NotReady
 from embedserve.estimator import Estimator
 from embedserve.gate import Caller, Gate, Observer
 from embedserve.intake import Intake
@@ -55,8 +55,8 @@ class EmbeddingService(PreTokenized):
         self.started_at = time.monotonic()
 
     def refusal(self) -> Exception | None:
-        if self.engine.hung:
-            return DeviceUnresponsive("the model's device stopped responding; this server will be restarted")
+        if (error := self.engine.lost) is not None:  # for good: a hung device, the batcher or worker gone
+            return error
         if self.draining or not self.engine.ready:
             return NotReady("server is shutting down" if self.draining else "server is warming up")
         return None

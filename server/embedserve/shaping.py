@@ -77,11 +77,19 @@ async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts
 
 
 def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token id lists (HTTP input) → right-padded int32 ids and lengths, every check named."""
+    """Token id lists (HTTP input) → right-padded int32 ids and lengths, every check named. Rows
+    are counted and cut at max_length (or refused) before any array is made: padded to its
+    longest row as sent, one row of 200,000 ids beside 511 short ones held 1.1 GB at its peak."""
     if not rows or len(rows) > limits.max_texts:
         raise InvalidInput(f"send 1 to {limits.max_texts} token lists, got {len(rows)}")
-    if any(len(r) == 0 for r in rows):
+    counts = [len(r) for r in rows]
+    if 0 in counts:
         raise InvalidInput("token lists must not be empty")
+    if max(counts) > limits.max_length:
+        if not limits.truncate:
+            row = next(i for i, n in enumerate(counts) if n > limits.max_length)
+            raise InvalidInput(_too_long(row, counts[row], limits.max_length))
+        rows = [r[: limits.max_length] for r in rows]
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)  # checked before narrowing
     bad = f"token ids must be in [0, {vocab_size}) (the model's vocabulary)"
@@ -95,6 +103,11 @@ def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np
     return ids.astype(np.int32), lengths
 
 
+def _too_long(row: int, tokens: int, top: int) -> str:
+    return (f"row {row} has {tokens} tokens, more than {top} (the model's max_seq_length, capped by the "
+            "largest bucket), and TRUNCATE is off")
+
+
 def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarray, np.ndarray]:
     """Pre-tokenized rows cut at max_length (or refused, TRUNCATE off)."""
     top = limits.max_length
@@ -102,8 +115,7 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
         return ids, lengths
     if not limits.truncate and (lengths > top).any():
         row = int(np.flatnonzero(lengths > top)[0])
-        raise InvalidInput(f"row {row} has {int(lengths[row])} tokens, more than {top} (the model's "
-                           "max_seq_length, capped by the largest bucket), and TRUNCATE is off")
+        raise InvalidInput(_too_long(row, int(lengths[row]), top))
     return ids[:, :top], np.minimum(lengths, top)
 
 

@@ -29,7 +29,7 @@ def parse(model_path: str) -> float | None:
         rate = float(model_path[len(PREFIX) :])
     except ValueError:
         raise ValueError(f"MODEL_PATH={model_path!r}: expected sim:<tokens_per_second>") from None
-    if rate <= 0:
+    if not rate > 0:  # NaN too
         raise ValueError(f"MODEL_PATH={model_path!r}: the rate must be > 0")
     return rate
 

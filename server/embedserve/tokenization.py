@@ -67,8 +67,12 @@ class TextTokenizer:
 
     def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "") -> tuple[np.ndarray, np.ndarray]:
         """→ ids [n, longest] int32 (pad id after each row), lengths [n], the prompt's tokens
-        included. Over-long texts are cut (truncate, default TRUNCATE) or refused."""
-        (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt)])
+        included. Over-long texts are cut (truncate, default TRUNCATE) or refused, and texts the
+        tokenizer cannot read (a lone surrogate: JSON may carry one) are an InvalidInput too."""
+        try:
+            (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt)])
+        except (TypeError, ValueError) as e:  # the Rust tokenizer's refusal of a str it cannot read
+            raise unreadable(e) from None
         if isinstance(result, InvalidInput):
             raise result
         return result
@@ -131,6 +135,10 @@ class TextTokenizer:
         width, pad = max(lens), [self.pad_id]
         ids = np.array([r + pad * (width - n) if n < width else r for r, n in zip(rows, lens)], dtype=np.int32)
         return ids, np.array(lens, dtype=np.int64)
+
+
+def unreadable(error: Exception) -> InvalidInput:
+    return InvalidInput(f"the tokenizer could not read these texts: {error}")
 
 
 def vocab_ids(hf_tokenizer, tokens: tuple[str, ...]) -> list[int]:

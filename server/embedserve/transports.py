@@ -56,4 +56,4 @@ class Transports:
             except asyncio.TimeoutError:
                 log.warning("grace period over: %d requests still in flight are cancelled", service.in_flight)
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
-        await self.http.stop()
+        await self.http.stop(deadline - time.monotonic())

@@ -214,6 +214,10 @@ class ModelWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, batch: Batch) -> None:
         assert self._queue.qsize() < self._maxsize, "the batcher overfilled the worker's queue"
         self._queue.put_nowait(batch)

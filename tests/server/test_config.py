@@ -46,7 +46,14 @@ def test_values_are_parsed():
         ({"BATCH_CAPS": "16"}, "BATCH_CAPS"),
         ({"LATENCY_SOFT_MS": "900", "LATENCY_HARD_MS": "100"}, "LATENCY_SOFT_MS"),
         ({"FRONTEND_UNRESPONSIVE_S": "0"}, "FRONTEND_UNRESPONSIVE_S=0.0: must be >= 1"),
-        ({"FRONTEND_UNRESPONSIVE_S": "nan"}, "FRONTEND_UNRESPONSIVE_S=nan: must be >= 1"),
+        ({"FRONTEND_UNRESPONSIVE_S": "nan"}, "FRONTEND_UNRESPONSIVE_S=nan: expected a finite number"),
+        # NaN passed every comparison, infinity most; a watchdog floor of 0 ticked every 0 s.
+        ({"WATCHDOG_FLOOR_S": "0"}, "WATCHDOG_FLOOR_S=0.0: must be > 0"),
+        ({"WATCHDOG_MULTIPLE": "NaN"}, "WATCHDOG_MULTIPLE=NaN: expected a finite number"),
+        ({"MAX_DRAIN_TIME_MS": "inf"}, "MAX_DRAIN_TIME_MS=inf: expected a finite number"),
+        ({"LATENCY_WINDOW_S": "0"}, "LATENCY_WINDOW_S=0.0: must be > 0"),
+        ({"SHUTDOWN_GRACE_S": "-inf"}, "SHUTDOWN_GRACE_S=-inf: expected a finite number"),
+        ({"DEADLINE_WAIT_MS": "-1"}, "DEADLINE_WAIT_MS=-1.0: must be >= 0"),
     ],
 )
 def test_bad_values_name_the_variable(env, message):
@@ -96,3 +103,12 @@ def test_container_cores_reads_the_cpu_quota_of_either_cgroup_version(tmp_path, 
     expected = runnable if cores is None else min(cores, runnable)
     assert container_cores(tmp_path) == expected
     assert frontend_count(Settings.from_env({}), gpu=True, cores=container_cores(tmp_path)) == max(1, min(8, expected - 2))
+
+
+def test_a_simulated_rate_must_be_a_positive_number():
+    from embedserve import simulated
+
+    for bad in ("sim:0", "sim:nan", "sim:-5", "sim:fast"):
+        with pytest.raises(ValueError, match="MODEL_PATH"):
+            simulated.parse(bad)
+    assert simulated.parse("sim:2e4") == 20_000.0

@@ -98,6 +98,21 @@ def test_sigterm_while_downloading_exits_at_once():
         blackhole.close()
 
 
+def test_sigterm_behind_a_client_that_never_finishes_its_body_exits_within_the_grace():
+    """uvicorn's graceful stop waits for every connection's request to finish: a client that
+    sends its headers and never its whole body held the process for ever (until a SIGKILL)."""
+    server = ServerProcess({**SIM, "SHUTDOWN_GRACE_S": "2"}).wait_ready()
+    try:
+        with socket.create_connection((server.host, server.http_port)) as slow:
+            slow.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"inputs\": ")
+            # Answered after those bytes arrived, on the same event loop: they have been read.
+            assert server.health()[0] == 200
+            assert stopped_within(server, 2 + 5) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def small_body_server():
     server = ServerProcess({**SIM, "HTTP_MAX_BODY_BYTES": str(64 * 1024), "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()

@@ -254,6 +254,44 @@ async def test_a_bug_in_the_batcher_fails_what_waits_and_refuses_what_comes(capl
     await engine.stop()
 
 
+async def test_a_bug_after_rows_are_taken_fails_their_requests_too():
+    """Rows taken into a batch that is never handed to the worker were in no queue: their
+    requests were left waiting for ever."""
+    runner = RowSums()
+    failing = []
+    engine = await started_engine(runner, on_failing=failing.append)
+
+    def broken(batch):
+        raise RuntimeError("a bug")
+
+    engine.worker.submit = broken  # fault injection: a batch is formed, then the hand-over fails
+    taken = engine.submit(*as_tensor([[1, 2]]))
+    with pytest.raises(ModelFailure, match="the server's batcher failed"):
+        await asyncio.wait_for(taken.future, 10)
+    assert engine.failing and failing == [True]
+    with pytest.raises(NotReady, match="the server's batcher failed; this server will be restarted"):
+        engine.submit(*as_tensor([[1]]))
+    await engine.stop()
+
+
+async def test_a_worker_thread_that_ends_fails_what_waits_and_reports_it():
+    """Nothing would compute what is queued: every waiting request fails UNAVAILABLE's error
+    (another pod serves it), and health turns, as for a hung device."""
+    runner = RowSums()
+    failing = []
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1}, watchdog=Watchdog(floor_s=0.2),
+                                  on_failing=failing.append)
+    await asyncio.to_thread(engine.worker.stop, 5)  # the thread ends (its stop sentinel)
+    waiting = [engine.submit(*as_tensor([[1, 2, 3]])) for _ in range(6)]
+    for request in waiting:
+        with pytest.raises(NotReady, match="the model worker stopped"):
+            await asyncio.wait_for(request.future, 10)
+    assert engine.failing and failing == [True] and engine.estimator.snapshot().queued_tokens == 0
+    with pytest.raises(NotReady, match="the model worker stopped"):
+        engine.submit(*as_tensor([[1]]))
+    await engine.stop()
+
+
 def test_split_by_bucket_groups_positions():
     groups = split_by_bucket(np.array([3, 9, 4, 16, 20, 5]), BUCKETS)
     assert [(b, p.tolist()) for b, p in groups] == [(4, [0, 2]), (8, [5]), (16, [1, 3, 4])]

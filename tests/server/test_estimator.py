@@ -60,6 +60,15 @@ def test_p95_over_a_time_window_ages_out():
     assert w.p95(11.5) == 0.0  # all aged out
 
 
+def test_latency_samples_leave_their_window_though_p95_is_never_read():
+    """Admission reads P95 only with the latency strategy on, and gRPC probes never: samples
+    leave as new ones come, or they pile up for as long as the server runs."""
+    w = LatencyWindow(window=10.0)
+    for i in range(10_000):  # 100 s at 100 requests/s
+        w.add(0.01, i * 0.01)
+    assert len(w) <= 1001
+
+
 def test_p95_is_cached_between_refreshes():
     w = LatencyWindow(window=10.0, refresh=0.1)
     w.add(0.01, 0.0)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import time
 import urllib.error
@@ -130,14 +131,24 @@ def test_a_killed_front_end_is_replaced_and_callers_meanwhile_are_all_served(fro
     assert len(children(fronted.proc.pid)) == 2
 
 
-def test_a_stuck_front_end_is_killed_and_replaced():
+def test_a_stuck_front_end_is_killed_and_replaced_but_none_while_the_model_warms_up():
     """A front end whose event loop no longer turns (SIGSTOP stands in for a deadlock) keeps its
     sockets: callers the kernel hands it wait forever, and the probes, reaching one front end of
     two at random, pass half the time. The model process, no longer asked for its state by it,
-    kills it after FRONTEND_UNRESPONSIVE_S and starts another."""
-    server = ServerProcess({**SIM, "FRONTENDS": "2", "FRONTEND_UNRESPONSIVE_S": "4"}).wait_ready()
-    fronts = children(server.proc.pid)
+    kills it after FRONTEND_UNRESPONSIVE_S and starts another. A front end says only its hello
+    until the model process can answer it: its silence counts from then (counted from its hello,
+    every front end was killed at every start whose warm-up outlasts FRONTEND_UNRESPONSIVE_S, as
+    every GPU start's does)."""
+    # ~6 s of warm-up on a slow simulated device (the larger buckets' batches take ~1 s each).
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:1000", "FRONTENDS": "2", "FRONTEND_UNRESPONSIVE_S": "3"})
+    fronts = set()
     try:
+        deadline = time.monotonic() + 30
+        while len(fronts) < 2:
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-2000:]
+            fronts = children(server.proc.pid)
+        server.wait_ready()
+        assert "stuck, killing it" not in server.log() and children(server.proc.pid) == fronts
         deadline = time.monotonic() + 30
         while {server.health()[1]["frontend_pid"] for _ in range(10)} != fronts:  # both have been heard
             assert time.monotonic() < deadline, "both front ends did not serve"
@@ -158,6 +169,33 @@ def test_a_stuck_front_end_is_killed_and_replaced():
         assert "stuck, killing it" in server.log()
     finally:
         kill_front_ends(fronts)
+        server.stop()
+
+
+def test_a_front_end_that_cannot_be_started_is_started_later():
+    """Starting a front end can fail (out of file descriptors, memory or processes): the model
+    process tries again, backing off, instead of its supervisor dying without a word (no front
+    end replaced again, none killed as stuck)."""
+    server = ServerProcess({**SIM, "FRONTENDS": "2"}).wait_ready()
+    fronts = children(server.proc.pid)
+    limits = resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE)
+    try:
+        victim = min(fronts)
+        resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE, (3, limits[1]))  # no new descriptor: Popen fails
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while f"front end {victim} exited" not in server.log():  # its replacement was attempted
+            assert time.monotonic() < deadline, "the dead front end was never noticed"
+            time.sleep(0.05)
+        resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE, limits)
+        deadline = time.monotonic() + 20  # the retry backs off 1, 2, 4 ... s
+        while len(children(server.proc.pid)) < 2:
+            assert time.monotonic() < deadline, "no front end was started once it could be"
+            time.sleep(0.05)
+        assert "starting another failed" in server.log()
+        assert {post(server.http + "/embed", {"inputs": [f"after {i}"]}, timeout=10) for i in range(10)} == {200}
+    finally:
+        kill_front_ends(fronts | children(server.proc.pid))
         server.stop()
 
 

@@ -67,6 +67,22 @@ async def test_the_same_texts_from_another_caller_are_new_demand_and_claim_nothi
     assert g.estimator.offered_total == 200 and g.book.reserved_tokens == 200
 
 
+async def test_bookings_long_dead_neither_pile_up_nor_push_back_a_refusal():
+    """Without HTTP probes nothing but admission reads the book (gRPC probes do not): bookings
+    past their grace leave at the next admission, and a refusal's moment counts live ones only
+    (dead ones had pushed it back, and piled up without end)."""
+    g, clock = gate()
+    for key in range(50):  # refused and booked, never back
+        with pytest.raises(Overloaded):
+            await g.admit(key, 100, Caller())
+    assert len(g.book) == 50
+    clock.t += 60  # long past every booking's grace
+    with pytest.raises(Overloaded) as e:
+        await g.admit(1000, 100, Caller())
+    assert e.value.retry_after_ms == 100  # the queue ahead alone, as for the first of them
+    assert len(g.book) == 1 and g.book.reserved_tokens == 100
+
+
 async def test_a_retry_back_early_is_told_the_rest_of_its_wait_and_books_nothing_more():
     g, clock = gate()
     with pytest.raises(Overloaded):

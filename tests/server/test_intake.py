@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from embedserve.errors import DeviceUnresponsive, InvalidInput
 from embedserve.intake import Intake
-from embedserve.shaping import Texts
+from embedserve.shaping import Limits, Texts, texts_request, tokenize
 from embedserve.tokenization import TextTokenizer
 from embedserve.worker import Watchdog
 from tests.server.test_engine import BUCKETS, RowSums, started_engine
@@ -211,6 +211,15 @@ async def test_texts_the_tokenizer_cannot_read_fail_only_their_request(tokenizer
     await until(lambda: engine.in_worker == 0)
     assert engine.estimator.snapshot().queued_tokens == 0
     await engine.stop()
+
+
+async def test_a_text_the_tokenizer_cannot_read_is_invalid_input_off_the_intake_too(tokenizer):
+    """Requests over INLINE_CHARS, and every request on a front end (FRONTENDS > 1), are tokenized
+    by shaping.tokenize on a tokenizer thread, not here: the tokenizer's TypeError was a 500."""
+    for text in ("bad \ud800 text", "\udfff a long text" * 50):
+        r = texts_request([text], Limits(8, MAX_LENGTH, True), None, None, None)
+        with pytest.raises(InvalidInput, match="the tokenizer could not read these texts"):
+            await tokenize(tokenizer, None, r)
 
 
 def test_encode_each_is_encode_per_request(hf):
