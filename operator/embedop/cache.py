@@ -141,9 +141,11 @@ class Cluster:
     def __init__(self, kube: Kube, stores: dict[str, Store], may_write: Callable[[], bool] = lambda: True):
         self.kube, self.stores, self.may_write = kube, stores, may_write
 
-    async def get(self, kind: str, namespace: str, name: str, fresh: bool = False) -> dict | None:
+    async def get(self, kind: str, namespace: str, name: str, fresh: bool = False, ours: bool = False) -> dict | None:
+        """`ours`: only an object of ours matters (one the watch would show): a copy's absence is
+        the answer, no API read."""
         store = self.stores.get(kind)
-        if store is not None and not fresh and (obj := store.get(namespace, name)) is not None:
+        if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or ours):
             return obj
         obj = await self.kube.get(kind, namespace, name)
         if store is not None:

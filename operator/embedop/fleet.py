@@ -87,8 +87,6 @@ class Fleet:
     async def _run(self, namespace: str, name: str) -> None:
         try:
             await self._loop(namespace, name)
-        except NotLeader:  # the lease was lost mid-step: the new leader carries on
-            pass
         finally:  # a marker in the log (the tests wait for it: nothing acts on the service after)
             log.debug("%s/%s: loop ended", namespace, name)
 
@@ -105,11 +103,17 @@ class Fleet:
                 except TimeoutError:
                     pass
                 try:
+                    if not self.cluster.may_write():
+                        # The lease lapsed (a renewal that timed out): this pod acts again once it
+                        # renews, or its loops are closed when another pod takes the lease.
+                        kick.clear()
+                        next_resync = next_scale = loop.time() + RETRY_S
+                        continue
                     if kick.is_set() or loop.time() >= next_resync:
                         kick.clear()
                         next_resync = loop.time() + self.settings.resync_seconds
                         outcome = await self.reconcile(namespace, name)
-                        if outcome is None or outcome.gone:
+                        if outcome is not None and outcome.gone:
                             return
                         log.debug("%s/%s: periodic check done", namespace, name)
                     if loop.time() >= next_scale:
@@ -128,8 +132,10 @@ class Fleet:
                         history = step.history if step.decision is not None else autoscale.History()
                         if step.decision is not None:
                             self.on_decision(step.body, step)
-                except (NotFound, NotLeader):  # the service went while a step ran; the lease went
+                except NotFound:  # the service went while a step ran
                     return
+                except NotLeader:  # the lease lapsed mid-step: see above
+                    next_resync = next_scale = loop.time() + RETRY_S
                 except Retryable as e:
                     wait = e.retry_after or RETRY_S  # API Priority and Fairness says how long (429)
                     log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, wait)

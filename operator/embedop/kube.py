@@ -2,9 +2,10 @@
 (the chart's RBAC mirrors CALLS; a test compares).
 
 Owned objects are written with server-side apply under one field manager, forced (the operator is
-the only intended writer of the fields it sends). Bodies stay plain dicts: lightkube's typed models
-drop fields they do not know on conversion, and the rendered dicts are validated against the real
-schemas in the tests. Errors are sorted for the callers:
+the only intended writer of the fields it sends). Bodies stay plain dicts, read and written through
+lightkube's generic resources: its typed models drop fields they do not know and refuse an object
+that lacks a field they require (one odd Pod would stop a whole watch), and the rendered dicts are
+validated against the real schemas in the tests. Errors are sorted for the callers:
 
 - Conflict: a resourceVersion precondition failed (HTTP 409): re-read and try again;
 - Retryable: anything transient (timeouts, refused connections, 408/425/429/5xx);
@@ -15,17 +16,12 @@ schemas in the tests. Errors are sorted for the callers:
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any, AsyncIterator
 
 import httpx2
-from lightkube import ALL_NS, AsyncClient
+from lightkube import ALL_NS, AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
-from lightkube.resources.apps_v1 import Deployment
-from lightkube import codecs
-from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
-from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Pod, Service
-from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import CascadeType, PatchType
 
 from embedop import crd
@@ -35,16 +31,20 @@ FIELD_MANAGER = "embedop"
 # owner until the HorizontalPodAutoscaler writes it (Kubernetes' "transferring ownership" recipe).
 HANDOVER_MANAGER = "embedop-handover"
 
-EmbeddingService = create_namespaced_resource(crd.GROUP, crd.VERSION, crd.KIND, crd.PLURAL)
-RESOURCES = {
-    "Deployment": (Deployment, "apps", "deployments"),
-    "Service": (Service, "", "services"),
-    "PodDisruptionBudget": (PodDisruptionBudget, "policy", "poddisruptionbudgets"),
-    "HorizontalPodAutoscaler": (HorizontalPodAutoscaler, "autoscaling", "horizontalpodautoscalers"),
-    "Pod": (Pod, "", "pods"),
-    "Lease": (Lease, "coordination.k8s.io", "leases"),
-    crd.KIND: (EmbeddingService, crd.GROUP, crd.PLURAL),
+# kind → (group, version, plural): every kind the operator reads or writes, as generic (dict) resources.
+KINDS = {
+    "Deployment": ("apps", "v1", "deployments"),
+    "Service": ("", "v1", "services"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "Pod": ("", "v1", "pods"),
+    "Lease": ("coordination.k8s.io", "v1", "leases"),
+    crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
 }
+RESOURCES = {kind: (create_namespaced_resource(group, version, kind, plural), group, plural)
+             for kind, (group, version, plural) in KINDS.items()}
+EmbeddingService = RESOURCES[crd.KIND][0]
+Deployment = RESOURCES["Deployment"][0]
 
 # Every (group, resource, verb) the operator calls, as RBAC sees it; tests check the chart against it.
 CALLS = {
@@ -141,7 +141,7 @@ async def _errors(what: str) -> AsyncIterator[None]:
 
 
 def _plain(obj: Any) -> dict:
-    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+    return json.loads(json.dumps(obj))  # a generic resource is a dict of plain values: a deep copy
 
 
 class Kube:

@@ -19,7 +19,7 @@ import datetime
 import logging
 from typing import Awaitable, Callable
 
-from embedop.kube import Conflict, Kube, Retryable
+from embedop.kube import Conflict, Kube, Rejected, Retryable
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class Leadership:
         self._seen: tuple | None = None  # the lease's record as last seen, and since when (loop time)
         self._seen_at = 0.0
         self._leading = False
+        self._mine: dict | None = None  # the lease as our last successful write left it
 
     def held(self) -> bool:
         return asyncio.get_running_loop().time() < self._held_until
@@ -45,15 +46,17 @@ class Leadership:
     async def run(self) -> None:
         try:
             while True:
+                wait = self.duration_s / 3  # the holder renews, a candidate looks
                 try:
                     await self._try()
-                except Retryable as e:
+                except (Retryable, Rejected) as e:  # an outage, the Lease deleted, RBAC: try again soon
+                    self._mine, wait = None, self.duration_s / 10
                     log.warning("leader election: %s", e)
                 if self.held() != self._leading:
                     self._leading = self.held()
                     log.info("%s leadership of %s/%s", "acquired" if self._leading else "lost", self.namespace, self.name)
                     await (self.on_start() if self._leading else self.on_stop())
-                await asyncio.sleep(self.duration_s / 3)  # the holder renews, a candidate looks
+                await asyncio.sleep(wait)
         finally:
             if self._leading:
                 await self._release()
@@ -61,10 +64,17 @@ class Leadership:
     async def _try(self) -> None:
         loop = asyncio.get_running_loop()
         sent = loop.time()
+        if self._mine is not None:  # the holder renews from its own last write: one request
+            try:
+                self._mine = await self.kube.merge_patch("Lease", self.namespace, self.name, self._renewal(self._mine))
+                self._held_until = sent + self.duration_s
+                return
+            except Conflict:  # changed behind our back: look at it
+                self._mine = None
         lease = await self.kube.get("Lease", self.namespace, self.name)
         if lease is None:
             try:
-                await self.kube.create(self._lease(transitions=0))
+                self._mine = await self.kube.create(self._lease(transitions=0))
             except Conflict:  # another candidate created it first
                 return
             self._held_until = sent + self.duration_s
@@ -76,20 +86,23 @@ class Leadership:
         holder = spec.get("holderIdentity")
         duration = spec.get("leaseDurationSeconds") or self.duration_s
         if holder == self.identity:
-            body = {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-                    "spec": {"renewTime": _now(), "leaseDurationSeconds": int(self.duration_s)}}
+            body = self._renewal(lease)
         elif not holder or loop.time() - self._seen_at >= duration:  # released, or expired: take it
             body = {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
                     "spec": self._lease(transitions=(spec.get("leaseTransitions") or 0) + 1)["spec"]}
         else:
-            self._held_until = 0.0
+            self._held_until, self._mine = 0.0, None
             return
         try:
-            await self.kube.merge_patch("Lease", self.namespace, self.name, body)
+            self._mine = await self.kube.merge_patch("Lease", self.namespace, self.name, body)
         except Conflict:  # someone else renewed or took it meanwhile
-            self._held_until = 0.0
+            self._held_until, self._mine = 0.0, None
             return
         self._held_until = sent + self.duration_s
+
+    def _renewal(self, lease: dict) -> dict:
+        return {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                "spec": {"renewTime": _now(), "leaseDurationSeconds": int(self.duration_s)}}
 
     def _lease(self, transitions: int) -> dict:
         now = _now()
@@ -100,7 +113,7 @@ class Leadership:
 
     async def _release(self) -> None:
         """Give the lease up (a clean stop): a successor need not wait a whole duration."""
-        self._held_until = 0.0
+        self._held_until, self._mine = 0.0, None
         try:
             lease = await self.kube.get("Lease", self.namespace, self.name)
             if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:

@@ -226,7 +226,8 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
             hpa = await _apply_owned(cluster, settings, body, spec, live, outcome)
         except Rejected as e:
             outcome.rejected = str(e)
-        live = await cluster.get("Deployment", namespace, name) if outcome.applied or outcome.scaled else live
+        if outcome.applied or outcome.scaled:  # an apply's answer is in the copies; a scale's is not
+            live = await cluster.get("Deployment", namespace, name, fresh=bool(outcome.scaled))
     # Whatever the spec's problems: the fleet runs at this count, and a switch to off must keep it.
     count = render.mirrored_replicas(spec, live["spec"].get("replicas") if live else None)
     if count is not None:
@@ -277,7 +278,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current
     if spec["autoscaling"]["mode"] != "hpa":
-        existing = await cluster.get("HorizontalPodAutoscaler", owner.namespace, owner.name)
+        existing = await cluster.get("HorizontalPodAutoscaler", owner.namespace, owner.name, ours=True)
         if existing is not None and owned_by(existing, owner):
             await cluster.delete("HorizontalPodAutoscaler", owner.namespace, owner.name)
             outcome.applied.append(f"-HorizontalPodAutoscaler/{owner.name}")

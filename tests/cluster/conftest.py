@@ -98,10 +98,16 @@ def namespace(emulator):
     emulator.request("DELETE", f"/api/v1/namespaces/{ns}")
 
 
+def operator_env(namespace: str, **extra) -> dict:
+    """An operator's environment on the cluster: its Lease in the test's namespace (operators of one
+    test elect one leader among them; none is left in `default`), the server image when given."""
+    return {"EMBEDOP_LEASE_NAMESPACE": namespace, **({"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else {}),
+            **extra}
+
+
 @pytest.fixture(scope="module")
 def operator(emulator, namespace, tmp_path_factory):
     d = tmp_path_factory.mktemp("operator")
-    op = OperatorProcess(Path(os.environ["KUBECONFIG"]), d / "operator.log", namespace=namespace,
-                         env={"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else None)
+    op = OperatorProcess(Path(os.environ["KUBECONFIG"]), d / "operator.log", namespace=namespace, env=operator_env(namespace))
     yield op
     op.stop()

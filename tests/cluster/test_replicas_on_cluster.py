@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import SERVER_IMAGE
+from tests.cluster.conftest import operator_env
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
@@ -56,7 +56,7 @@ def test_an_operator_restart_keeps_n(emulator, operator, namespace, paths, tmp_p
     operator.stop()
     emulator.merge_patch(paths["cr"], {"spec": {"env": [{"name": "LOG_LEVEL", "value": "DEBUG"}]}})
     fresh = OperatorProcess(Path(os.environ["KUBECONFIG"]), tmp_path / "operator2.log", namespace=namespace,
-                            env={"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else None)
+                            env=operator_env(namespace))
     try:
         eventually(lambda: {"name": "LOG_LEVEL", "value": "DEBUG"} in
                    emulator.get(paths["deploy"])["spec"]["template"]["spec"]["containers"][0]["env"], timeout=60)
@@ -100,7 +100,7 @@ def test_a_service_created_in_mode_hpa_starts_with_its_replicas(emulator, namesp
     """Not at 1 until the HPA acts (without metrics, this HPA never would: 1 is within its bounds)."""
     name = "born-hpa"
     op = OperatorProcess(Path(os.environ["KUBECONFIG"]), tmp_path / "operator.log", namespace=namespace,
-                         env={"EMBEDOP_SERVER_IMAGE": SERVER_IMAGE} if SERVER_IMAGE else None)
+                         env=operator_env(namespace))
     try:
         emulator.request("POST", service_path(namespace), new_service(name, {
             "model": "m", "replicas": 3, "resources": {"gpu": 0, "cpu": "50m", "memory": "64Mi"},

@@ -40,9 +40,10 @@ conflicts: list[tuple] = []
 writes: list[tuple] = []
 
 
-# Every call made by anything but the tests' own kubectl stand-in, in order:
-# (time.monotonic(), subject, verb as RBAC sees it, resource plural[/subresource], namespace).
-calls: list[tuple] = []
+# Every call made by anything but the tests' own kubectl stand-in, in order: {"t": time.monotonic(),
+# "subject", "verb" (as RBAC sees it), "resource" (plural[/subresource]), "namespace", "selector"
+# (the labelSelector asked for), "who" (the caller's bearer token: its kubeconfig's user)}.
+calls: list[dict] = []
 # Admission policies (as Kyverno or Gatekeeper webhooks): each takes an object being created or
 # changed by the operator (not through a subresource) and returns a refusal message or None.
 policies: list = []
@@ -53,6 +54,7 @@ policies: list = []
 # faulted.
 faults: dict[tuple[str, str], list[int]] = {}
 TIMEOUT = 0  # a fault that is a slow answer instead of an error status
+RETRY_AFTER_S = 8  # what an injected 429 asks (longer than the operator's own back-off, 5 s)
 APPLY = "application/apply-patch+yaml"
 VALIDATED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
 
@@ -144,6 +146,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             key = (request.method.value, request.resource.plural)
             if faults.get(key):
                 status = faults[key].pop(0)
+                calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",
+                              "resource": request.resource.plural, "namespace": request.namespace,
+                              "selector": None, "who": "", "fault": status})
                 if status == TIMEOUT:  # answer too late: the caller's timeout fires first
                     await asyncio.sleep(3)
                 else:  # a status, or (status, the API's message)
@@ -151,7 +156,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     if status == 429:  # API Priority and Fairness: try again after Retry-After seconds
                         return aiohttp.web.json_response(
                             {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                             "reason": "TooManyRequests", "code": 429}, status=429, headers={"Retry-After": "2"})
+                             "reason": "TooManyRequests", "code": 429}, status=429,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
                     raise api_error(status, "Injected", message)
         current = self._current(request) if is_object_call and request.name else None
         is_apply = (request.method == kmock.method.PATCH and request.name is not None
@@ -167,7 +173,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     "UPDATE": "update" if request.method == kmock.method.PUT else "patch"}[request.action.value]
             resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
             recorded[self.subject].add((request.resource.group or "", resource, verb))
-            calls.append((time.monotonic(), self.subject, verb, resource, request.namespace))
+            calls.append({"t": time.monotonic(), "subject": self.subject, "verb": verb, "resource": resource,
+                          "namespace": request.namespace, "selector": request.params.get("labelSelector"),
+                          "who": request.headers.get("Authorization", "").removeprefix("Bearer ")})
             if verb not in ("list", "watch", "get"):
                 writes.append((self.subject, resource, request.namespace, request.name))
             if is_apply:
@@ -335,11 +343,12 @@ class Emulator:
             self._ready.set()
             await self._stop.wait()
 
-    def kubeconfig(self, path: Path) -> Path:
+    def kubeconfig(self, path: Path, token: str = "kmock") -> Path:
+        """`token`: who the calls made with it come from (calls[...]["who"])."""
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "users": [{"name": "kmock", "user": {"token": token}}],
             "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
         }))
         return path

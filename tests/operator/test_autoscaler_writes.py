@@ -74,9 +74,9 @@ def condition(emulator, type_) -> dict:
     return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
 
-def warnings(emulator, reason) -> list[dict]:
+def warnings(emulator, reason, name=NAME) -> list[dict]:
     return [e for e in emulator.get(f"/api/v1/namespaces/{NS}/events")["items"]
-            if e.get("involvedObject", {}).get("name") == NAME and e.get("reason") == reason]
+            if e.get("involvedObject", {}).get("name") == name and e.get("reason") == reason]
 
 
 def test_unscrapable_then_scraped_then_scaled_and_switched_off(emulator, operator_, pod_metrics):
@@ -120,3 +120,56 @@ def test_unscrapable_then_scraped_then_scaled_and_switched_off(emulator, operato
     counts = [a["body"]["spec"].get("replicas") for a in em.applies[mark:] if a["kind"] == "Deployment" and a["name"] == NAME]
     assert set(counts) <= {6} and emulator.get(DEPLOY)["spec"]["replicas"] == 6, counts
     assert cr["status"]["desiredReplicas"] == 6
+
+
+def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator, operator_):
+    """A policy (Kyverno, Gatekeeper) refuses the Deployment after a spec edit: the autoscaler still
+    changes the count, through the scale subresource (which such webhooks do not judge), and the
+    refusal shows as a condition. Once the policy allows it, one apply brings the spec and takes
+    the count back, never dropping it, and then nothing more is applied."""
+    name, ip = "refused", "127.0.0.42"
+    deploy = f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
+    emulator.request("POST", service_path(NS), new_service(name, {
+        "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+        "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 1}}))
+    eventually(lambda: emulator.get(deploy))
+
+    def debug_logging(obj):
+        env = (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [{}])[0].get("env") or []
+        if obj.get("kind") == "Deployment" and {"name": "LOG_LEVEL", "value": "DEBUG"} in env:
+            return "policy no-debug-logs: LOG_LEVEL=DEBUG is not allowed"
+    em.policies.append(debug_logging)
+    try:
+        emulator.merge_patch(service_path(NS, name), {"spec": {"env": [{"name": "LOG_LEVEL", "value": "DEBUG"}]}})
+        c = eventually(lambda: (c := condition_of(emulator, name, "Degraded")).get("reason") == "RejectedByAPI" and c)
+        assert "no-debug-logs" in c["message"]
+        # Demand for 6 replicas arrives: the count changes all the same.
+        server = http.server.ThreadingHTTPServer((ip, PORT), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": NS, "labels": render.labels(name)},
+            "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
+            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}})
+        eventually(lambda: emulator.get(deploy)["spec"]["replicas"] == 6, timeout=30)
+        assert "LOG_LEVEL" not in {e["name"] for e in emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert ("apps", "deployments/scale", "patch") in em.recorded["operator"]
+        assert eventually(lambda: warnings(emulator, "RejectedByAPI", name))
+    finally:
+        em.policies.remove(debug_logging)
+    # The policy is lifted: the spec goes through, the count stays, and the fleet settles.
+    mark = len(em.applies)
+    eventually(lambda: {"name": "LOG_LEVEL", "value": "DEBUG"} in
+               emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["env"], timeout=30)
+    counts = [a["body"]["spec"].get("replicas") for a in em.applies[mark:] if a["kind"] == "Deployment" and a["name"] == name]
+    assert counts and set(counts) == {6} and emulator.get(deploy)["spec"]["replicas"] == 6, counts
+    eventually(lambda: condition_of(emulator, name, "Degraded").get("status") == "False")
+    settled = len([a for a in em.applies if a["name"] == name])
+    log_mark = len(operator_.log())
+    eventually(lambda: operator_.log()[log_mark:].count(f"{NS}/{name}: periodic check done") >= 3, timeout=30)
+    assert len([a for a in em.applies if a["name"] == name]) == settled  # no re-apply loop
+    server.shutdown()
+
+
+def condition_of(emulator, name, type_) -> dict:
+    cr = emulator.get(service_path(NS, name))
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})

@@ -108,6 +108,8 @@ BAD = [
     ("bad mode", lambda s: s.update(autoscaling={"mode": "keda"}), "'keda' is not one of"),
     ("bad quantity", lambda s: s.update(resources={"memory": "lots"}), "does not match"),
     ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
+    # A server drives one GPU: more would be reserved and idle.
+    ("two gpus", lambda s: s.update(resources={"gpu": 2}), "2 is greater than the maximum of 1"),
 ]
 
 
@@ -130,6 +132,9 @@ CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     ("rollout", {"maxSurge": "0%", "maxUnavailable": 0}, "cannot both be 0", "cannot both be 0"),
     ("env", [{"name": "A", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
      "value and valueFrom are exclusive", "value and valueFrom are exclusive"),
+    # The probes, Services and scrapes use these ports: spec.env cannot move them.
+    ("env", [{"name": "HTTP_HEALTH_PORT", "value": "9000"}], "spec.env cannot override them", "HTTP_HEALTH_PORT"),
+    ("env", [{"name": "GRPC_PORT", "value": "9001"}], "spec.env cannot override them", "GRPC_PORT"),
 ]
 
 
@@ -186,3 +191,20 @@ def test_defaults_fill_nested_objects():
 def test_schema_valid_specs_that_cannot_work(spec, problem):
     problems = specs.problems(specs.defaulted({"model": "m", **spec}))
     assert any(problem in p for p in problems)
+
+
+def test_a_name_whose_headless_service_would_not_fit_a_dns_label_is_refused():
+    """NAME-headless must fit 63 characters: a longer name would create a Deployment and a Service
+    and fail only on the third object."""
+    root = schema()
+    ok, long = "a" * crd.MAX_NAME, "a" * (crd.MAX_NAME + 1)
+    for name, errors in ((ok, []), (long, [crd.NAME_RULE])):
+        obj = {"metadata": {"name": name}, "spec": {"model": "m"}}
+        assert cel_errors(obj, {k: v for k, v in root.items() if k != "properties"}) == errors
+    assert len(f"{ok}-headless") == 63
+    assert any("metadata.name" in p for p in specs.problems(specs.defaulted({"model": "m"}), long))
+    assert specs.problems(specs.defaulted({"model": "m"}), ok) == []
+
+
+def test_more_than_one_gpu_is_refused_by_the_operator_too():
+    assert any("resources.gpu" in p for p in specs.problems(specs.defaulted({"model": "m", "resources": {"gpu": 4}})))

@@ -52,3 +52,19 @@ def test_a_restart_mid_reconcile_converges(emulator, operator, tmp_path):
         eventually(lambda: all(objects(emulator, "flaky")), timeout=30)
     finally:
         fresh.stop()
+
+
+def test_a_429_is_retried_after_the_wait_the_api_server_asks(emulator, tmp_path):
+    """API Priority and Fairness answers 429 with Retry-After: trying again sooner only adds to the
+    load that caused it. The emulator asks for 8 s, more than the operator's own 5 s back-off."""
+    fresh = OperatorProcess(emulator.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log")
+    try:
+        em.faults[("PATCH", "deployments")] = [429]
+        emulator.request("POST", service_path(NS), new_service("throttled", {"model": "m", "resources": {"gpu": 0}}))
+        eventually(lambda: objects(emulator, "throttled")[0], timeout=30)
+        refused = next(c["t"] for c in em.calls if c.get("fault") == 429 and c["resource"] == "deployments")
+        retried = next(c["t"] for c in em.calls if c["t"] > refused and c["resource"] == "deployments"
+                       and c["verb"] in ("create", "patch"))
+        assert retried - refused >= em.RETRY_AFTER_S - 0.5, retried - refused
+    finally:
+        fresh.stop()

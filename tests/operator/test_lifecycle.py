@@ -114,3 +114,15 @@ def test_a_new_default_image_does_not_roll_existing_services(emulator, operators
     emulator.merge_patch(service_path(NS, "steady"), {"spec": {"image": None}})
     eventually(lambda: emulator.get(f"{DEPLOY}/steady")["metadata"]["annotations"]["embedfleet.dev/default-server-image"] == NEW)
     assert image(emulator, "steady") == NEW
+
+
+def test_the_default_image_a_service_runs_outlives_its_deployment(emulator, operators):
+    """Kept in status.defaultImage: a Deployment deleted by hand (or lost to a restore) comes back
+    with the image the service ran, not the newer default of an upgraded operator."""
+    operators.start(OLD)
+    emulator.request("POST", service_path(NS), svc("kept"))
+    eventually(lambda: emulator.get(service_path(NS, "kept")).get("status", {}).get("defaultImage") == OLD)
+    operators.start(NEW)
+    emulator.request("DELETE", f"{DEPLOY}/kept")
+    eventually(lambda: emulator.get(f"{DEPLOY}/kept") and image(emulator, "kept"))
+    assert image(emulator, "kept") == OLD

@@ -106,6 +106,38 @@ def test_spec_env_overrides_ours():
     assert env["MAX_DRAIN_TIME_MS"] == "900" and env["X"] == "1"
 
 
+def test_spec_env_cannot_move_the_ports_the_probes_and_scrapes_use():
+    spec = specs.defaulted({"model": "m", "env": [{"name": "HTTP_HEALTH_PORT", "value": "9000"}]})
+    assert env_of(render.deployment(OWNER, spec, "img", 1, 45))["HTTP_HEALTH_PORT"] == str(render.HTTP_PORT)
+    assert any("HTTP_HEALTH_PORT" in p for p in specs.problems(spec))  # and the spec is refused, saying why
+
+
+@pytest.mark.parametrize("name", sorted(VARIATIONS))
+def test_no_empty_value_is_rendered(name):
+    """The API server drops an empty string when it stores an object: a value it drops would read
+    as drift at every check, and the Deployment would be applied again for ever."""
+    def empties(obj, path=""):
+        if isinstance(obj, dict):
+            return [p for k, v in obj.items() for p in empties(v, f"{path}.{k}")]
+        if isinstance(obj, list):
+            return [p for i, v in enumerate(obj) for p in empties(v, f"{path}[{i}]")]
+        return [path] if obj == "" and not path.startswith(".metadata.annotations") else []
+
+    for obj in rendered(name)[1]:
+        assert empties(obj) == [], obj["kind"]
+
+
+def test_pdb_lets_unready_pods_be_evicted():
+    """A Pending or crash-looping pod must not use up the budget and block every node drain."""
+    pdb = next(o for o in rendered("minimal")[1] if o["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_a_model_cache_volume_is_not_re_owned_at_every_start():
+    pod = rendered("minimal")[1][0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
 def test_gpu_probes_security_and_rollout():
     _, objects = rendered("full")
     d = objects[0]
@@ -203,6 +235,9 @@ def container(**fields):
     ({"replicas": 1}, {"replicas": True}, False),
     ({"image": "a:1"}, {"image": "a:2"}, False),
     ({"labels": {"cpu": "2"}}, {"labels": {"cpu": "2.0"}}, False),
+    # What the API server stores: an empty string is omitted (an env entry comes back without value).
+    (container(env=[{"name": "X", "value": ""}]), container(env=[{"name": "X"}]), True),
+    (container(env=[{"name": "X", "value": "a"}]), container(env=[{"name": "X"}]), False),
 ])
 def test_drift_compares_quantities_as_quantities_and_the_rest_exactly(desired, actual, same):
     assert reconcile.subset(desired, actual) is same

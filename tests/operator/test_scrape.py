@@ -3,6 +3,9 @@ parser; pods scraped concurrently over HTTP (aiohttp) with a timeout, failures r
 
 import asyncio
 import dataclasses
+import http.server
+import socket
+import threading
 
 import aiohttp
 import aiohttp.web
@@ -108,3 +111,100 @@ def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
     assert why and "2 ready pod(s)" in why and "a: ClientConnectorError: refused" in why and "8001" in why
     assert autoscaler.unscraped(failed + [autoscale.PodSample("c", True, True)], {}, 8001) is None
     assert autoscaler.unscraped([autoscale.PodSample("starting", False, False)], {}, 8001) is None  # none ready
+
+
+def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-01-01T00:01:30Z",
+                running_since="2026-01-01T00:00:20Z", ip="10.0.0.1", deleting=False) -> dict:
+    """A Pod as the kubelet reports it: the Ready condition and the container's status."""
+    meta = {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    return {"metadata": meta, "status": {
+        "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_at}],
+        "containerStatuses": [{"name": "server", "image": "embedserve", "imageID": "", "ready": ready,
+                               "started": started, "restartCount": restarts,
+                               "state": {"running": {"startedAt": running_since}}}]}}
+
+
+def test_a_pod_that_served_and_turned_unready_is_not_starting():
+    """The kubelet keeps `started` from the startup probe's success until the container restarts:
+    what the API keeps tells an overloaded pod from a new one, after an operator restart too."""
+    unready = autoscaler.pod_view(kubelet_pod(ready=False, started=True))
+    assert (unready.ready, unready.started) == (False, True)
+    new = autoscaler.pod_view(kubelet_pod(ready=False, started=False))
+    assert (new.ready, new.started) == (False, False)
+    assert autoscaler.pod_view(kubelet_pod(deleting=True)) is None  # leaving the fleet
+
+
+def test_start_up_is_creation_to_the_first_ready():
+    assert autoscaler.pod_view(kubelet_pod()).startup_s == 90
+    # A flap an hour later: Ready's transition is the flap's, not the start-up's.
+    assert autoscaler.pod_view(kubelet_pod(ready_at="2026-01-01T01:00:00Z")).startup_s is None
+    assert autoscaler.pod_view(kubelet_pod(restarts=1)).startup_s is None  # a restarted container's
+
+
+async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not(pods_server):
+    pods = [kubelet_pod("serving", ready=False, started=True, ip=IPS["ok"]),
+            kubelet_pod("new", ready=False, started=False, ip=IPS["ok"])]
+    async with aiohttp.ClientSession() as session:
+        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=1)}
+    assert samples["serving"].scraped and samples["serving"].was_ready and samples["serving"].arrival_rate == 500
+    assert not samples["new"].scraped and not samples["new"].was_ready
+
+
+def test_an_ipv6_pod_address_is_bracketed():
+    assert autoscaler.metrics_url("::1", 8001) == "http://[::1]:8001/metrics"
+    assert autoscaler.metrics_url("fd00:10:244::5", 8001) == "http://[fd00:10:244::5]:8001/metrics"
+    assert autoscaler.metrics_url("10.244.0.5", 8001) == "http://10.244.0.5:8001/metrics"
+
+
+@pytest.fixture
+def ipv6_pod():
+    """A pod's /metrics on ::1 (IPv6-only and IPv6-first dual-stack clusters give pods such IPs)."""
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            body = exposition(rate=1000, arrival=700, queued=0, offered=10, limit=0.45).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = Server(("::1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+async def test_an_ipv6_pod_is_scraped(ipv6_pod):
+    async with aiohttp.ClientSession() as session:
+        errors = {}
+        (sample,) = await autoscaler.scrape(session, [kubelet_pod(ip="::1")], port=ipv6_pod, timeout=2, errors=errors)
+    assert sample.scraped and sample.arrival_rate == 700, errors
+
+
+async def test_an_answer_without_the_shared_signal_is_blind_not_zero_demand():
+    """Another program on the port, or an incompatible server version: 200 with other series."""
+    async def other(request):
+        return aiohttp.web.Response(text="# TYPE up gauge\nup 1\n", content_type="text/plain")
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", other)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.26", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            errors = {}
+            (sample,) = await autoscaler.scrape(session, [kubelet_pod("other", ip="127.0.0.26")], port, 1, errors)
+    finally:
+        await runner.cleanup()
+    assert not sample.scraped and "embedfleet_service_rate_tokens_per_second" in errors["other"]
+    decision = autoscale.decide([sample], 4, autoscale.Policy(1, 8, 0.7, 1.0, 0, 0), autoscale.History(capacity=100), 0)
+    assert decision.desired == 4  # held, not scaled down to min on "no demand"

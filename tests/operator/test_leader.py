@@ -1,0 +1,108 @@
+"""Two operator processes against one API server: only the holder of the Lease writes what the
+services own (kopf's own bookkeeping on the services aside); a clean stop hands over at once, a
+crash after the lease's duration. Each process calls with a token of its own, so the emulator
+tells their requests apart."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.operator import emulator as em
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS = "default"
+LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/embedop-leader"
+# What a service's fleet is made of: kopf's own patches of the service (its annotations) and the
+# Events it posts are kopf's, made by every operator process.
+OWNED = {"deployments", "deployments/scale", "services", "poddisruptionbudgets", "horizontalpodautoscalers",
+         "embeddingservices/status", "embeddingservices/scale"}
+
+
+@pytest.fixture
+def start(emulator, tmp_path):
+    procs = []
+
+    def start(who: str) -> OperatorProcess:
+        op = OperatorProcess(emulator.kubeconfig(tmp_path / f"kubeconfig-{who}", token=who),
+                             tmp_path / f"operator-{who}-{len(procs)}.log", env={"EMBEDOP_IDENTITY": who})
+        procs.append(op)
+        # Running: it has looked at the lease.
+        eventually(lambda: any(c["who"] == who and c["resource"] == "leases" for c in em.calls[-200:]), timeout=30)
+        return op
+
+    yield start
+    for op in procs:
+        if op.proc.poll() is None:
+            op.stop()
+
+
+def holder(emulator) -> str:
+    return ((emulator.get(LEASE) or {}).get("spec") or {}).get("holderIdentity") or ""
+
+
+def writers(since: float) -> set[str]:
+    return {c["who"] for c in em.calls if c["t"] >= since and c["resource"] in OWNED
+            and c["verb"] in ("create", "patch", "update", "delete")}
+
+
+def deploy(name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
+
+
+def create(emulator, name: str) -> None:
+    emulator.request("POST", service_path(NS), new_service(name, {"model": "m0", "resources": {"gpu": 0},
+                                                                  "autoscaling": {"mode": "off"}}))
+    eventually(lambda: emulator.get(deploy(name)))
+
+
+def change_model(emulator, name: str, model: str) -> set[str]:
+    """Roll the fleet to `model`; → who wrote anything of it meanwhile."""
+    since = time.monotonic()
+    emulator.merge_patch(service_path(NS, name), {"spec": {"model": model}})
+    eventually(lambda: {"name": "MODEL_PATH", "value": model} in
+               emulator.get(deploy(name))["spec"]["template"]["spec"]["containers"][0]["env"], timeout=30)
+    eventually(lambda: (cr := emulator.get(service_path(NS, name)))["status"].get("observedGeneration")
+               == cr["metadata"]["generation"])
+    return writers(since)
+
+
+def test_only_the_lease_holder_writes_and_a_successor_takes_over(emulator, start):
+    a = start("a")
+    eventually(lambda: holder(emulator).startswith("a_"))
+    start("b")
+    create(emulator, "led")
+    assert change_model(emulator, "led", "m1") == {"a"}
+    assert holder(emulator).startswith("a_")
+    # A clean stop releases the lease: the standby takes over without waiting out its duration.
+    stopped = time.monotonic()
+    a.stop()
+    eventually(lambda: holder(emulator).startswith("b_"), timeout=10)
+    assert time.monotonic() - stopped < 3  # the lease's duration in these tests
+    assert change_model(emulator, "led", "m2") == {"b"}
+
+
+def test_a_crashed_leader_is_followed_after_the_lease_expires(emulator, start):
+    b = start("b")
+    eventually(lambda: holder(emulator).startswith("b_"), timeout=15)
+    start("a")
+    create(emulator, "crashed")
+    assert change_model(emulator, "crashed", "m1") == {"b"}
+    b.proc.send_signal(signal.SIGKILL)  # no goodbye: the lease is left to expire
+    b.proc.wait(10)
+    eventually(lambda: holder(emulator).startswith("a_"), timeout=15)
+    assert change_model(emulator, "crashed", "m2") == {"a"}
+
+
+def test_renewals_that_time_out_pause_the_leader_and_it_carries_on(emulator, start):
+    """An API server too slow to answer for longer than the lease: the leader stops writing until it
+    renews, then every service is served again (a loop must not end on a lapse)."""
+    start("a")
+    eventually(lambda: holder(emulator).startswith("a_"), timeout=15)
+    create(emulator, "lapsed")
+    em.faults[("PATCH", "leases")] = [em.TIMEOUT] * 6  # ~8 s without a renewal; the lease is 3 s
+    eventually(lambda: not em.faults[("PATCH", "leases")], timeout=60)
+    assert change_model(emulator, "lapsed", "m1") == {"a"}

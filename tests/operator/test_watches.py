@@ -1,0 +1,66 @@
+"""The operator reads its own objects from label-selected watches and nothing else, and a settled
+fleet costs the API nothing: the real operator process against the emulator, which (like a real
+API server) applies label selectors server-side and drops empty env values when it stores a
+Deployment. The cluster also holds Deployments and Pods of others, which the operator must never
+be sent. `python -m bench.operator_load` measures the same at 24 services for a minute."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench.operator_load import others, requests_between, settled
+from tests.conftest import free_port
+from tests.operator import emulator as em
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import new_service, service_path
+
+NS = "default"
+PORT = free_port()
+OURS = "app.kubernetes.io/managed-by=embedop"
+
+
+@pytest.fixture(scope="module")
+def fleet(emulator, tmp_path_factory):
+    others(emulator, 10)
+    d = tmp_path_factory.mktemp("watches")
+    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log",
+                         env={"EMBEDOP_METRICS_PORT": str(PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+    # Mode off, with an empty env value (stored without it) and no excludeTokens (once rendered
+    # as EXCLUDE_TOKENS="": the drift check never matched, and every resync applied again).
+    emulator.request("POST", service_path(NS), new_service("fixed", {
+        "model": "m", "replicas": 1, "autoscaling": {"mode": "off"}, "resources": {"gpu": 0},
+        "env": [{"name": "EMPTY", "value": ""}]}))
+    servers = settled(emulator, ["busy-a", "busy-b"], PORT, interval_s=1)
+    eventually(lambda: emulator.get(service_path(NS, "fixed")).get("status", {}).get("observedGeneration"))
+    yield op
+    op.stop()
+    for s in servers:
+        s.shutdown()
+
+
+def test_the_operator_is_only_ever_sent_its_own_objects(emulator, fleet):
+    watched = {"deployments", "pods", "services", "poddisruptionbudgets", "horizontalpodautoscalers"}
+    reads = [c for c in em.calls if c["subject"] == "operator" and c["verb"] in ("list", "watch")
+             and c["resource"] in watched]
+    assert {c["resource"] for c in reads if c["verb"] == "watch"} == watched
+    assert all(OURS in (c["selector"] or "") for c in reads), [c for c in reads if OURS not in (c["selector"] or "")]
+    # Nor does it read another's object by name.
+    assert not [c for c in em.calls if c["subject"] == "operator" and c["namespace"] == "others"]
+
+
+def test_a_settled_fleet_costs_no_api_request(emulator, fleet):
+    """Several resyncs and autoscaler steps of every service, and not one request (watches and the
+    leader's lease renewals aside): no GET (the copies are read), no apply (the drift check
+    compares what the API stores), no status write (nothing changed; the measured rates are
+    refreshed at most once a minute)."""
+    start, mark = time.monotonic(), len(fleet.log())
+
+    def resyncs(name):
+        return fleet.log()[mark:].count(f"{NS}/{name}: periodic check done")
+
+    eventually(lambda: min(resyncs(n) for n in ("fixed", "busy-a", "busy-b")) >= 3, timeout=30)
+    assert fleet.log()[mark:].count("autoscale busy-a:") >= 3
+    calls = [c for c in requests_between(start, float("inf")) if c["resource"] != "leases"]
+    assert calls == [], calls
