@@ -28,31 +28,34 @@ from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator, new_service, service_path
 
 NS = "default"
+def exposition(service_rate: float, arrival_rate: float, queued: float = 0) -> str:
+    """The shared signal as a server exports it (the series the autoscaler requires)."""
+    return (f"# TYPE embedfleet_service_rate_tokens_per_second gauge\n"
+            f"embedfleet_service_rate_tokens_per_second {service_rate}\n"
+            f"# TYPE embedfleet_arrival_rate_tokens_per_second gauge\n"
+            f"embedfleet_arrival_rate_tokens_per_second {arrival_rate}\n"
+            f"# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens {queued}\n")
+
+
 # One replica's worth of steady load: 500 offered tokens/s on a 1000 tokens/s pod (0.7 target: 1 pod).
-EXPOSITION = """# TYPE embedfleet_service_rate_tokens_per_second gauge
-embedfleet_service_rate_tokens_per_second 1000
-# TYPE embedfleet_arrival_rate_tokens_per_second gauge
-embedfleet_arrival_rate_tokens_per_second 500
-# TYPE embedfleet_queued_tokens gauge
-embedfleet_queued_tokens 0
-"""
+STEADY = exposition(1000, 500)
 
 
-class _Metrics(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - the http.server API
-        body = EXPOSITION.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def serve_metrics(ip: str, port: int, text: str = STEADY) -> http.server.ThreadingHTTPServer:
+    """A pod's /metrics, answered with `text`, on its own address (pods share their port)."""
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            body = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-    def log_message(self, *args):
-        pass
+        def log_message(self, *args):
+            pass
 
-
-def serve_metrics(ip: str, port: int) -> http.server.ThreadingHTTPServer:
-    server = http.server.ThreadingHTTPServer((ip, port), _Metrics)
+    server = http.server.ThreadingHTTPServer((ip, port), Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

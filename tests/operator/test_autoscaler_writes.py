@@ -8,11 +8,9 @@ The emulator runs no controllers: the Pod is posted by the test, ready, at an ad
 
 from __future__ import annotations
 
-import http.server
-import threading
-
 import pytest
 
+from bench.operator_load import exposition, serve_metrics
 from embedop import render
 from tests.conftest import free_port
 from tests.operator import emulator as em
@@ -23,26 +21,7 @@ NS, NAME, POD_IP = "default", "signal", "127.0.0.41"
 PORT = free_port()
 DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 # One pod offered 4000 tokens/s with a capacity of 1000: ceil(4000 / (1000 × 0.7)) = 6 replicas.
-EXPOSITION = """# TYPE embedfleet_service_rate_tokens_per_second gauge
-embedfleet_service_rate_tokens_per_second 1000
-# TYPE embedfleet_arrival_rate_tokens_per_second gauge
-embedfleet_arrival_rate_tokens_per_second 4000
-# TYPE embedfleet_queued_tokens gauge
-embedfleet_queued_tokens 0
-"""
-
-
-class Metrics(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - the http.server API
-        body = EXPOSITION.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+EXPOSITION = exposition(service_rate=1000, arrival_rate=4000)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +39,7 @@ def pod_metrics():
     servers = []
 
     def start():
-        server = http.server.ThreadingHTTPServer((POD_IP, PORT), Metrics)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
+        servers.append(serve_metrics(POD_IP, PORT, EXPOSITION))
 
     yield start
     for server in servers:
@@ -144,8 +121,7 @@ def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator
         c = eventually(lambda: (c := condition_of(emulator, name, "Degraded")).get("reason") == "RejectedByAPI" and c)
         assert "no-debug-logs" in c["message"]
         # Demand for 6 replicas arrives: the count changes all the same.
-        server = http.server.ThreadingHTTPServer((ip, PORT), Metrics)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = serve_metrics(ip, PORT, EXPOSITION)
         emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": NS, "labels": render.labels(name)},
             "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
