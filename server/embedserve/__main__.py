@@ -92,11 +92,12 @@ class FrontEnds:
             for i, p in enumerate(self.procs):
                 if p.poll() is None:
                     last = heard.get(p.pid)
-                    if (not stalled and last is not None and since is not None
-                            and now - max(last, since) > unresponsive_s and self._silent[i] is None
-                            and not self.stopping):
+                    # Silent since its last word, or since the model could answer it if later.
+                    silent_s = None if last is None or since is None else now - max(last, since)
+                    if (not stalled and silent_s is not None and silent_s > unresponsive_s
+                            and self._silent[i] is None and not self.stopping):
                         log.error("front end %d has not asked for the model's state for %.0f s: stuck, killing it",
-                                  p.pid, now - last)
+                                  p.pid, silent_s)
                         p.kill()  # restarted on a later turn, once it has exited
                         self._silent[i] = last
                     continue

@@ -109,7 +109,7 @@ class Server:
             s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
             s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # off: no bound, no window
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
-            on_batch=self._batch_ran, on_failing=self._failing,
+            on_batch=self._batch_ran, on_failing=self._failing, on_lost=self._lost,
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
         )
         await self.engine.start()
@@ -123,6 +123,10 @@ class Server:
         self.metrics.batch_ran(batch, busy_s)
         if self.service:
             self.service.gate.release_held()
+
+    def _lost(self) -> None:
+        if self.service:  # callers held for booked room learn now that none will come
+            self.service.gate.release_all()
 
     def _failing(self, failing: bool) -> None:
         log.error("failing: reporting NOT_SERVING" if failing else "failing no more: the next batch succeeded")

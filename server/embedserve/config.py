@@ -119,7 +119,10 @@ class Settings:
     defaults). Responses may be larger (64 MiB)."""
     http_max_body_bytes: int = 0
     """HTTP_MAX_BODY_BYTES: the largest HTTP request body (413 above). Default: twice the gRPC
-    limit (JSON escapes)."""
+    limit (JSON escapes). It also bounds JSON parsing, which runs on the event loop before any
+    schema: a body of many small values costs up to ~0.07 s and ~25 MiB per MB (33 MB of `[]`:
+    2.3 s, 740 MiB), whatever the schema then says; lower it where HTTP callers send short inputs
+    only."""
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
@@ -135,7 +138,7 @@ class Settings:
     means the device hangs: its requests fail with UNAVAILABLE and the server reports
     NOT_SERVING, so the liveness probe restarts it."""
     watchdog_floor_s: float = 30.0
-    """WATCHDOG_FLOOR_S: the watchdog never fires on a batch younger than this."""
+    """WATCHDOG_FLOOR_S: the watchdog never fires on a batch younger than this (at least 1)."""
     frontends: int = 0
     """FRONTENDS: processes serving gRPC and HTTP on the pod's ports (SO_REUSEPORT), tokenizing and
     handing token rows to the one model process (admission, batching, the device). 1: all in
@@ -198,17 +201,17 @@ class Settings:
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
             watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple, positive=True),
-            watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s, positive=True),
+            # The watchdog looks every floor / 4 s (at most 1 s): under a second it would spin the
+            # loop for nothing, and no device hang is told from a slow batch in less.
+            watchdog_floor_s=s.float("WATCHDOG_FLOOR_S", d.watchdog_floor_s, low=1.0),
             frontends=s.int("FRONTENDS", d.frontends),
-            frontend_unresponsive_s=s.float("FRONTEND_UNRESPONSIVE_S", d.frontend_unresponsive_s),
+            # Front ends ask for the model's state every 0.25 s: below 1 s, every one would be killed.
+            frontend_unresponsive_s=s.float("FRONTEND_UNRESPONSIVE_S", d.frontend_unresponsive_s, low=1.0),
             gil_switch_interval_ms=s.float("GIL_SWITCH_INTERVAL_MS", d.gil_switch_interval_ms),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
-        if not settings.frontend_unresponsive_s >= 1:  # NaN too: it would kill every front end
-            raise ConfigError(f"FRONTEND_UNRESPONSIVE_S={settings.frontend_unresponsive_s}: must be >= 1 "
-                              "(front ends ask for the model's state every 0.25 s)")
         if not settings.max_message_bytes:
             from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
 
@@ -251,9 +254,9 @@ class _Reader:
     def optional_int(self, name: str) -> int | None:
         return None if self._raw(name) is None else self.int(name, 0)
 
-    def float(self, name: str, default: float, positive: bool = False) -> float:
-        """A finite number >= 0 (`positive`: > 0, where 0 would break what it sizes, e.g. a
-        watchdog ticking every 0 s). NaN passed every comparison, infinity most."""
+    def float(self, name: str, default: float, positive: bool = False, low: float = 0.0) -> float:
+        """A finite number >= `low` (`positive`: > 0, where 0 would break what it sizes, e.g. a
+        drain budget). NaN passed every comparison, infinity most."""
         v = self._raw(name)
         try:
             x = default if v is None else float(v)
@@ -261,8 +264,8 @@ class _Reader:
             raise ConfigError(f"{name}={v!r}: expected a number") from None
         if not math.isfinite(x):
             raise ConfigError(f"{name}={v}: expected a finite number")
-        if x < 0 or (positive and x == 0):
-            raise ConfigError(f"{name}={x}: must be {'>' if positive else '>='} 0")
+        if x < low or (positive and x == 0):
+            raise ConfigError(f"{name}={x}: must be {'>' if positive else '>='} {low:g}")
         return x
 
     def bool(self, name: str, default: bool) -> bool:

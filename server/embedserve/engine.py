@@ -49,6 +49,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[Batch, float], None] = lambda batch, busy_s: None,
         on_failing: Callable[[bool], None] = lambda failing: None,
+        on_lost: Callable[[], None] = lambda: None,
         watchdog: Watchdog = Watchdog(),
         feed_delay_s: float = FEED_DELAY_S,
     ):
@@ -56,6 +57,9 @@ class Engine:
         self.watchdog = watchdog
         self.on_batch = on_batch
         self.on_failing = on_failing  # called when consecutive failures cross FAILING_AFTER, and back
+        # Called once this engine serves nothing more (`lost`), what waited failed: callers held
+        # for booked room (gate.Gate) are woken then to be refused, not at a moment no batch brings.
+        self.on_lost = on_lost
         self.estimator = estimator
         self.deadline_s = deadline_s
         self.max_drain_s = max_drain_s  # the admission budget the reorder window is held back from
@@ -236,9 +240,11 @@ class Engine:
             return
         try:
             wake_at = self._form_batches()
-        except Exception as e:  # a bug here stops all batching: say so, loudly, and to every probe
+        except Exception:  # a bug here stops all batching: say so, loudly, and to every probe
             log.exception("the batcher failed; this server serves nothing more")
-            self._lose("the server's batcher failed", ModelFailure(f"the server's batcher failed: {e!r}"))
+            # What waits was never computed: UNAVAILABLE, as for the worker's end, so a client
+            # retries it on another pod (INTERNAL is not retried, though nothing was tried).
+            self._lose("the server's batcher failed")
             return
         self._set_timer(wake_at)
 
@@ -336,11 +342,18 @@ class Engine:
         tick = min(1.0, self.watchdog.floor_s / 4)
         while self.lost is None:
             await asyncio.sleep(tick)
+            # `alive` first: once the thread has ended, `running` is its last word (the batch it
+            # died on). Read before, it could be a batch the thread then reported, before dying
+            # on the next: that one's requests failed though computed, its tokens counted off
+            # twice, and the next one's never.
+            alive = self.worker.alive
             running = self.worker.running
-            if not self.worker.alive:  # neither the batch it ran nor the rest will ever report
+            if not alive:  # neither the batch it ran nor the rest will ever report
                 log.error("the model worker thread has ended: failing every request and reporting NOT_SERVING")
-                self.estimator.dequeued(running[0].real_tokens if running else 0)
-                self._lose("the model worker stopped", batches=[*self._never_to_run(), *([running[0]] if running else [])])
+                lost = [running[0]] if running else []
+                self.in_worker -= len(lost)
+                self.estimator.dequeued(sum(b.real_tokens for b in lost))
+                self._lose("the model worker stopped", batches=[*self._never_to_run(), *lost])
             elif running and time.monotonic() - running[1] > self.watchdog.limit_s(running[0], self.warmup):
                 self._device_hung(running[0], time.monotonic() - running[1])
 
@@ -362,13 +375,14 @@ class Engine:
         self.estimator.dequeued(sum(b.real_tokens for b in waiting))
         return waiting
 
-    def _lose(self, what: str, error: Exception | None = None, batches=()) -> None:
+    def _lose(self, what: str, batches=()) -> None:
         """A failure for good but the device's (the batcher, the worker thread): batching stops,
         every request with rows still to compute, but in batches the worker will still run, fails
-        with `error` (default: the refusal every later request gets), and health reports
-        NOT_SERVING, so the liveness probe restarts this server."""
+        with the refusal every later request gets (UNAVAILABLE: nothing of it was computed, and
+        another pod can), and health reports NOT_SERVING, so the liveness probe restarts this
+        server."""
         was, self._batching, self.broken = self.failing, False, what
-        self._fail_waiting(error or self.lost, batches)
+        self._fail_waiting(self.lost, batches)
         self._failing_changed(was)
 
     def _fail_waiting(self, error: Exception, batches=()) -> None:
@@ -381,11 +395,15 @@ class Engine:
         pending = {id(r): r for b in batches for r, _, _ in b.routes}
         pending.update((id(row.chunk.request), row.chunk.request) for q in [self._forming, *self.queues.rows.values()]
                        for row in q)
+        # Rows taken for a batch never handed over left the queues' count but not the backlog's
+        # (`drop` frees queued rows only): a broken pod exported them as a phantom backlog.
+        self.estimator.dequeued(sum(row.length for row in self._forming))
         self._forming = []
         for request in pending.values():
             request.fail(error)
             self.drop(request)
         self.queues.purge()
+        self.on_lost()
 
 
 FIRST_ROW = np.zeros(1, dtype=np.int64)  # the positions of a one-row request (shared: read only)

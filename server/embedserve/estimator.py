@@ -12,11 +12,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
-
-# Characters per token a sample of text may show: from a symbol or CJK character split into
-# byte tokens, to the bound at which texts are cut before tokenizing anyway.
-CHARS_PER_TOKEN_RANGE = (0.25, float(CHARS_PER_TOKEN_BOUND))
+# Characters per token is learned over about this many of the latest tokens (a decaying sum):
+# weighed by tokens, a request counts for the work it brings, not one vote whatever its size.
+CHARS_PER_TOKEN_HORIZON = 20_000
 
 
 class DecayingRate:
@@ -132,7 +130,7 @@ class Estimator:
         self._queued = 0
         self._offered_total = 0.0  # monotonic: a scraper's rate over its own interval is exact
         self.chars_per_token = 4.0  # learned: estimates a text's tokens before tokenizing it
-        self._cpt_samples = 0
+        self._chars = self._tokens = 0.0  # the decaying sums it is learned as
 
     def seed_service_rate(self, tokens_per_s: float) -> None:
         """The warm-up's measurement: full rows at each bucket's cap, an upper bound that real
@@ -175,15 +173,19 @@ class Estimator:
         with self._lock:
             self._latency.add(seconds, self.clock())
 
-    def learn_chars_per_token(self, chars: int, tokens: int) -> None:
-        """The running mean at first (the prior of 4 is quickly forgotten), then an EMA: offered
-        load is counted from this estimate, so it must match the tokens later computed. A sample
-        is clamped to what text can be: one crafted text (4,096 spaces read as one token) had
-        made it 4,096, and every request's offered tokens, the autoscaler's demand, ~1/50th."""
-        if tokens > 0 and chars > 0:
-            self._cpt_samples += 1
-            sample = min(max(chars / tokens, CHARS_PER_TOKEN_RANGE[0]), CHARS_PER_TOKEN_RANGE[1])
-            self.chars_per_token += max(0.05, 1 / self._cpt_samples) * (sample - self.chars_per_token)
+    def learn_chars_per_token(self, chars: float, tokens: int) -> None:
+        """Characters and tokens of texts tokenized (TextTokenizer.sample: each text's characters
+        held to what text can be): their ratio over the latest CHARS_PER_TOKEN_HORIZON tokens,
+        the running ratio before (the prior of 4 is forgotten at the first sample). Offered load
+        is counted from this estimate, so it must match the tokens later computed. Weighed by
+        tokens, a text crafted to show 16 characters per token (4,096 spaces read as one) moves it
+        by its one token: as one equal sample per request, a steady stream of them had pulled it
+        to 16, and ordinary text's offered tokens, the autoscaler's demand, to a quarter."""
+        if tokens > 0:
+            keep = math.exp(-tokens / CHARS_PER_TOKEN_HORIZON)
+            self._chars = self._chars * keep + chars
+            self._tokens = self._tokens * keep + tokens
+            self.chars_per_token = self._chars / self._tokens
 
     def snapshot(self, latency: bool = True) -> Snapshot:
         """`latency=False` leaves the P95 out (0): admission asks on every request, and needs

@@ -133,6 +133,13 @@ class Gate:
                 self._joining += tokens
                 room -= tokens
 
+    def release_all(self) -> None:
+        """The engine will compute nothing more (lost for good): every held caller resumes now and
+        meets its refusal (UNAVAILABLE: another pod serves it) instead of waiting, up to the
+        reservation horizon, for a moment no batch will bring (release_held runs after batches)."""
+        while self._held:
+            _wake(heapq.heappop(self._held)[3])
+
     def _refuse(self, reason: str, wait_s: float, final: bool = False) -> None:
         self.last_rejection = self.estimator.clock()
         self.observer.rejected(reason)

@@ -16,8 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StringConstraints, create_model
 
+from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.gate import Caller
+from embedserve.shaping import ID_ROW_BOUND
 
 if TYPE_CHECKING:
     from embedserve.app import Server
@@ -41,18 +43,6 @@ _STATUS = (  # error → (HTTP status, OpenAI-style type)
     (NotReady, 503, "service_unavailable"),
     (ModelFailure, 500, "server_error"),
 )
-
-
-class EmbeddingsRequest(BaseModel):
-    input: Union[Text, Texts, TokenIds, Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_ITEMS,
-                                                                         fail_fast=True)]] = Field(
-        description="A text, a list of texts, a list of token ids, or a list of token id lists.")
-    model: str = Field(description="The served model's id (GET /v1/models).")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
-    user: str | None = None
-    prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
-                                    "before each text (default: its default prompt, if it declares one).")
 
 
 class Embedding(BaseModel):
@@ -91,7 +81,27 @@ class ModelList(BaseModel):
 MAX_ITEMS = 2048  # a hard ceiling; MAX_TEXTS_PER_REQUEST (default 512) applies below it (400)
 Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
 Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, fail_fast=True)]
+INPUT_DOC = "A text, a list of texts, a list of token ids, or a list of token id lists."
+
+
+def embeddings_input(ids_per_row: int):
+    """/v1/embeddings' `input`, its token-id rows at most `ids_per_row` long (shaping.ID_ROW_BOUND):
+    the schema refuses a longer row on its length, before its ids are validated one by one."""
+    ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=ids_per_row, fail_fast=True)]
+    return Union[Text, Texts, ids, Annotated[list[ids], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]]
+
+
+EmbeddingsInput = embeddings_input(ID_ROW_BOUND * Settings().buckets[-1])  # with the default buckets
+
+
+class EmbeddingsRequest(BaseModel):
+    input: EmbeddingsInput = Field(description=INPUT_DOC)  # each server's own bound: _embed_routes
+    model: str = Field(description="The served model's id (GET /v1/models).")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
+    user: str | None = None
+    prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
+                                    "before each text (default: its default prompt, if it declares one).")
 
 
 class TeiEmbedRequest(BaseModel):
@@ -174,8 +184,7 @@ def register(app: FastAPI, server: "Server") -> None:
         JSON allows "\\ud800", which UTF-8 cannot encode: that was a 500), and brief: FastAPI
         lists an error per item, each echoing its input (3,000 texts over the limit answered
         620 KB; a 1 MB body, 36 MB)."""
-        content = json.dumps({"detail": jsonable_encoder(brief_errors(exc.errors()))}, ensure_ascii=True)
-        return Response(content, status_code=422, media_type="application/json")
+        return Response(error_reply(exc.errors()), status_code=422, media_type="application/json")
 
     app.add_exception_handler(RequestValidationError, invalid_body)
 
@@ -188,31 +197,54 @@ def register(app: FastAPI, server: "Server") -> None:
         return response
 
 
-# What a 422 reports: the first errors, each echoing at most this much of its input.
+# What a 422 reports: the first errors, each echoing a little of its input (strings cut, lists
+# and objects of more than a few items, or nested, summarised), in a reply of at most REPLY_BYTES.
 REPORTED_ERRORS = 10
 ECHOED_CHARS = 100
 ECHOED_ITEMS = 8
+# Cut inputs alone do not bound a reply: ASCII-escaped, a character outside the BMP is 12 bytes,
+# and an error may echo up to 8 keys and 8 values of 100 of them.
+REPLY_BYTES = 8192
 
 
-def brief_errors(errors: list[dict]) -> list[dict]:
-    """The first REPORTED_ERRORS validation errors with their inputs cut short, and one more
-    entry counting the rest (same shape: FastAPI's 422 schema still holds)."""
-    out = [{**e, "input": _brief(e["input"])} if "input" in e else e for e in errors[:REPORTED_ERRORS]]
-    if len(errors) > REPORTED_ERRORS:
-        out.append({"type": "too_many_errors", "loc": ["body"], "msg": f"{len(errors) - REPORTED_ERRORS} more "
-                    f"errors not listed", "input": None})
-    return out
+def error_reply(errors: list[dict]) -> str:
+    """The 422's JSON, in FastAPI's shape ({"detail": [error, ...]}, so its schema still holds):
+    the first REPORTED_ERRORS errors that fit REPLY_BYTES, their inputs cut short (or, where that
+    is still too long, summarised), then one entry counting the errors left out. Each error is
+    serialized alone: a reply never costs the event loop much more than its own bytes."""
+    listed, size = [], 0
+    for e in errors[:REPORTED_ERRORS]:
+        room = REPLY_BYTES - 200 - size  # 200: left for the count
+        text = _serialized(e, 0)
+        if len(text) > room and "input" in e:
+            text = _serialized(e, 1)
+        if len(text) > room:
+            break
+        listed.append(text)
+        size += len(text) + 2
+    if len(errors) > len(listed):
+        listed.append(json.dumps({"type": "too_many_errors", "loc": ["body"], "input": None,
+                                  "msg": f"{len(errors) - len(listed)} {'more ' if listed else ''}errors not listed"}))
+    return '{"detail": [' + ", ".join(listed) + "]}"
+
+
+def _serialized(error: dict, depth: int) -> str:
+    return json.dumps(jsonable_encoder({**error, "input": _brief(error["input"], depth)} if "input" in error else error),
+                      ensure_ascii=True)
 
 
 def _brief(value, depth: int = 0):
+    """A request's value as an error echoes it: strings (dict keys too: a 1 MB key had been echoed
+    whole, once per member of the input's union) cut at ECHOED_CHARS; a list or object echoed
+    item by item only at the top and only up to ECHOED_ITEMS items, else summarised."""
     if isinstance(value, str):
         return value if len(value) <= ECHOED_CHARS else f"{value[:ECHOED_CHARS]}... ({len(value)} characters)"
     if isinstance(value, (list, tuple, dict)):
         if depth or len(value) > ECHOED_ITEMS:
             return f"({type(value).__name__} of {len(value)} items)"
         if isinstance(value, dict):
-            return {k: _brief(v, depth + 1) for k, v in value.items()}
-        return [_brief(v, depth + 1) for v in value]
+            return {_brief(k, 1): _brief(v, 1) for k, v in value.items()}
+        return [_brief(v, 1) for v in value]
     return value
 
 
@@ -263,7 +295,8 @@ def _prompt_field(server: "Server", description: str):
 
 def _embed_routes(router: APIRouter, server: "Server", service) -> None:
     openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
-        server, EmbeddingsRequest.model_fields["prompt_name"].description))
+        server, EmbeddingsRequest.model_fields["prompt_name"].description),
+        input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
 
     async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""

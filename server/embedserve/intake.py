@@ -64,8 +64,8 @@ class Intake:
                     log.exception("queuing a request's rows failed")
                     request.fail(ModelFailure(f"the server could not queue this request: {e!r}"))
                     continue
-                chars += self.tokenizer.chars_read(r.texts, r.prompt)
-                tokens += request.tokens - self.tokenizer.specials * len(r.texts)
+                c, t = self.tokenizer.sample(r.texts, r.prompt, rows[1])
+                chars, tokens = chars + c, tokens + t
         finally:  # the estimates leave the backlog whatever happened (the rows are in it now)
             self.estimator.dequeued(sum(w[2] for w in waiting))
         self.estimator.learn_chars_per_token(chars, tokens)

@@ -95,8 +95,7 @@ class EmbeddingService(PreTokenized):
             request = self.engine.submit(ids, lengths)
         finally:
             self.estimator.dequeued(round(estimate))
-        self.estimator.learn_chars_per_token(self.tokenizer.chars_read(r.texts, r.prompt),
-                                             request.tokens - specials * len(r.texts))
+        self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths))
         return Result(await self._wait(request, t0), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:

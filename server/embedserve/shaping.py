@@ -24,6 +24,12 @@ from embedserve.tokenization import TextTokenizer, validate_texts
 # busy loop holds (up to the switch interval). Longer ones go to the tokenizer threads, which
 # release the GIL while the Rust tokenizer runs.
 INLINE_CHARS = 512
+# A token-id row (HTTP input) may hold up to this many times the largest bucket's ids: cut at
+# max_length (TRUNCATE), as a long text is. The HTTP schema refuses a longer row (422) on its
+# length, before validating its ids one by one: a 33 MB body of one row had cost the event loop
+# ~0.35 s and ~100 MiB of validation, only for all but its first ids to be cut. Generous: 8,192 ids with the
+# default buckets, which is also OpenAI's limit on one input, so clients written for it fit.
+ID_ROW_BOUND = 16
 
 
 class Result(NamedTuple):

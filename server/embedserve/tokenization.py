@@ -22,6 +22,9 @@ from embedserve.errors import InvalidInput
 # whose first max_length tokens span more than this are tokenized differently, and those are
 # cut either way.
 CHARS_PER_TOKEN_BOUND = 16
+# Characters per token a text may show: from a symbol or CJK character split into byte tokens, to
+# the bound at which texts are cut before tokenizing anyway.
+CHARS_PER_TOKEN_RANGE = (0.25, float(CHARS_PER_TOKEN_BOUND))
 
 
 def _lowercasing(tok: Tokenizer) -> None:
@@ -113,9 +116,21 @@ class TextTokenizer:
                 start += n
         return out
 
-    def chars_read(self, texts: list[str], prompt: str) -> int:
-        """The characters the tokenizer reads of a request (what chars-per-token is learned on)."""
-        return sum(len(prompt) + min(len(t), self.max_chars) for t in texts)
+    def sample(self, texts: list[str], prompt: str, lengths: np.ndarray) -> tuple[float, int]:
+        """What characters per token is learned on (Estimator.learn_chars_per_token), from a
+        tokenized request: its texts' characters and tokens (the prompt's included, the specials
+        not), text by text. A text cut at max_length is left out: its tokens are its first part's,
+        its characters the whole. Each text's characters are held to what CHARS_PER_TOKEN_RANGE
+        allows for its tokens: 4,096 spaces read as one token count as 16 characters, for one
+        token (summed over a request or several before being held, that text outweighed the rest)."""
+        low, high = CHARS_PER_TOKEN_RANGE
+        chars, tokens = 0.0, 0
+        for text, n in zip(texts, lengths.tolist()):
+            own = n - self.specials
+            if own > 0 and n < self.max_length:
+                chars += min(max(len(prompt) + min(len(text), self.max_chars), low * own), high * own)
+                tokens += own
+        return chars, tokens
 
     def _prepared(self, texts: list[str], truncate: bool, prompt: str) -> list[str]:
         """The texts the Rust tokenizer reads: cut at max_chars (or refused), the prompt before each."""

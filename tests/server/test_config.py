@@ -47,8 +47,10 @@ def test_values_are_parsed():
         ({"LATENCY_SOFT_MS": "900", "LATENCY_HARD_MS": "100"}, "LATENCY_SOFT_MS"),
         ({"FRONTEND_UNRESPONSIVE_S": "0"}, "FRONTEND_UNRESPONSIVE_S=0.0: must be >= 1"),
         ({"FRONTEND_UNRESPONSIVE_S": "nan"}, "FRONTEND_UNRESPONSIVE_S=nan: expected a finite number"),
-        # NaN passed every comparison, infinity most; a watchdog floor of 0 ticked every 0 s.
-        ({"WATCHDOG_FLOOR_S": "0"}, "WATCHDOG_FLOOR_S=0.0: must be > 0"),
+        # NaN passed every comparison, infinity most; the watchdog ticks every floor / 4 s: a floor
+        # of 0 ticked every 0 s, and one of 0.0001 as good as.
+        ({"WATCHDOG_FLOOR_S": "0"}, "WATCHDOG_FLOOR_S=0.0: must be >= 1"),
+        ({"WATCHDOG_FLOOR_S": "0.0001"}, "WATCHDOG_FLOOR_S=0.0001: must be >= 1"),
         ({"WATCHDOG_MULTIPLE": "NaN"}, "WATCHDOG_MULTIPLE=NaN: expected a finite number"),
         ({"MAX_DRAIN_TIME_MS": "inf"}, "MAX_DRAIN_TIME_MS=inf: expected a finite number"),
         ({"LATENCY_WINDOW_S": "0"}, "LATENCY_WINDOW_S=0.0: must be > 0"),
@@ -112,3 +114,7 @@ def test_a_simulated_rate_must_be_a_positive_number():
         with pytest.raises(ValueError, match="MODEL_PATH"):
             simulated.parse(bad)
     assert simulated.parse("sim:2e4") == 20_000.0
+
+
+def test_a_watchdog_floor_of_one_second_is_accepted():
+    assert Settings.from_env({"WATCHDOG_FLOOR_S": "1"}).watchdog_floor_s == 1.0

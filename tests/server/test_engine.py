@@ -228,8 +228,9 @@ async def test_a_hung_device_fails_every_waiting_request_and_reports_it():
 
 
 async def test_a_bug_in_the_batcher_fails_what_waits_and_refuses_what_comes(caplog):
-    """Not a request left hanging: the rows queued fail with the batcher's error, the engine is
-    no longer ready, and a new request is refused at once."""
+    """Not a request left hanging: the rows queued fail, the engine is no longer ready, and a new
+    request is refused at once. Nothing queued was computed: UNAVAILABLE's error, which a client
+    retries on another pod (INTERNAL's it does not)."""
     runner = RowSums()
     engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1})
     runner.gate.clear()
@@ -245,7 +246,7 @@ async def test_a_bug_in_the_batcher_fails_what_waits_and_refuses_what_comes(capl
 
     engine.feed = broken  # fault injection: the next look fails
     runner.gate.set()
-    with pytest.raises(ModelFailure, match="the server's batcher failed: RuntimeError"):
+    with pytest.raises(NotReady, match="the server's batcher failed; this server will be restarted"):
         await asyncio.wait_for(queued.future, 10)
     assert (await first.future).tolist() == [[3.0, 2.0]]  # formed before: computed
     assert not engine.ready and "the batcher failed" in caplog.text
@@ -256,19 +257,21 @@ async def test_a_bug_in_the_batcher_fails_what_waits_and_refuses_what_comes(capl
 
 async def test_a_bug_after_rows_are_taken_fails_their_requests_too():
     """Rows taken into a batch that is never handed to the worker were in no queue: their
-    requests were left waiting for ever."""
+    requests were left waiting for ever. Their tokens leave the backlog too (they had stayed:
+    a broken pod exported a backlog of work it will never do)."""
     runner = RowSums()
-    failing = []
-    engine = await started_engine(runner, on_failing=failing.append)
+    failing, lost = [], []
+    engine = await started_engine(runner, on_failing=failing.append, on_lost=lambda: lost.append(True))
 
     def broken(batch):
         raise RuntimeError("a bug")
 
     engine.worker.submit = broken  # fault injection: a batch is formed, then the hand-over fails
     taken = engine.submit(*as_tensor([[1, 2]]))
-    with pytest.raises(ModelFailure, match="the server's batcher failed"):
+    with pytest.raises(NotReady, match="the server's batcher failed"):
         await asyncio.wait_for(taken.future, 10)
-    assert engine.failing and failing == [True]
+    assert engine.failing and failing == [True] and lost == [True]
+    assert engine.estimator.snapshot().queued_tokens == 0
     with pytest.raises(NotReady, match="the server's batcher failed; this server will be restarted"):
         engine.submit(*as_tensor([[1]]))
     await engine.stop()
@@ -289,6 +292,48 @@ async def test_a_worker_thread_that_ends_fails_what_waits_and_reports_it():
     assert engine.failing and failing == [True] and engine.estimator.snapshot().queued_tokens == 0
     with pytest.raises(NotReady, match="the model worker stopped"):
         engine.submit(*as_tensor([[1]]))
+    await engine.stop()
+
+
+class DiesOnRow99(RowSums):
+    """Its thread ends on a batch holding id 99 (a BaseException, which the worker's `except
+    Exception` lets through), the batch left as `running`."""
+
+    def run(self, batch):
+        if batch.routes and (batch.input_ids == 99).any():
+            raise SystemExit
+        return super().run(batch)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end, on purpose
+async def test_a_worker_that_reports_a_batch_then_dies_on_the_next_fails_only_that_one(monkeypatch):
+    """The watchdog had read the batch running before asking whether the thread lives: a batch X
+    reported meanwhile, and the thread then ended on the next, Y, the watchdog failed X's
+    requests though computed (and counted its tokens off twice), and Y's requests waited for
+    ever. The interleaving is forced: the thread runs X to its end and dies on Y exactly while
+    the watchdog asks whether it lives."""
+    runner = DiesOnRow99()
+    engine = await started_engine(runner, caps={4: 1, 8: 1, 16: 1}, watchdog=Watchdog(floor_s=2.0))
+    runner.gate.clear()  # X waits on the device
+    x = engine.submit(*as_tensor([[1, 2]]))
+    y = engine.submit(*as_tensor([[99, 1, 1]]))
+    while engine.in_worker < 2 or engine.worker.running is None:
+        await asyncio.sleep(0.001)
+    asked = []
+    alive = type(engine.worker).alive
+
+    def alive_once_x_is_done(worker):
+        if not asked:
+            asked.append(True)
+            runner.gate.set()  # X computed and reported, then the thread ends on Y
+            worker._thread.join(5)
+        return alive.fget(worker)
+
+    monkeypatch.setattr(type(engine.worker), "alive", property(alive_once_x_is_done))
+    assert (await asyncio.wait_for(x.future, 10)).tolist() == [[3.0, 2.0]]
+    with pytest.raises(NotReady, match="the model worker stopped"):
+        await asyncio.wait_for(y.future, 10)
+    assert asked and engine.estimator.snapshot().queued_tokens == 0 and engine.in_worker == 0
     await engine.stop()
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from embedserve.estimator import BusyTimeRate, DecayingRate, Estimator, LatencyWindow
+from embedserve.estimator import CHARS_PER_TOKEN_HORIZON, BusyTimeRate, DecayingRate, Estimator, LatencyWindow
 
 
 class Clock:
@@ -118,3 +118,26 @@ def test_chars_per_token_is_learned():
     for _ in range(200):
         e.learn_chars_per_token(500, 100)
     assert e.chars_per_token == pytest.approx(5.0, rel=0.01)
+
+
+def test_a_stream_of_crafted_texts_moves_chars_per_token_by_their_tokens_only():
+    """One request in two crafted to read 16 characters per token (its one token, as the tokenizer
+    samples it: 4,096 spaces held to 16 characters), the other ordinary text (250 characters, 55
+    tokens): weighed by tokens, the estimate stays at ordinary text's. One equal sample per request,
+    it had been pulled to ~10, and the offered load of ordinary text under-counted by half."""
+    e = Estimator()
+    for _ in range(20):
+        e.learn_chars_per_token(250, 55)
+    for _ in range(200):
+        e.learn_chars_per_token(16, 1)
+        e.learn_chars_per_token(250, 55)
+    assert e.chars_per_token == pytest.approx(266 / 56, rel=0.01)  # ordinary: 4.55
+
+
+def test_chars_per_token_follows_a_change_of_traffic_within_its_horizon():
+    e = Estimator()
+    for _ in range(1000):  # 100,000 tokens of English-like text
+        e.learn_chars_per_token(450, 100)
+    for _ in range(int(3 * CHARS_PER_TOKEN_HORIZON / 100)):  # three horizons of CJK-like text
+        e.learn_chars_per_token(120, 100)
+    assert e.chars_per_token == pytest.approx(1.2 + 3.3 * math.exp(-3), rel=0.01)

@@ -278,6 +278,37 @@ async def test_sigterm_drains_the_front_ends_then_the_model_and_loses_nothing():
     server.stop()
 
 
+class Stuck:
+    """A front end's process that never exits by itself; killing it ends the supervisor's watch."""
+
+    pid = 4242
+
+    def __init__(self, fronts):
+        self.fronts = fronts
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        self.fronts.stopping = True
+
+
+async def test_a_stuck_front_end_is_reported_silent_for_the_time_judged(monkeypatch, caplog):
+    """Its silence is judged from its last word or from when the model could answer it, whichever
+    is later; the log said the time since its last word (its hello, maybe a whole warm-up ago)."""
+    import embedserve.__main__ as main
+
+    monkeypatch.setattr(main, "WATCH_EVERY_S", 0.01)
+    fronts = main.FrontEnds(1, "unused")
+    monkeypatch.setattr(fronts, "_spawn", lambda late=False: Stuck(fronts))
+    fronts.start()
+    now = time.monotonic()
+    heard = {Stuck.pid: now - 300}  # its hello, at the start of a five-minute warm-up
+    await asyncio.wait_for(fronts.watch(heard, 20.0, lambda: now - 25), 10)  # answered 25 s ago, silent since
+    (line,) = [r.getMessage() for r in caplog.records if "stuck, killing it" in r.getMessage()]
+    assert "for 25 s" in line, line
+
+
 def test_a_front_end_that_keeps_dying_young_is_restarted_ever_more_slowly():
     from embedserve.__main__ import RESTART_MAX_DELAY_S, restart_delay
 

@@ -120,6 +120,18 @@ async def test_a_held_caller_that_goes_away_frees_its_room():
     assert g.book.reserved_tokens == 0 and len(g.book) == 0
 
 
+async def test_once_the_engine_is_lost_every_held_caller_resumes_at_once():
+    """Nothing will make room or reach their moments: they resume now, to meet the engine's
+    refusal (UNAVAILABLE) instead of waiting out seconds of booked time on a dead server."""
+    g, _ = gate(queued=5_000)  # 4.5 s over the limit: each is held for seconds
+    held = [asyncio.ensure_future(g.admit(key, 100, Caller(waits=True))) for key in range(3)]
+    await asyncio.sleep(0)
+    assert not any(h.done() for h in held) and g.observer.holds == 3
+    g.release_all()
+    await asyncio.wait_for(asyncio.gather(*held), 1)
+    assert g.book.reserved_tokens == 0 and len(g.book) == 0
+
+
 async def test_past_the_horizon_nobody_is_held():
     g, _ = gate(queued=20_000)  # 20 s of work ahead
     with pytest.raises(Overloaded) as e:

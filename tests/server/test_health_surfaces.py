@@ -20,6 +20,8 @@ from embedserve.__main__ import FrontEnds
 from embedserve.app import Server
 from embedserve.config import Settings
 from embedserve.door import ModelDoor
+from embedserve.errors import NotReady
+from embedserve.gate import Caller
 from tests.conftest import free_port
 from tests.server.test_frontends import kill_front_ends
 from tests.server.test_reliability import CAPS
@@ -93,12 +95,14 @@ async def end_worker(server) -> None:
     await asyncio.to_thread(server.engine.worker.stop, 5)  # its thread ends (its stop sentinel)
 
 
-@pytest.mark.parametrize("served, fault, first, message", [
-    (1, break_batcher, grpc.StatusCode.INTERNAL, "batcher failed"),
-    (1, end_worker, grpc.StatusCode.UNAVAILABLE, "model worker stopped"),
-    (2, break_batcher, grpc.StatusCode.INTERNAL, "batcher failed"),
+@pytest.mark.parametrize("served, fault, message", [
+    (1, break_batcher, "batcher failed"),
+    (1, end_worker, "model worker stopped"),
+    (2, break_batcher, "batcher failed"),
 ], ids=["one process, batcher", "one process, worker", "FRONTENDS=2, batcher"], indirect=["served"])
-async def test_a_terminal_failure_turns_every_health_surface(served, fault, first, message):
+async def test_a_terminal_failure_turns_every_health_surface(served, fault, message):
+    """What waited was never computed: it fails UNAVAILABLE, which the Client retries on another
+    pod (a batcher's bug had failed it INTERNAL, which it does not retry)."""
     server, target, url = served
     async with grpc.aio.insecure_channel(target) as channel:
         stub, health = pb_grpc.InferenceStub(channel), health_pb2_grpc.HealthStub(channel)
@@ -112,7 +116,7 @@ async def test_a_terminal_failure_turns_every_health_surface(served, fault, firs
         await fault(server)
         with pytest.raises(grpc.aio.AioRpcError) as e:  # what waited fails, not left hanging
             await stub.Embed(pb.EmbedRequest(texts=["on a server that just failed"]), timeout=10)
-        assert e.value.code() == first and message in e.value.details()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and message in e.value.details()
 
         async def not_serving():
             return await liveness() == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -125,3 +129,29 @@ async def test_a_terminal_failure_turns_every_health_surface(served, fault, firs
         with pytest.raises(grpc.aio.AioRpcError) as e:  # refused at once, retryable elsewhere
             await stub.Embed(pb.EmbedRequest(texts=["anyone there?"]), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and message in e.value.details()
+
+
+@pytest.mark.parametrize("fault", [break_batcher, end_worker], ids=["batcher", "worker"])
+async def test_callers_held_for_their_room_are_refused_as_soon_as_the_server_is_lost(fault, monkeypatch):
+    """A caller held for its booked room (embedfleet-queue: wait) resumes when a batch makes room
+    or at its moment, up to RESERVATION_HORIZON_MS away; on a server that computes nothing more
+    neither comes. It is refused UNAVAILABLE (retried on another pod) as soon as the server is
+    lost, not a minute later. The gate lives in the model's process in both modes."""
+    monkeypatch.setenv("MODEL_PATH", "sim:50000")
+    monkeypatch.setenv("BATCH_CAPS", CAPS)
+    monkeypatch.setenv("RESERVATION_HORIZON_MS", "120000")
+    server = Server(Settings.from_env(), listen=False)
+    await server.start()
+    try:
+        # A minute of work ahead, standing in for a burst: a new caller is booked a minute out.
+        server.estimator.enqueued(int(60 * server.estimator.snapshot().service_rate))
+        held = asyncio.ensure_future(server.service.embed_texts(["held"], Caller(waits=True)))
+        while not server.service.gate._held:
+            assert not held.done(), held
+            await asyncio.sleep(0.01)
+        await fault(server)
+        server.engine.look_soon()  # the batcher's next look (the worker's end: the watchdog's next tick)
+        with pytest.raises(NotReady, match="this server will be restarted"):
+            await asyncio.wait_for(held, 10)
+    finally:
+        await server.stop(grace=0)

@@ -222,6 +222,18 @@ async def test_a_text_the_tokenizer_cannot_read_is_invalid_input_off_the_intake_
             await tokenize(tokenizer, None, r)
 
 
+def test_chars_per_token_is_sampled_text_by_text(tokenizer):
+    """A text crafted to read as one token counts the 16 characters one token may show (summed
+    with the others before the ratio was held to that, it outweighed them: 256 characters read,
+    here, for one token beside 11 for 2); a text cut at max_length is left out (its tokens are
+    its first part's, its characters the whole's). The prompt is part of every text."""
+    texts = ["hello world", "a" + " " * 4095, "word " * 100]
+    _, lengths = tokenizer.encode(texts, True, "")
+    assert tokenizer.sample(texts, "", lengths) == (11 + 16, 2 + 1)
+    _, lengths = tokenizer.encode(texts[:1], True, "query: ")
+    assert tokenizer.sample(texts[:1], "query: ", lengths) == (7 + 11, int(lengths[0]) - tokenizer.specials)
+
+
 def test_encode_each_is_encode_per_request(hf):
     tok = TextTokenizer.from_hf(hf, MAX_LENGTH, truncate=True)
     long_text = " ".join(["word"] * 40)
