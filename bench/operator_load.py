@@ -4,9 +4,10 @@ The real operator process (`python -m embedop`) against the emulated API server
 (tests/operator/emulator.py), N services in mode operator, each with one ready pod whose /metrics
 (served here, on its own 127.0.x.y address) says a steady load that one replica carries, and a
 cluster holding as many Deployments and Pods of others (no label of ours) as it has services.
-Once every service has settled (its autoscaler's status written), every request the operator
-makes in a window is counted, watches aside, and printed per service per minute, beside the
-operator's own leader-election requests (per operator, not per service) and its settings.
+The pods' gauges move by a few % at every scrape and their offered counters grow, as a live
+server's do. Once every service has settled (its autoscaler's status written), every request the
+operator makes in a window is counted, watches aside, and printed per service per minute, beside
+the operator's own leader-election requests (per operator, not per service) and its settings.
 
 The goal (issue: hardening, item 5): a settled service costs at most 6 requests a minute."""
 
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import http.server
 import json
+import random
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from embedop import render
 from tests.conftest import free_port
@@ -28,24 +31,36 @@ from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator, new_service, service_path
 
 NS = "default"
-def exposition(service_rate: float, arrival_rate: float, queued: float = 0) -> str:
+def exposition(service_rate: float, arrival_rate: float, queued: float = 0, offered_total: float | None = None) -> str:
     """The shared signal as a server exports it (the series the autoscaler requires)."""
+    counter = ("" if offered_total is None else
+               f"# TYPE embedfleet_offered_tokens_total counter\nembedfleet_offered_tokens_total {offered_total}\n")
     return (f"# TYPE embedfleet_service_rate_tokens_per_second gauge\n"
             f"embedfleet_service_rate_tokens_per_second {service_rate}\n"
             f"# TYPE embedfleet_arrival_rate_tokens_per_second gauge\n"
             f"embedfleet_arrival_rate_tokens_per_second {arrival_rate}\n"
-            f"# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens {queued}\n")
+            f"# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens {queued}\n" + counter)
 
 
-# One replica's worth of steady load: 500 offered tokens/s on a 1000 tokens/s pod (0.7 target: 1 pod).
-STEADY = exposition(1000, 500)
+def steady_load(seed: int) -> Callable[[], str]:
+    """One replica's worth of load as a live server shows it: ~500 offered tokens/s on a ~1000
+    tokens/s pod (0.7 target: 1 pod), the gauges moving by a few % at each scrape and the offered
+    counter growing, so the measured rates in status move as they would (and are refreshed at
+    most once a minute)."""
+    rng, start = random.Random(seed), time.monotonic()
+
+    def text() -> str:
+        return exposition(1000 * rng.uniform(0.97, 1.03), 500 * rng.uniform(0.95, 1.05), rng.choice((0, 0, 40)),
+                          offered_total=500 * (time.monotonic() - start))
+    return text
 
 
-def serve_metrics(ip: str, port: int, text: str = STEADY) -> http.server.ThreadingHTTPServer:
-    """A pod's /metrics, answered with `text`, on its own address (pods share their port)."""
+def serve_metrics(ip: str, port: int, text: str | Callable[[], str]) -> http.server.ThreadingHTTPServer:
+    """A pod's /metrics, answered with `text` (or what it returns), on its own address (pods share
+    their port)."""
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the http.server API
-            body = text.encode()
+            body = (text() if callable(text) else text).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -85,12 +100,13 @@ def others(emulator: Emulator, n: int, namespace: str = "others") -> None:
         emulator.request("POST", f"/api/v1/namespaces/{namespace}/pods", ready_pod(f"web-{i}", None, f"10.9.0.{i % 250}", namespace))
 
 
-def settled(emulator: Emulator, names: list[str], port: int, interval_s: int) -> list:
-    """The services, each with one ready pod serving its metrics; → the metrics servers."""
+def settled(emulator: Emulator, names: list[str], port: int, interval_s: int, live: bool = True) -> list:
+    """The services, each with one ready pod serving its metrics (`live`: moving as a server's do;
+    else the same answer every time); → the metrics servers."""
     servers = []
     for i, name in enumerate(names):
         ip = f"127.0.{100 + i // 250}.{1 + i % 250}"
-        servers.append(serve_metrics(ip, port))
+        servers.append(serve_metrics(ip, port, steady_load(i) if live else exposition(1000, 500)))
         emulator.request("POST", service_path(NS), new_service(name, {
             "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
             "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": interval_s}}))

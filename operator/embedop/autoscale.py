@@ -14,11 +14,12 @@ recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [m
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window, which starts out holding the current size (as the
 HPA's: an operator restart does not forget why the fleet is as large as it is); pods still starting
-(never Ready: the kubelet has not yet marked their container started) count as capacity on its
+(never Ready) count as capacity on its
 way, and those the latest recommendation no longer needs are cancelled without waiting for the
 window (they never served) once demand is known to have stopped rising (an operator restart, with
 no trend yet, never reads as falling). A pod that served and turned unready (a readiness timeout
-under load, a node NotReady) is not starting but *blind*, as is a failed scrape or an answer
+under load, a node NotReady, a crash and restart) is not starting but *blind* (what the API shows
+of it, autoscaler.pod_view, or a decision saw it Ready), as is a failed scrape or an answer
 without the shared signal: blindness never lets the fleet shrink (overload makes pods unready, so
 cutting them would be a death spiral), though what the readable pods show may still grow it.
 All rates and backlogs are in the servers' one unit, real tokens (capacity is real tokens per
@@ -60,12 +61,13 @@ class PodSample:
     busy_seconds: float | None = None  # model-busy seconds served (None: not exported)
     startup_s: float | None = None  # creation → Ready, when the pod became ready
     backlog_limit_s: float | None = None  # the queue its admission lets grow, s of model time (None: not exported)
-    started: bool = False  # its container passed the startup probe (a Ready pod has, whatever this says)
+    served: bool = False  # the API shows it has been Ready (autoscaler.pod_view), though not now
 
     @property
     def was_ready(self) -> bool:
-        """Whether the pod has been Ready: only a pod that never was is starting."""
-        return self.ready or self.started
+        """Whether the pod has been Ready, as far as this sample shows (decide also remembers the
+        pods it saw so): only a pod that never was is starting."""
+        return self.ready or self.served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,7 @@ class History:
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
     surge: "Surge | None" = None  # the scale-up under way
     startups: tuple[tuple[str, float], ...] = ()  # (pod, creation → its first Ready), as first measured
+    served: frozenset[str] = frozenset()  # present pods seen Ready (or served) by a decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Decision:
     limited: bool  # demand needs more than maxReplicas
     history: History
     offered: float = 0.0  # Σ offered tokens/s of the scraped pods
+    needed: int = 0  # replicas demand needs, before the bounds (what ScalingLimited reports)
 
 
 def offered_rate(sample: PodSample, previous: Seen | None, now: float) -> float:
@@ -167,9 +171,11 @@ def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> floa
 
 def ramp(points: tuple[tuple[float, float], ...]) -> float:
     """The upward trend to look ahead on: only a sustained ramp, demand up at each of the last
-    two reads as well as fitted over the window. A step is already in demand: a fit over a window
-    that holds it reads as a slope, and extrapolating that a start-up ahead would overshoot."""
-    rising = len(points) >= 3 and points[-1][1] > points[-2][1] > points[-3][1]
+    three reads as well as fitted over the window. A step is already in demand: a fit over a window
+    that holds it reads as a slope, and extrapolating that a start-up ahead would overshoot. Each
+    read is an interval's mean, so a step that lands inside an interval reads as two rises (old →
+    partial → full): three in a row is a ramp."""
+    rising = len(points) >= 4 and all(points[i][1] > points[i - 1][1] for i in (-1, -2, -3))
     return max(0.0, trend(points)) if rising else 0.0
 
 
@@ -192,14 +198,16 @@ def startups(samples: list[PodSample], known: tuple[tuple[str, float], ...]) -> 
 
 def decide(samples: list[PodSample], current: int, policy: Policy, history: History, now: float) -> Decision:
     """`current` is the Deployment's replica count, starting pods included."""
-    # Pods that served and turned unready may still carry load (their connections stay open):
-    # what can be read from them counts.
-    scraped = [s for s in samples if s.was_ready and s.scraped]
+    # Pods that have been Ready: as the API shows them, or as a decision saw them (a container that
+    # crashed and restarts shows neither Ready nor started, though it served). Those that turned
+    # unready may still carry load (their connections stay open): what can be read of them counts.
+    served = {s.name for s in samples if s.was_ready or s.name in history.served}
+    scraped = [s for s in samples if s.name in served and s.scraped]
     # A pod that has served little still reports its warm-up's rate (full rows, an upper bound):
     # the pods that have served decide capacity when there are any.
     measured = [s for s in scraped if s.service_rate > 0]
-    served = [s for s in measured if s.busy_seconds is None or s.busy_seconds >= SERVED_BUSY_S]
-    rates = [s.service_rate for s in served or measured]
+    seasoned = [s for s in measured if s.busy_seconds is None or s.busy_seconds >= SERVED_BUSY_S]
+    rates = [s.service_rate for s in seasoned or measured]
     capacity = statistics.median(rates) if rates else history.capacity
     measured_startups = startups(samples, history.startups)
     startup_s = statistics.median(v for _, v in measured_startups) if measured_startups else history.startup_s
@@ -226,7 +234,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     interval = now - history.demand[-1][0] if history.demand else 0.0
     forecast = demand + min(ramp(demand_points) * (startup_s + interval), LOOKAHEAD_CAP * demand)
     # Pods that served and could not be read, or serve no more (unready): demand is a floor.
-    blind = any(s.was_ready and not (s.ready and s.scraped) for s in samples)
+    blind = any(s.name in served and not (s.ready and s.scraped) for s in samples)
 
     def keep(recommendation: int) -> History:
         horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
@@ -234,7 +242,8 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         # current size, as the HPA's does, so the first decision cannot drop 4 pods to 2 at once.
         past = history.recommendations or (((now, current),) if policy.scale_down_stabilization_s else ())
         recs = tuple(r for r in past if r[0] >= horizon) + ((now, recommendation),)
-        return History(recs, demand_points, capacity, startup_s, pods, startups=measured_startups)
+        return History(recs, demand_points, capacity, startup_s, pods, startups=measured_startups,
+                       served=frozenset(served))
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
@@ -267,7 +276,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     elif recommendation < current:
         windowed = max(in_window(policy.scale_down_stabilization_s))
         # Only pods that were never Ready are starting; the rest of the count has served.
-        starting = current - sum(s.was_ready for s in samples)
+        starting = current - len(served)
         if blind:
             desired, reason = current, "hold: some serving pods could not be read or are unready"
         elif surge and surge.low_since is not None and now - surge.low_since >= SURGE_LULL * startup_s and not_rising:
@@ -293,4 +302,4 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         desired, reason = current, "steady"
     desired = min(max(desired, policy.min_replicas), policy.max_replicas)
     return Decision(desired, reason, recommendation, capacity, demand, forecast, limited,
-                    dataclasses.replace(new_history, surge=surge), sum(offered.values()))
+                    dataclasses.replace(new_history, surge=surge), sum(offered.values()), raw)

@@ -67,32 +67,43 @@ class PodView:
     name: str
     ip: str | None
     ready: bool
-    started: bool  # the kubelet marked its containers started: the startup probe passed
+    served: bool  # the API shows it has been Ready, though it is not now
     startup_s: float | None  # creation → Ready, when that Ready follows the container's start
+
+
+# Ready's transition to False this long after a container started is a flip, not the status the
+# kubelet first writes (which can trail a fast container start by a moment).
+FLIP_AFTER_START_S = 5.0
 
 
 def pod_view(pod: dict, startup_allowance_s: float = render.STARTUP_ALLOWANCE_S) -> PodView | None:
     """What the autoscaler needs of a Pod, as the API keeps it (an operator restart forgets
     nothing): None for a pod being deleted (it leaves the fleet, whatever its state).
 
-    A container's `started` stays true from its startup probe's success until it restarts, so a
-    pod that served and turned unready is told from one still starting. Start-up time is
-    creation → Ready, measured only where that Ready is the container's first (no restart, and
-    within the startup probe's allowance of the container's start): after a flap, Ready's
-    lastTransitionTime is the flap's."""
+    A pod that is not Ready has served when its containers are `started` (the kubelet keeps that
+    from the startup probe's success until a container restarts or the kubelet loses its state),
+    or when Ready turned False after a container had started (the kubelet writes Ready=False when
+    the pod starts; a later transition is a flip from True): an overloaded pod, a node gone
+    NotReady, a container that crashed and restarts. Start-up time is creation → Ready, measured
+    only where that Ready is the container's first (no restart, and within the startup probe's
+    allowance of the container's start): after a flap, Ready's lastTransitionTime is the flap's."""
     if pod["metadata"].get("deletionTimestamp"):
         return None
     st = pod.get("status") or {}
     cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), {})
     ready = cond.get("status") == "True"
     containers = st.get("containerStatuses") or []
-    started = bool(containers) and all(c.get("started") for c in containers)
-    created, became_ready = _time(pod["metadata"].get("creationTimestamp")), _time(cond.get("lastTransitionTime"))
+    created, changed = _time(pod["metadata"].get("creationTimestamp")), _time(cond.get("lastTransitionTime"))
     running = [_time(((c.get("state") or {}).get("running") or {}).get("startedAt")) for c in containers]
+    starts = [t for c in containers for t in (
+        _time(((c.get("state") or {}).get("running") or {}).get("startedAt")),
+        _time(((c.get("lastState") or {}).get("terminated") or {}).get("startedAt"))) if t]
+    flipped = changed is not None and bool(starts) and (changed - min(starts)).total_seconds() > FLIP_AFTER_START_S
+    served = not ready and ((bool(containers) and all(c.get("started") for c in containers)) or flipped)
     first = not any(c.get("restartCount") for c in containers) and all(
-        t is None or became_ready is None or (became_ready - t).total_seconds() <= startup_allowance_s for t in running)
-    startup = (became_ready - created).total_seconds() if ready and first and created and became_ready else None
-    return PodView(pod["metadata"]["name"], st.get("podIP"), ready, started, startup)
+        t is None or changed is None or (changed - t).total_seconds() <= startup_allowance_s for t in running)
+    startup = (changed - created).total_seconds() if ready and first and created and changed else None
+    return PodView(pod["metadata"]["name"], st.get("podIP"), ready, served, startup)
 
 
 def metrics_url(ip: str, port: int) -> str:
@@ -103,11 +114,10 @@ def metrics_url(ip: str, port: int) -> str:
 
 async def scrape(session: aiohttp.ClientSession, pods: list[dict], port: int, timeout: float,
                  errors: dict[str, str] | None = None) -> list[autoscale.PodSample]:
-    """Every pod that has served (Ready, or started and turned unready: it may still carry load)
-    is scraped. `errors`, when given, gets each failed scrape's error by pod name."""
+    """Every pod that has served (Ready, or turned unready: it may still carry load) is scraped. `errors`, when given, gets each failed scrape's error by pod name."""
     async def one(view: PodView):
-        base = dict(name=view.name, ready=view.ready, started=view.started, startup_s=view.startup_s)
-        if not (view.ready or view.started) or not view.ip:
+        base = dict(name=view.name, ready=view.ready, served=view.served, startup_s=view.startup_s)
+        if not (view.ready or view.served) or not view.ip:
             return autoscale.PodSample(scraped=False, **base)
         try:
             async with session.get(metrics_url(view.ip, port), timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -150,7 +160,9 @@ class Step:
 async def step(cluster: Cluster, settings: OperatorSettings, session: aiohttp.ClientSession, namespace: str,
                name: str, history: autoscale.History, now: float, measured_due: bool = True) -> Step:
     """`measured_due`: the measured rates in status may be refreshed (status.MEASURED_REFRESH_S)."""
-    live = await cluster.get("Deployment", namespace, name)  # first, as reconcile does
+    # First, as reconcile does; and only ours (a Deployment of this name that is not is the
+    # reconcile's to report, not ours to read from the API at every step).
+    live = await cluster.get("Deployment", namespace, name, ours=True)
     body = await cluster.get(crd.KIND, namespace, name)
     if live is None or body is None or body["metadata"].get("deletionTimestamp"):
         return Step(history, None, 0, body)
@@ -226,7 +238,7 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
         generation, now, before = fresh["metadata"].get("generation"), status.now_iso(), previous.get("conditions") or []
         limited = status.condition(
             "ScalingLimited", decision.limited, "AtMaxReplicas" if decision.limited else "WithinBounds",
-            f"demand needs {decision.recommendation}+ replicas; maxReplicas is {maximum}" if decision.limited else "",
+            f"demand needs {decision.needed} replicas; maxReplicas is {maximum}" if decision.limited else "",
             generation, before, now)
         metrics = status.condition("MetricsUnavailable", unscraped is not None, reason, unscraped or "",
                                    generation, before, now)

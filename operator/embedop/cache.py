@@ -56,7 +56,14 @@ class Store:
         return self.objects.get((namespace, name))
 
     def put(self, obj: dict) -> None:
-        self.objects[key_of(obj)] = obj
+        """Keep `obj` unless the copy is newer: a watch event can arrive after the answer to our
+        own later write. Versions are compared only where both are integers (etcd's revisions,
+        which every API server in use gives; they are opaque by contract, so otherwise: replace)."""
+        key = key_of(obj)
+        old = self.objects.get(key)
+        if old is not None and _older(obj, old):
+            return
+        self.objects[key] = obj
 
     def drop(self, namespace: str, name: str) -> None:
         self.objects.pop((namespace, name), None)
@@ -183,7 +190,15 @@ class Cluster:
 
     async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
         self._check(f"scale of {name}")
-        await self.kube.patch_scale(namespace, name, replicas, resource_version)
+        scale = await self.kube.patch_scale(namespace, name, replicas, resource_version)
+        store = self.stores.get(crd.KIND)
+        if store is not None and (copy := store.get(namespace, name)) is not None and scale:
+            # The Scale answers with the service's new resourceVersion: the copy follows, so the
+            # status write that comes next is not refused as stale.
+            meta = {**copy["metadata"], "resourceVersion": scale["metadata"]["resourceVersion"]}
+            if copy["metadata"].get("generation") is not None:
+                meta["generation"] = copy["metadata"]["generation"] + 1
+            store.put({**copy, "metadata": meta, "spec": {**copy.get("spec", {}), "replicas": replicas}})
 
     async def scale_deployment(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
         self._check(f"scale of Deployment/{name}")
@@ -192,6 +207,11 @@ class Cluster:
     async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
         self._check(f"finalizers of {name}")
         await self.kube.set_finalizers(namespace, name, finalizers, resource_version)
+
+
+def _older(obj: dict, than: dict) -> bool:
+    a, b = ((o.get("metadata") or {}).get("resourceVersion") or "" for o in (obj, than))
+    return a.isdigit() and b.isdigit() and int(a) < int(b)
 
 
 def _ours(obj: dict) -> bool:

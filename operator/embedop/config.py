@@ -36,9 +36,10 @@ class OperatorSettings:
     """EMBEDOP_LEASE_NAMESPACE (else POD_NAMESPACE, the chart's downward API): where the Lease is."""
     lease_name: str = "embedop-leader"
     """EMBEDOP_LEASE_NAME: the Lease's name (operators sharing it elect one leader among them)."""
-    lease_seconds: float = 15.0
-    """EMBEDOP_LEASE_SECONDS: the Lease's duration: how long a successor waits after the leader
-    stops renewing (a crash; a clean stop releases it at once). Renewed every third of it."""
+    lease_seconds: int = 15
+    """EMBEDOP_LEASE_SECONDS: the Lease's duration in whole seconds (at least 3): how long a
+    successor waits after the leader stops renewing (a crash; a clean stop releases it at once).
+    Renewed every fifth of it; the leader stops writing two thirds of it after its last renewal."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
 
@@ -68,7 +69,17 @@ class OperatorSettings:
             leader_election=election in ("true", "1"),
             lease_namespace=env.get("EMBEDOP_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or d.lease_namespace,
             lease_name=env.get("EMBEDOP_LEASE_NAME") or d.lease_name,
-            lease_seconds=positive("EMBEDOP_LEASE_SECONDS", d.lease_seconds),
+            lease_seconds=lease_seconds(env.get("EMBEDOP_LEASE_SECONDS"), d.lease_seconds),
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
             identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )
+
+
+def lease_seconds(raw: str | None, default: int) -> int:
+    """Whole seconds, at least 3: the Lease stores an integer, and a holder counting 2.5 s where
+    candidates read 2 would still write after a successor took over."""
+    if not raw:
+        return default
+    if not raw.strip().isdigit() or int(raw) < 3:
+        raise ValueError(f"EMBEDOP_LEASE_SECONDS={raw!r}: must be a whole number of seconds, at least 3")
+    return int(raw)

@@ -34,6 +34,7 @@ class Fleet:
         self.on_outcome, self.on_decision = on_outcome, on_decision
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.kicks: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
+        self.generations: dict[tuple[str, str], int | None] = {}  # each service's, as last seen
         # One write sequence per service at a time within this process (handlers, loop, autoscaler);
         # across processes the resourceVersion guards keep them correct, and the lease keeps
         # a second operator pod from writing at all.
@@ -47,8 +48,19 @@ class Fleet:
 
     def stop(self, namespace: str, name: str) -> None:
         task = self.tasks.pop((namespace, name), None)
+        self.generations.pop((namespace, name), None)
         if task is not None:
             task.cancel()
+
+    def changed(self, namespace: str, name: str, generation: int | None) -> None:
+        """A service was seen (listed, created, changed): its loop runs, and reconciles now if its
+        spec moved (a new generation). Its own status writes come back as events too: those move
+        no generation and cost no reconcile."""
+        key = (namespace, name)
+        if self.generations.get(key) != generation and key in self.tasks:
+            self.kicks[key].set()
+        self.generations[key] = generation
+        self.ensure(namespace, name)
 
     def kick(self, kind: str, event: str, obj: dict) -> None:
         """A watched object of a service changed (a rollout's progress, a hand edit, a deletion):
@@ -137,9 +149,12 @@ class Fleet:
                 except NotLeader:  # the lease lapsed mid-step: see above
                     next_resync = next_scale = loop.time() + RETRY_S
                 except Retryable as e:
-                    wait = e.retry_after or RETRY_S  # API Priority and Fairness says how long (429)
-                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, wait)
-                    next_resync = min(next_resync, loop.time() + wait)
-                    next_scale = max(next_scale, loop.time() + wait)
+                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, e.retry_after or RETRY_S)
+                    if e.retry_after:  # API Priority and Fairness (429) asked: nothing for this service before then
+                        await asyncio.sleep(e.retry_after)
+                        next_resync = loop.time()
+                    else:
+                        next_resync = min(next_resync, loop.time() + RETRY_S)
+                    next_scale = max(next_scale, loop.time() + (0 if e.retry_after else RETRY_S))
                 except Exception:  # noqa: BLE001 - a bug must not end the service's loop for good
                     log.exception("%s/%s: loop step failed", namespace, name)

@@ -1,11 +1,16 @@
 """The only module that registers kopf handlers: events in, reconcile calls out.
 
-kopf watches the EmbeddingServices; what the services own is watched by our own informers
-(cache.py), with a server-side label selector, so the operator never lists or streams the
-cluster's other Deployments and Pods (kopf's `labels=` filter is applied client-side, after the
-whole kind has been streamed). No handler here needs a finalizer (no timers, daemons or deletion
-handlers: see fleet.py), so a service is never blocked from deletion by the operator, running or
-not. Only the pod holding the lease (leader.py) acts; the others keep their copies warm."""
+kopf watches the EmbeddingServices and hands every event of one to `service_event`, which keeps the
+service's latest state with the other copies and has its loop reconcile it (fleet.py); what the
+services own is watched by our own informers (cache.py), with a server-side label selector, so the
+operator never lists or streams the cluster's other Deployments and Pods (kopf's `labels=` filter is
+applied client-side, after the whole kind has been streamed).
+
+Only event-watching handlers: kopf persists nothing for them (no annotations recording what was
+handled, no finalizers, no "Handler succeeded" Events), so the operator writes nothing to a service
+but its status and spec.replicas, and only the pod holding the lease (leader.py) writes at all; the
+others keep their copies warm. The reconcile is level-based: it needs no diff of what changed. A
+service is never blocked from deletion by the operator, running or not."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from embedop.leader import Leadership
 
 SETTINGS = OperatorSettings.from_env()
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
+SYNC_TIMEOUT_S = 60.0  # the longest start-up waits for the owned kinds' first lists
 log = logging.getLogger(__name__)
 _fleet: Fleet | None = None
 _tasks: list[asyncio.Task] = []
@@ -78,9 +84,7 @@ def _decision(body: dict, step: autoscaler.Step) -> None:
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     global _fleet
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
-    settings.posting.level = logging.INFO
+    settings.posting.level = logging.INFO  # our own Events (kopf.info); kopf posts none of its logs
     settings.watching.server_timeout = 300
     # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
     settings.scanning.disabled = True
@@ -95,57 +99,56 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
     _tasks.extend(asyncio.create_task(i.run(), name=f"informer:{i.kind}") for i in informers)
-    # Handlers run once every owned kind has been listed: a reconcile never reads an empty copy.
-    await asyncio.gather(*(i.synced.wait() for i in informers))
+    # Handlers run once every owned kind has been listed, so a reconcile never reads an empty copy;
+    # but not never: kopf serves its liveness endpoint only after this, and a kind that cannot be
+    # listed (RBAC, an API the cluster lacks) would be a silent crash loop. Past the wait, a missing
+    # copy is read from the API (cache.Cluster.get), and the informers keep trying.
+    try:
+        await asyncio.wait_for(asyncio.gather(*(i.synced.wait() for i in informers)), SYNC_TIMEOUT_S)
+    except TimeoutError:
+        log.error("not listed after %.0f s (see the warnings above): %s; going on, reading from the API instead",
+                  SYNC_TIMEOUT_S, ", ".join(i.kind for i in informers if not i.synced.is_set()))
     if leadership:
         _tasks.append(asyncio.create_task(leadership.run(), name="leader-election"))
 
 
 @kopf.on.cleanup()
 async def shutdown(**_) -> None:
-    for task in reversed(_tasks):  # the lease is released before the copies go
+    if _fleet is not None:  # the loops end before the lease goes: no write after a successor's
+        await _fleet.close()
+    for task in reversed(_tasks):  # the lease is released, then the copies go
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     if _fleet is not None:
-        await _fleet.close()
         await _fleet.cluster.kube.close()
 
 
-async def _reconcile(namespace: str, name: str) -> reconcile.Outcome | None:
-    try:
-        return await fleet().reconcile(namespace, name)
-    except cache.NotLeader:
-        return None
-    except Retryable as e:
-        raise kopf.TemporaryError(str(e), delay=e.retry_after or 5) from e
-
-
-def _remember(body) -> None:
+def _remember(body) -> dict:
     """The service as kopf saw it, kept with the other copies (cache.py)."""
-    fleet().cluster.stores[crd.KIND].put(copy.deepcopy(dict(body)))
-
-
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE)
-@kopf.on.resume(*RESOURCE)
-async def service_changed(namespace, name, body, **_) -> None:
-    _remember(body)
-    outcome = await _reconcile(namespace, name)
-    if outcome is not None and not outcome.gone:
-        fleet().ensure(namespace, name)
+    obj = copy.deepcopy(dict(body))
+    fleet().cluster.stores[crd.KIND].put(obj)
+    return obj
 
 
 @kopf.on.event(*RESOURCE)
 async def service_event(event, body, **_) -> None:
-    """Every service's latest state, for the copies; a deleted service's loop ends (kopf runs no
-    other handler for deletions), and the finalizer of an older operator is taken off a service
-    being deleted (the reconcile does that)."""
+    """Every event of every service (kopf's first listing included): its copy is kept, and its loop
+    (started here, on the leader) reconciles it when its spec or metadata changed. A deleted
+    service's loop ends; the finalizer of an older operator is taken off a service being deleted
+    (the reconcile does that)."""
     meta = body.get("metadata", {})
+    namespace, name = meta["namespace"], meta["name"]
     if event.get("type") == "DELETED":
-        fleet().cluster.stores[crd.KIND].drop(meta["namespace"], meta["name"])
-    else:
-        _remember(body)
-    if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
-        fleet().stop(meta["namespace"], meta["name"])
-    if event.get("type") != "DELETED" and reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
-        await _reconcile(meta["namespace"], meta["name"])
+        fleet().cluster.stores[crd.KIND].drop(namespace, name)
+        fleet().stop(namespace, name)
+        return
+    _remember(body)
+    if not meta.get("deletionTimestamp"):
+        fleet().changed(namespace, name, meta.get("generation"))
+        return
+    fleet().stop(namespace, name)
+    if reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
+        try:
+            await fleet().reconcile(namespace, name)
+        except Retryable as e:  # kopf calls again on the next event; the standby never writes
+            log.warning("%s/%s: taking the old finalizer off: %s", namespace, name, e)

@@ -21,8 +21,10 @@ from typing import Any, AsyncIterator
 
 import httpx2
 from lightkube import ALL_NS, AsyncClient, codecs
+from lightkube.core.generic_client import ListAsyncIterable
+from lightkube.core.selector import build_selector
 from lightkube.generic_resource import create_namespaced_resource
-from lightkube.types import CascadeType, PatchType
+from lightkube.types import CascadeType, PatchType, on_error_raise
 
 from embedop import crd
 
@@ -125,6 +127,10 @@ async def _errors(what: str) -> AsyncIterator[None]:
     try:
         yield
     except httpx2.HTTPStatusError as e:  # lightkube's ApiError is one, when the answer is a Status
+        if e.response is None:  # an ERROR event inside a watch stream (HTTP 200): its Status says
+            status = getattr(e, "status", None)
+            code, message = getattr(status, "code", None) or 500, f"{what}: {getattr(status, 'message', e)}"
+            raise (Gone if code == 410 else Retryable)(message) from e
         code = e.response.status_code
         message = f"{what}: {_message(e.response)}"
         if code == 409:
@@ -141,7 +147,9 @@ async def _errors(what: str) -> AsyncIterator[None]:
 
 
 def _plain(obj: Any) -> dict:
-    return json.loads(json.dumps(obj))  # a generic resource is a dict of plain values: a deep copy
+    """A deep copy as plain dicts: a generic resource is a dict of plain values; a subresource's
+    answer (a Scale) is lightkube's model of it."""
+    return json.loads(json.dumps(obj)) if isinstance(obj, dict) else obj.to_dict()
 
 
 class Kube:
@@ -169,11 +177,21 @@ class Kube:
             return [_plain(o) async for o in self.client.list(RESOURCES[kind][0], namespace=namespace or ALL_NS,
                                                                labels=labels)]
 
+    def _collection(self, kind: str, namespace: str | None, params: dict, watch: bool = False):
+        """lightkube's own request for a list or a watch, with the parameters its list() and
+        watch() do not take (resourceVersion on a list, allowWatchBookmarks): its request
+        building, through its generic client (lightkube is pinned; a test runs both)."""
+        return self.client._client.prepare_request("list", res=RESOURCES[kind][0], namespace=namespace or ALL_NS,
+                                                   watch=watch, params=params)
+
     async def list_versioned(self, kind: str, namespace: str | None, labels: dict) -> tuple[list[dict], str | None]:
         """→ (the objects matching `labels` server-side, the list's resourceVersion: where a watch
-        of changes since starts). namespace None: all namespaces."""
+        of changes since starts). namespace None: all namespaces. resourceVersion=0, as client-go's
+        reflector lists: served from the API server's watch cache, not read from etcd (a
+        label-selected list is otherwise a range read of every pod of the cluster, filtered)."""
+        br = self._collection(kind, namespace, {"labelSelector": build_selector(labels), "resourceVersion": "0"})
         async with _errors(f"list {kind}"):
-            listing = self.client.list(RESOURCES[kind][0], namespace=namespace or ALL_NS, labels=labels)
+            listing = ListAsyncIterable(self.client._client.list_chunks(br))
             objects = [_plain(o) async for o in listing]
             try:
                 version = listing.resourceVersion
@@ -185,10 +203,13 @@ class Kube:
                     timeout_s: int) -> AsyncIterator[tuple[str, dict]]:
         """(event type, object) of the changes since `version`, matching `labels` server-side,
         until the API server ends the stream after `timeout_s` (lightkube then resumes it from the
-        last version seen) or it fails (Gone: list again)."""
+        last version seen) or it fails (Gone: list again). With bookmarks: the API server sends a
+        quiet watch fresh versions, so resuming it does not fall behind the compaction (a 410
+        and a list again every few minutes, for every kind a fleet rarely changes)."""
+        br = self._collection(kind, namespace, {"labelSelector": build_selector(labels), "resourceVersion": version,
+                                                "timeoutSeconds": timeout_s, "allowWatchBookmarks": "true"}, watch=True)
         async with _errors(f"watch {kind}"):
-            async for event, obj in self.client.watch(RESOURCES[kind][0], namespace=namespace or ALL_NS, labels=labels,
-                                                      resource_version=version, server_timeout=timeout_s):
+            async for event, obj in self.client._client.watch(br, on_error=on_error_raise):
                 yield event, _plain(obj)
 
     async def create(self, obj: dict) -> dict:
@@ -229,15 +250,15 @@ class Kube:
             await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE,
                                           field_manager=FIELD_MANAGER)
 
-    async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
+    async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> dict:
         """Merge-patch the service's spec.replicas through its scale subresource, guarded: for a
         custom resource the API server takes the Scale's resourceVersion as the precondition of
         the update (409 when the service has changed since). Only spec.replicas can change this
         way, and RBAC can grant it alone."""
         body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
         async with _errors(f"patch {crd.KIND}/{name}/scale"):
-            await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE,
-                                          field_manager=FIELD_MANAGER)
+            return _plain(await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace,
+                                                  patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER))
 
     async def scale_deployment(self, namespace: str, name: str, replicas: int, resource_version: str) -> None:
         """Merge-patch a Deployment's count through its scale subresource, guarded by the

@@ -5,12 +5,15 @@ kopf's own peering is not used: it pauses kopf's handlers but not the operator's
 service loops and their autoscaling), and two paused peers freeze each other. Here every write
 checks `held()` first (cache.Cluster), and the service loops run only while the lease is held.
 
-The holder renews the lease every third of its duration. A candidate takes it over only after it
+The holder renews the lease every fifth of its duration. A candidate takes it over only after it
 has seen the lease unchanged for a whole duration, timed by its own clock (never by comparing
 another pod's timestamps with it, so clock skew between nodes does not matter). The holder counts
-itself leader only for a duration from the moment it *sent* its last successful renewal: by the
-time another pod may take over, the old holder has already stopped writing. On a clean stop the
-lease is released, so a successor takes over at once instead of after a duration."""
+itself leader only for two thirds of a duration from the moment it *sent* its last successful
+renewal (client-go's renew deadline, 10 s of 15): by the time another pod may take over, the old
+holder has stopped starting writes, and the last third is room for one already on the wire. (No
+client-side election fences a write the API server commits later still; writes here are also
+guarded by resourceVersions.) On a clean stop the lease is released, so a successor takes over at
+its next look instead of after a duration."""
 
 from __future__ import annotations
 
@@ -29,10 +32,11 @@ def _now() -> str:
 
 
 class Leadership:
-    def __init__(self, kube: Kube, namespace: str, name: str, identity: str, duration_s: float,
+    def __init__(self, kube: Kube, namespace: str, name: str, identity: str, duration_s: int,
                  on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]]):
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
-        self.duration_s = duration_s
+        self.duration_s = duration_s  # whole seconds: what the Lease can say (leaseDurationSeconds)
+        self.deadline_s = duration_s * 2 / 3
         self.on_start, self.on_stop = on_start, on_stop
         self._held_until = 0.0  # loop time
         self._seen: tuple | None = None  # the lease's record as last seen, and since when (loop time)
@@ -46,11 +50,11 @@ class Leadership:
     async def run(self) -> None:
         try:
             while True:
-                wait = self.duration_s / 3  # the holder renews, a candidate looks
+                wait = self.duration_s / 5  # the holder renews, a candidate looks
                 try:
                     await self._try()
                 except (Retryable, Rejected) as e:  # an outage, the Lease deleted, RBAC: try again soon
-                    self._mine, wait = None, self.duration_s / 10
+                    self._mine, wait = None, getattr(e, "retry_after", None) or self.duration_s / 10
                     log.warning("leader election: %s", e)
                 if self.held() != self._leading:
                     self._leading = self.held()
@@ -67,7 +71,7 @@ class Leadership:
         if self._mine is not None:  # the holder renews from its own last write: one request
             try:
                 self._mine = await self.kube.merge_patch("Lease", self.namespace, self.name, self._renewal(self._mine))
-                self._held_until = sent + self.duration_s
+                self._held_until = sent + self.deadline_s
                 return
             except Conflict:  # changed behind our back: look at it
                 self._mine = None
@@ -77,7 +81,7 @@ class Leadership:
                 self._mine = await self.kube.create(self._lease(transitions=0))
             except Conflict:  # another candidate created it first
                 return
-            self._held_until = sent + self.duration_s
+            self._held_until = sent + self.deadline_s
             return
         spec = lease.get("spec") or {}
         record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
@@ -98,17 +102,17 @@ class Leadership:
         except Conflict:  # someone else renewed or took it meanwhile
             self._held_until, self._mine = 0.0, None
             return
-        self._held_until = sent + self.duration_s
+        self._held_until = sent + self.deadline_s
 
     def _renewal(self, lease: dict) -> dict:
         return {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-                "spec": {"renewTime": _now(), "leaseDurationSeconds": int(self.duration_s)}}
+                "spec": {"renewTime": _now(), "leaseDurationSeconds": self.duration_s}}
 
     def _lease(self, transitions: int) -> dict:
         now = _now()
         return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": self.name, "namespace": self.namespace},
-                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
+                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.duration_s,
                          "acquireTime": now, "renewTime": now, "leaseTransitions": transitions}}
 
     async def _release(self) -> None:

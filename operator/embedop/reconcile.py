@@ -78,8 +78,15 @@ def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
         return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v == ""
                                                 for k, v in desired.items())
     if isinstance(desired, list):
-        return (isinstance(actual, list) and len(desired) == len(actual)
-                and all(subset(d, a, path) for d, a in zip(desired, actual)))
+        if not isinstance(actual, list):
+            return False
+        if desired and all(isinstance(d, dict) and "name" in d for d in desired):
+            # A list keyed by name under server-side apply (env, containers, ports, volumes,
+            # volumeMounts, ownerReferences): entries another manager added (a mutating webhook's
+            # sidecar, `kubectl set env`) stay whatever we apply, and are not ours to judge.
+            by_name = {a.get("name"): a for a in actual if isinstance(a, dict)}
+            return all(d["name"] in by_name and subset(d, by_name[d["name"]], path) for d in desired)
+        return len(desired) == len(actual) and all(subset(d, a, path) for d, a in zip(desired, actual))
     return _same_scalar(desired, actual, path)
 
 
@@ -307,9 +314,12 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
     owner = owner_of(body)
     autoscaled = spec["autoscaling"]["mode"] == "operator"
 
+    # The generation this reconcile acted on: a spec edit that lands meanwhile (and makes the
+    # write below retry on a fresh read) has not been observed.
+    generation = body["metadata"].get("generation")
+
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}
-        generation = fresh["metadata"].get("generation")
         wanted = (spec["replicas"] if spec["autoscaling"]["mode"] == "off"
                   else ((deployment or {}).get("spec") or {}).get("replicas"))
         conditions = [c for c in previous.get("conditions") or []

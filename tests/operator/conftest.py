@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -7,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from embedop import crd
 from tests.operator.emulator import Emulator
 
 
@@ -24,21 +22,6 @@ def eventually(check, timeout: float = 30.0, interval: float = 0.1):
             return last
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s; last: {last!r}")
-
-
-HANDLED = f"{crd.GROUP}/last-handled-configuration"
-KOPF_OWN = {HANDLED, f"{crd.GROUP}/kopf-managed"}
-
-
-def kopf_done(service: dict) -> bool:
-    """kopf has finished with the service's latest spec. Its last write for a change, the
-    annotation that records the spec as handled, follows the handler's return, so a status the
-    handler wrote can be seen before it; and a handler that is to be retried keeps a progress
-    annotation. A quiet period measured from before that write would count it."""
-    annotations = service["metadata"].get("annotations") or {}
-    handled = json.loads(annotations.get(HANDLED) or "{}")
-    pending = [k for k in annotations if k.startswith(f"{crd.GROUP}/") and k not in KOPF_OWN]
-    return handled.get("spec") == service["spec"] and not pending
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ writes: list[tuple] = []
 
 # Every call made by anything but the tests' own kubectl stand-in, in order: {"t": time.monotonic(),
 # "subject", "verb" (as RBAC sees it), "resource" (plural[/subresource]), "namespace", "selector"
-# (the labelSelector asked for), "who" (the caller's bearer token: its kubeconfig's user)}.
+# (the labelSelector asked for), "params" (the query), "who" (the caller's bearer token: its
+# kubeconfig's user)}.
 calls: list[dict] = []
 # Admission policies (as Kyverno or Gatekeeper webhooks): each takes an object being created or
 # changed by the operator (not through a subresource) and returns a refusal message or None.
@@ -123,7 +124,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
     - what the API server stores, not what was sent: an env entry's empty value is dropped;
     - label selectors on lists and watches (a watched object that stops matching is DELETED to
-      that watch), and 429 answers that carry Retry-After;
+      that watch), 429 answers that carry Retry-After, and a watch ended by a 410 ERROR event
+      inside its stream (`expire_watches`), as when its resourceVersion has been compacted away;
     - in the record of calls as RBAC sees them, the OwnerReferencesPermissionEnforcement admission
       plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
 
@@ -175,6 +177,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             recorded[self.subject].add((request.resource.group or "", resource, verb))
             calls.append({"t": time.monotonic(), "subject": self.subject, "verb": verb, "resource": resource,
                           "namespace": request.namespace, "selector": request.params.get("labelSelector"),
+                          "params": dict(request.params),
                           "who": request.headers.get("Authorization", "").removeprefix("Bearer ")})
             if verb not in ("list", "watch", "get"):
                 writes.append((self.subject, resource, request.namespace, request.name))
@@ -281,6 +284,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     async def _serve_watch(self, request):
         selector, sent = request.params.get("labelSelector"), set()
         async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and event.get("type") == "ERROR":
+                yield event  # what a real API server does next: end the stream
+                return
             if not selector or not isinstance(event, dict):
                 yield event
                 continue
@@ -342,6 +348,14 @@ class Emulator:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._ready.set()
             await self._stop.wait()
+
+    def expire_watches(self, plural: str) -> None:
+        """End every watch of `plural` as a real API server does when the version a watch resumes
+        from has been compacted away: an ERROR event (HTTP 200, in the stream) with a 410 Status."""
+        resource = next(r for r in self.k8s._buses if r.plural == plural)
+        error = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
+                                             "reason": "Expired", "message": "too old resource version: 1 (999)"}}
+        asyncio.run_coroutine_threadsafe(self.k8s._buses[resource].put(error), self._loop).result(5)
 
     def kubeconfig(self, path: Path, token: str = "kmock") -> Path:
         """`token`: who the calls made with it come from (calls[...]["who"])."""

@@ -218,7 +218,7 @@ def test_zero_traffic_goes_to_min_after_the_window():
 
 def test_scaling_limited_when_demand_exceeds_max():
     d = run(pods(20, 2000), 20)  # needs 80
-    assert d.desired == 20 and d.limited
+    assert d.desired == 20 and d.limited and d.needed == 80
 
 
 def test_nothing_measured_yet_holds():
@@ -291,7 +291,7 @@ def test_serving_pods_that_turn_unready_hold_the_fleet():
     assert d.desired == 8
     for _ in range(6):
         samples = pods(8, 650)
-        samples[5:] = [PodSample(f"p{i}", False, False, started=True) for i in range(5, 8)]
+        samples[5:] = [PodSample(f"p{i}", False, False, served=True) for i in range(5, 8)]
         d = decide(samples, 8, policy, history, now)
         history, now = d.history, now + 5
         assert d.desired == 8 and "unready" in d.reason, d.reason
@@ -299,7 +299,7 @@ def test_serving_pods_that_turn_unready_hold_the_fleet():
 
 def test_an_unready_pod_that_still_answers_counts_its_demand():
     samples = pods(4, 1000)  # 4000 tok/s at 0.5 → 8
-    samples[3] = dataclasses.replace(samples[3], ready=False, started=True)
+    samples[3] = dataclasses.replace(samples[3], ready=False, served=True)
     assert run(samples, 4).desired == 8
 
 
@@ -333,3 +333,26 @@ def test_a_pod_start_up_is_measured_once():
     assert d.history.startup_s == 40.0
     flapped = [dataclasses.replace(s, startup_s=3600.0) for s in pods(2, 500)]
     assert run(flapped, 2, d.history, now=1015.0).history.startup_s == 40.0
+
+
+def test_a_pod_seen_ready_that_restarts_is_not_cancelled_as_starting():
+    """A container that crashes (CUDA OOM) and restarts shows neither Ready nor started: the pods a
+    decision has seen Ready stay served, and the fleet holds rather than cancel them."""
+    policy = Policy(1, 20, 0.7, 1.0, 0, 60)
+    d = decide(pods(8, 650), 8, policy, History(capacity=CAP), 1000.0)
+    samples = pods(8, 650)
+    samples[5:] = [PodSample(f"p{i}", False, False) for i in range(5, 8)]  # nothing shows they served
+    for now in (1005.0, 1010.0, 1015.0):
+        d = decide(samples, 8, policy, d.history, now)
+        assert d.desired == 8, d.reason
+
+
+def test_a_step_inside_an_interval_is_not_extrapolated():
+    """Demand is each interval's mean: a step that lands inside one reads old → partial → full,
+    two rises. 400 → 3,500 tok/s on 1,000 tok/s pods at 0.7 still goes to 5, not 7."""
+    policy = Policy(1, 20, 0.7, 1.0, 0, 120)
+    history, now, current = History(capacity=CAP, startup_s=60.0), 1000.0, 1
+    for load in (400, 400, 400, 1950, 3500, 3500, 3500, 3500):
+        d = decide(pods(current, load / current), current, policy, history, now)
+        history, current, now = d.history, d.desired, now + 15
+    assert current == 5 and d.forecast == pytest.approx(3500)

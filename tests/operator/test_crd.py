@@ -108,8 +108,6 @@ BAD = [
     ("bad mode", lambda s: s.update(autoscaling={"mode": "keda"}), "'keda' is not one of"),
     ("bad quantity", lambda s: s.update(resources={"memory": "lots"}), "does not match"),
     ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
-    # A server drives one GPU: more would be reserved and idle.
-    ("two gpus", lambda s: s.update(resources={"gpu": 2}), "2 is greater than the maximum of 1"),
 ]
 
 

@@ -238,6 +238,13 @@ def container(**fields):
     # What the API server stores: an empty string is omitted (an env entry comes back without value).
     (container(env=[{"name": "X", "value": ""}]), container(env=[{"name": "X"}]), True),
     (container(env=[{"name": "X", "value": "a"}]), container(env=[{"name": "X"}]), False),
+    # Entries of a keyed list that another manager added stay: ours are judged, not theirs.
+    (container(env=[{"name": "X", "value": "a"}]),
+     container(env=[{"name": "X", "value": "a"}, {"name": "INJECTED", "value": "1"}]), True),
+    ({"containers": [{"name": "server", "image": "a"}]},
+     {"containers": [{"name": "server", "image": "a"}, {"name": "istio-proxy", "image": "b"}]}, True),
+    (container(env=[{"name": "X", "value": "a"}]), container(env=[{"name": "Y", "value": "a"}]), False),
+    ({"args": ["--a"]}, {"args": ["--a", "--b"]}, False),  # a list without keys: exactly
 ])
 def test_drift_compares_quantities_as_quantities_and_the_rest_exactly(desired, actual, same):
     assert reconcile.subset(desired, actual) is same

@@ -16,7 +16,7 @@ to a Scale and back); the operator sends only spec.replicas there, so the effect
 import pytest
 
 from tests.operator import emulator as em
-from tests.operator.conftest import OperatorProcess, eventually, kopf_done
+from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
 NS, NAME = "default", "fleet"
@@ -207,7 +207,6 @@ def test_the_count_written_into_the_service_does_not_loop(emulator, fleet):
             c.get("observedGeneration") == cr["metadata"]["generation"] for c in conditions)
 
     eventually(caught_up)
-    eventually(lambda: kopf_done(emulator.get(service_path(NS, NAME))))
     log, since, written = fleet["op"].log, len(fleet["op"].log()), len(em.writes)
     generation = emulator.get(service_path(NS, NAME))["metadata"]["generation"]
     eventually(lambda: log()[since:].count(f"{NS}/{NAME}: periodic check done") >= 2

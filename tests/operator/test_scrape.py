@@ -114,26 +114,44 @@ def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
 
 
 def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-01-01T00:01:30Z",
-                running_since="2026-01-01T00:00:20Z", ip="10.0.0.1", deleting=False) -> dict:
-    """A Pod as the kubelet reports it: the Ready condition and the container's status."""
+                running_since="2026-01-01T00:00:20Z", ip="10.0.0.1", deleting=False, last_since=None) -> dict:
+    """A Pod as the kubelet reports it: the Ready condition and the container's status
+    (`last_since`: the previous container's start, when it restarted)."""
     meta = {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    container = {"name": "server", "image": "embedserve", "imageID": "", "ready": ready, "started": started,
+                 "restartCount": restarts, "state": {"running": {"startedAt": running_since}}}
+    if last_since:
+        container["lastState"] = {"terminated": {"startedAt": last_since, "exitCode": 137}}
     return {"metadata": meta, "status": {
         "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_at}],
-        "containerStatuses": [{"name": "server", "image": "embedserve", "imageID": "", "ready": ready,
-                               "started": started, "restartCount": restarts,
-                               "state": {"running": {"startedAt": running_since}}}]}}
+        "containerStatuses": [container]}}
 
 
-def test_a_pod_that_served_and_turned_unready_is_not_starting():
-    """The kubelet keeps `started` from the startup probe's success until the container restarts:
-    what the API keeps tells an overloaded pod from a new one, after an operator restart too."""
-    unready = autoscaler.pod_view(kubelet_pod(ready=False, started=True))
-    assert (unready.ready, unready.started) == (False, True)
-    new = autoscaler.pod_view(kubelet_pod(ready=False, started=False))
-    assert (new.ready, new.started) == (False, False)
-    assert autoscaler.pod_view(kubelet_pod(deleting=True)) is None  # leaving the fleet
+@pytest.mark.parametrize("pod, served", [
+    # Overloaded: readiness fails, the container runs on (`started` stays true).
+    (kubelet_pod(ready=False, started=True), True),
+    # Its kubelet restarted and lost its state: `started` is false again, but Ready turned False
+    # an hour after the container started.
+    (kubelet_pod(ready=False, started=False, ready_at="2026-01-01T01:00:00Z"), True),
+    # It crashed (CUDA OOM) at 00:30 and restarts: Ready turned False while the previous container ran.
+    (kubelet_pod(ready=False, started=False, restarts=1, ready_at="2026-01-01T00:30:00Z",
+                 running_since="2026-01-01T00:30:05Z", last_since="2026-01-01T00:00:20Z"), True),
+    # New: Ready has been False since the kubelet first wrote it, before the container started.
+    (kubelet_pod(ready=False, started=False, ready_at="2026-01-01T00:00:02Z"), False),
+    # Crash-looping from the start: never Ready, whatever the restarts.
+    (kubelet_pod(ready=False, started=False, restarts=4, ready_at="2026-01-01T00:00:02Z",
+                 running_since="2026-01-01T00:05:00Z", last_since="2026-01-01T00:03:00Z"), False),
+], ids=["overloaded", "kubelet-restarted", "crashed-and-restarting", "new", "crash-looping"])
+def test_a_pod_that_served_and_turned_unready_is_not_starting(pod, served):
+    """Told from what the API keeps, so an operator restart forgets nothing."""
+    view = autoscaler.pod_view(pod)
+    assert (view.ready, view.served) == (False, served)
+
+
+def test_a_pod_being_deleted_leaves_the_fleet():
+    assert autoscaler.pod_view(kubelet_pod(deleting=True)) is None
 
 
 def test_start_up_is_creation_to_the_first_ready():
@@ -145,7 +163,7 @@ def test_start_up_is_creation_to_the_first_ready():
 
 async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not(pods_server):
     pods = [kubelet_pod("serving", ready=False, started=True, ip=IPS["ok"]),
-            kubelet_pod("new", ready=False, started=False, ip=IPS["ok"])]
+            kubelet_pod("new", ready=False, started=False, ready_at="2026-01-01T00:00:02Z", ip=IPS["ok"])]
     async with aiohttp.ClientSession() as session:
         samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=1)}
     assert samples["serving"].scraped and samples["serving"].was_ready and samples["serving"].arrival_rate == 500

@@ -32,7 +32,8 @@ def fleet(emulator, tmp_path_factory):
     emulator.request("POST", service_path(NS), new_service("fixed", {
         "model": "m", "replicas": 1, "autoscaling": {"mode": "off"}, "resources": {"gpu": 0},
         "env": [{"name": "EMPTY", "value": ""}]}))
-    servers = settled(emulator, ["busy-a", "busy-b"], PORT, interval_s=1)
+    # The same answer at every scrape: not even the once-a-minute refresh of the measured rates.
+    servers = settled(emulator, ["busy-a", "busy-b"], PORT, interval_s=1, live=False)
     eventually(lambda: emulator.get(service_path(NS, "fixed")).get("status", {}).get("observedGeneration"))
     yield op
     op.stop()
@@ -46,6 +47,10 @@ def test_the_operator_is_only_ever_sent_its_own_objects(emulator, fleet):
              and c["resource"] in watched]
     assert {c["resource"] for c in reads if c["verb"] == "watch"} == watched
     assert all(OURS in (c["selector"] or "") for c in reads), [c for c in reads if OURS not in (c["selector"] or "")]
+    # As client-go's reflector: lists from the API server's watch cache, not etcd, and watches
+    # kept fresh by bookmarks (a quiet watch otherwise resumes from a compacted version: a 410).
+    assert all(c["params"].get("resourceVersion") == "0" for c in reads if c["verb"] == "list")
+    assert all(c["params"].get("allowWatchBookmarks") == "true" for c in reads if c["verb"] == "watch")
     # Nor does it read another's object by name.
     assert not [c for c in em.calls if c["subject"] == "operator" and c["namespace"] == "others"]
 
@@ -64,3 +69,16 @@ def test_a_settled_fleet_costs_no_api_request(emulator, fleet):
     assert fleet.log()[mark:].count("autoscale busy-a:") >= 3
     calls = [c for c in requests_between(start, float("inf")) if c["resource"] != "leases"]
     assert calls == [], calls
+
+
+def test_a_watch_whose_version_expired_is_listed_again_at_once(emulator, fleet):
+    """A real API server ends such a watch with a 410 Status inside the stream (HTTP 200): it is
+    listed again, at once and without a warning, and changes after it are followed."""
+    mark, start = len(fleet.log()), time.monotonic()
+    emulator.expire_watches("deployments")
+    eventually(lambda: [c for c in em.calls if c["t"] >= start and c["verb"] == "list" and c["resource"] == "deployments"])
+    assert "watching Deployment" not in fleet.log()[mark:]
+    # Followed as before: a hand edit of an owned Deployment is reverted on its watch event.
+    path = f"/apis/apps/v1/namespaces/{NS}/deployments/fixed"
+    emulator.merge_patch(path, {"spec": {"template": {"spec": {"terminationGracePeriodSeconds": 1}}}})
+    eventually(lambda: emulator.get(path)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] != 1)

@@ -1,0 +1,26 @@
+"""The operator's settings: read once from the environment; a bad value is a start-up error naming it."""
+
+import pytest
+
+from embedop.config import OperatorSettings
+
+
+def test_defaults():
+    s = OperatorSettings.from_env({})
+    assert (s.resync_seconds, s.lease_seconds, s.leader_election, s.lease_name) == (30.0, 15, True, "embedop-leader")
+    assert s.identity  # unique per process: a pod restarted under its name is a new candidate
+
+
+def test_the_lease_lives_in_the_pods_namespace():
+    assert OperatorSettings.from_env({"POD_NAMESPACE": "ops"}).lease_namespace == "ops"
+    assert OperatorSettings.from_env({"POD_NAMESPACE": "ops", "EMBEDOP_LEASE_NAMESPACE": "x"}).lease_namespace == "x"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("EMBEDOP_LEASE_SECONDS", "2.5"), ("EMBEDOP_LEASE_SECONDS", "2"), ("EMBEDOP_LEASE_SECONDS", "nan"),
+    ("EMBEDOP_RESYNC_SECONDS", "nan"), ("EMBEDOP_RESYNC_SECONDS", "0"), ("EMBEDOP_SCRAPE_TIMEOUT_S", "inf"),
+    ("EMBEDOP_API_TIMEOUT_S", "-1"), ("EMBEDOP_LEADER_ELECTION", "maybe"),
+])
+def test_bad_values_are_refused_naming_the_variable(key, value):
+    with pytest.raises(ValueError, match=key):
+        OperatorSettings.from_env({key: value})
