@@ -82,7 +82,7 @@ def ready_pod(name: str, service: str | None, ip: str, namespace: str = NS) -> d
             "metadata": {"name": name, "namespace": namespace,
                          "labels": render.labels(service) if service else {"app": "someone-else"}},
             "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
-            "status": {"phase": "Running", "podIP": ip,
+            "status": {"phase": "Running", "podIP": ip, "startTime": now,
                        "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
                        "containerStatuses": [{"name": "server", "image": "embedserve", "imageID": "", "ready": True,
                                               "started": True, "restartCount": 0,

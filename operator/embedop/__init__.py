@@ -1,3 +1,3 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

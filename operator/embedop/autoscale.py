@@ -93,7 +93,7 @@ class Policy:
 @dataclasses.dataclass(frozen=True)
 class History:
     recommendations: tuple[tuple[float, int], ...] = ()  # (time, clamped recommendation)
-    demand: tuple[tuple[float, float], ...] = ()  # (time, demand tokens/s)
+    demand: tuple[tuple[float, float], ...] = ()  # (time, offered tokens/s): the trend's points
     capacity: float | None = None  # last known tokens/s per replica
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
@@ -171,12 +171,16 @@ def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> floa
 
 def ramp(points: tuple[tuple[float, float], ...]) -> float:
     """The upward trend to look ahead on: only a sustained ramp, demand up at each of the last
-    three reads as well as fitted over the window. A step is already in demand: a fit over a window
-    that holds it reads as a slope, and extrapolating that a start-up ahead would overshoot. Each
-    read is an interval's mean, so a step that lands inside an interval reads as two rises (old →
-    partial → full): three in a row is a ramp."""
-    rising = len(points) >= 4 and all(points[i][1] > points[i - 1][1] for i in (-1, -2, -3))
-    return max(0.0, trend(points)) if rising else 0.0
+    three reads, and rising lately at the pace fitted over the window. A step is already in demand:
+    a fit over a window that holds it reads as a slope, and extrapolating that a start-up ahead
+    would overshoot. Each read is an interval's mean, so a step that lands inside an interval reads
+    as two rises (old → partial → full), and a backlog it leaves adds a third a read later; but
+    then the latest reads rise far faster (or slower) than the window's fit, where a ramp's keep
+    its pace."""
+    if len(points) < 4 or not all(points[i][1] > points[i - 1][1] for i in (-1, -2, -3)):
+        return 0.0
+    overall, lately = trend(points), trend(points[-3:], min_fit=0.0)
+    return overall if overall > 0 and 0.5 <= lately / overall <= 2.0 else 0.0
 
 
 def falling(points: tuple[tuple[float, float], ...]) -> bool:
@@ -227,11 +231,15 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     # A pod not scraped this time keeps its last reading, so the next rate spans both intervals.
     pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(
         p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
-    demand_points = tuple(p for p in history.demand if p[0] > now - TREND_WINDOW_S) + ((now, demand),)
+    # The trend is the offered load's: a backlog is cleared once, not a rate that goes on growing
+    # (counted in it, a step that saturates a pod read as a third rise). The window holds at least
+    # four reads, whatever the interval (ramp() needs them).
+    interval = now - history.demand[-1][0] if history.demand else 0.0
+    window_s = max(TREND_WINDOW_S, 4 * interval)
+    demand_points = tuple(p for p in history.demand if p[0] > now - window_s) + ((now, sum(offered.values())),)
     # Look-ahead is for sustained ramps (a few % per start-up, see ramp()), and capped.
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
     # later: until then, what we decide now has to carry the load.
-    interval = now - history.demand[-1][0] if history.demand else 0.0
     forecast = demand + min(ramp(demand_points) * (startup_s + interval), LOOKAHEAD_CAP * demand)
     # Pods that served and could not be read, or serve no more (unready): demand is a floor.
     blind = any(s.name in served and not (s.ready and s.scraped) for s in samples)

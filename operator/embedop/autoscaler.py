@@ -71,8 +71,8 @@ class PodView:
     startup_s: float | None  # creation → Ready, when that Ready follows the container's start
 
 
-# Ready's transition to False this long after a container started is a flip, not the status the
-# kubelet first writes (which can trail a fast container start by a moment).
+# Ready's transition to False this long after the pod started is a flip, not the status the
+# kubelet first writes (with status.startTime, give or take a moment).
 FLIP_AFTER_START_S = 5.0
 
 
@@ -82,23 +82,22 @@ def pod_view(pod: dict, startup_allowance_s: float = render.STARTUP_ALLOWANCE_S)
 
     A pod that is not Ready has served when its containers are `started` (the kubelet keeps that
     from the startup probe's success until a container restarts or the kubelet loses its state),
-    or when Ready turned False after a container had started (the kubelet writes Ready=False when
-    the pod starts; a later transition is a flip from True): an overloaded pod, a node gone
-    NotReady, a container that crashed and restarts. Start-up time is creation → Ready, measured
+    or when Ready turned False after the pod started (the kubelet writes Ready=False at its first
+    sync, with status.startTime; a later transition is a flip from True, and stays the first
+    crash's through a crash loop): an overloaded pod, a node gone NotReady, a container that
+    crashed and restarts. A pod that failed for good (evicted) is gone from the fleet. Start-up time is creation → Ready, measured
     only where that Ready is the container's first (no restart, and within the startup probe's
     allowance of the container's start): after a flap, Ready's lastTransitionTime is the flap's."""
-    if pod["metadata"].get("deletionTimestamp"):
-        return None
     st = pod.get("status") or {}
+    if pod["metadata"].get("deletionTimestamp") or st.get("phase") in ("Failed", "Succeeded"):
+        return None  # leaving, or gone for good (evicted: its model cache over its limit, a node shut down)
     cond = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), {})
     ready = cond.get("status") == "True"
     containers = st.get("containerStatuses") or []
     created, changed = _time(pod["metadata"].get("creationTimestamp")), _time(cond.get("lastTransitionTime"))
     running = [_time(((c.get("state") or {}).get("running") or {}).get("startedAt")) for c in containers]
-    starts = [t for c in containers for t in (
-        _time(((c.get("state") or {}).get("running") or {}).get("startedAt")),
-        _time(((c.get("lastState") or {}).get("terminated") or {}).get("startedAt"))) if t]
-    flipped = changed is not None and bool(starts) and (changed - min(starts)).total_seconds() > FLIP_AFTER_START_S
+    began = _time(st.get("startTime"))
+    flipped = changed is not None and began is not None and (changed - began).total_seconds() > FLIP_AFTER_START_S
     served = not ready and ((bool(containers) and all(c.get("started") for c in containers)) or flipped)
     first = not any(c.get("restartCount") for c in containers) and all(
         t is None or changed is None or (changed - t).total_seconds() <= startup_allowance_s for t in running)
@@ -181,7 +180,8 @@ async def step(cluster: Cluster, settings: OperatorSettings, session: aiohttp.Cl
         scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired)
         if not scaled:
             decision = dataclasses.replace(decision, desired=current, reason="the count changed meanwhile: decide again")
-    await _write_status(cluster, namespace, name, spec, decision, samples, current, unscraped=blind, due=measured_due)
+    await _write_status(cluster, namespace, name, spec, decision, samples, current, unscraped=blind, due=measured_due,
+                        acted_on=body["metadata"].get("generation"))
     return Step(decision.history, decision, current, body, blind, refused)
 
 
@@ -215,7 +215,7 @@ async def _scale(cluster: Cluster, settings: OperatorSettings, body: dict, spec:
 
 async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict, decision: autoscale.Decision,
                         samples: list[autoscale.PodSample], current: int, body: dict | None = None,
-                        unscraped: str | None = None, due: bool = True) -> None:
+                        unscraped: str | None = None, due: bool = True, acted_on: int | None = None) -> None:
     """The autoscaler's status fields (see status.py); `body`: a read to start from. The
     measurements are written only when one has moved meaningfully and a refresh is `due`, or
     with a change of the decision or a condition (status.steady): a write per interval per service
@@ -235,7 +235,8 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
 
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}
-        generation, now, before = fresh["metadata"].get("generation"), status.now_iso(), previous.get("conditions") or []
+        generation = reconcile.observed(fresh, spec, acted_on)
+        now, before = status.now_iso(), previous.get("conditions") or []
         limited = status.condition(
             "ScalingLimited", decision.limited, "AtMaxReplicas" if decision.limited else "WithinBounds",
             f"demand needs {decision.needed} replicas; maxReplicas is {maximum}" if decision.limited else "",

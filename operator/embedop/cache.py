@@ -111,7 +111,10 @@ class Informer:
                 await asyncio.sleep(wait * random.uniform(0.8, 1.2))
 
     async def _list(self, namespace: str | None) -> str | None:
-        objects, version = await self.kube.list_versioned(self.kind, namespace, MANAGED_BY)
+        # The first list from the API server's watch cache; a list again, consistent (it must not
+        # go back before what the copies already hold).
+        objects, version = await self.kube.list_versioned(self.kind, namespace, MANAGED_BY,
+                                                          cached=namespace not in self._listed)
         before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
         self.store.replace(namespace, objects)
         for k in before - set(self.store.objects):  # deleted while we were not watching
@@ -192,9 +195,11 @@ class Cluster:
         self._check(f"scale of {name}")
         scale = await self.kube.patch_scale(namespace, name, replicas, resource_version)
         store = self.stores.get(crd.KIND)
-        if store is not None and (copy := store.get(namespace, name)) is not None and scale:
-            # The Scale answers with the service's new resourceVersion: the copy follows, so the
-            # status write that comes next is not refused as stale.
+        copy = store.get(namespace, name) if store is not None else None
+        if copy is not None and scale and copy["metadata"].get("resourceVersion") == resource_version:
+            # The Scale answers with the service's new resourceVersion: the copy the write was
+            # computed from follows (unless a watch event has replaced it already), so the status
+            # write that comes next is not refused as stale.
             meta = {**copy["metadata"], "resourceVersion": scale["metadata"]["resourceVersion"]}
             if copy["metadata"].get("generation") is not None:
                 meta["generation"] = copy["metadata"]["generation"] + 1

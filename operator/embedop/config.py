@@ -22,8 +22,10 @@ class OperatorSettings:
     at once on the watch events)."""
     scrape_timeout_s: float = 2.0
     """EMBEDOP_SCRAPE_TIMEOUT_S: per-pod timeout of a /metrics scrape."""
-    api_timeout_s: float = 10.0
-    """EMBEDOP_API_TIMEOUT_S: timeout of each Kubernetes API call the operator makes itself."""
+    api_timeout_s: float = 5.0
+    """EMBEDOP_API_TIMEOUT_S: timeout of each Kubernetes API call the operator makes itself (the
+    leader stops starting writes this long, and at least a third of the lease, before a successor
+    may take over: keep it well under EMBEDOP_LEASE_SECONDS)."""
     metrics_port: int = 8001
     """EMBEDOP_METRICS_PORT: the servers' HTTP port (/health, /metrics): rendered into their
     HTTP_HEALTH_PORT, probes and Services, and scraped by the autoscaler."""

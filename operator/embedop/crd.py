@@ -266,7 +266,8 @@ def render_chart_template() -> str:
             "A template, not crds/: Helm applies templates on upgrade, never what is under crds/. Kept at\n"
             "uninstall (deleting a CRD deletes every EmbeddingService). crds.install=false leaves it to you (unset,\n"
             "as in the values of a release from before it existed, --reuse-values: installed). */ -}}\n"
-            "{{- if or (not .Values.crds) .Values.crds.install }}\n"
+            "{{- $crds := .Values.crds | default dict }}\n"
+            "{{- if or (not (hasKey $crds \"install\")) $crds.install }}\n"
             + yaml.safe_dump(body, sort_keys=False, width=120) + "{{- end }}\n")
 
 

@@ -34,7 +34,7 @@ class Fleet:
         self.on_outcome, self.on_decision = on_outcome, on_decision
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.kicks: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
-        self.generations: dict[tuple[str, str], int | None] = {}  # each service's, as last seen
+        self.generations: dict[tuple[str, str], tuple] = {}  # each service's (uid, generation), as last seen
         # One write sequence per service at a time within this process (handlers, loop, autoscaler);
         # across processes the resourceVersion guards keep them correct, and the lease keeps
         # a second operator pod from writing at all.
@@ -52,14 +52,14 @@ class Fleet:
         if task is not None:
             task.cancel()
 
-    def changed(self, namespace: str, name: str, generation: int | None) -> None:
-        """A service was seen (listed, created, changed): its loop runs, and reconciles now if its
-        spec moved (a new generation). Its own status writes come back as events too: those move
-        no generation and cost no reconcile."""
+    def changed(self, namespace: str, name: str, version: tuple) -> None:
+        """A service was seen (listed, created, changed): its loop runs, and reconciles now if it
+        is another (uid) or its spec moved (generation). Its own status writes come back as events
+        too: those move neither and cost no reconcile."""
         key = (namespace, name)
-        if self.generations.get(key) != generation and key in self.tasks:
+        if self.generations.get(key) != version and key in self.tasks:
             self.kicks[key].set()
-        self.generations[key] = generation
+        self.generations[key] = version
         self.ensure(namespace, name)
 
     def kick(self, kind: str, event: str, obj: dict) -> None:

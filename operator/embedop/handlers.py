@@ -23,12 +23,14 @@ import kopf
 from embedop import autoscaler, cache, crd, reconcile
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
-from embedop.kube import Kube, Retryable
+from embedop.kube import Kube
 from embedop.leader import Leadership
 
 SETTINGS = OperatorSettings.from_env()
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
-SYNC_TIMEOUT_S = 60.0  # the longest start-up waits for the owned kinds' first lists
+# The longest start-up waits for the owned kinds' first lists: within the chart's liveness probe
+# (first at 10 s, killed after 3 failures 20 s apart: ~50 s), which kopf answers only after it.
+SYNC_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
 _fleet: Fleet | None = None
 _tasks: list[asyncio.Task] = []
@@ -93,7 +95,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     leadership = None
     if SETTINGS.leader_election:
         leadership = Leadership(kube, SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.identity,
-                                SETTINGS.lease_seconds, on_start=lambda: fleet().lead(), on_stop=lambda: fleet().close())
+                                SETTINGS.lease_seconds, on_start=lambda: fleet().lead(), on_stop=lambda: fleet().close(),
+                                request_s=SETTINGS.api_timeout_s)
     cluster = cache.Cluster(kube, stores, leadership.held if leadership else lambda: True)
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
     namespaces = memo.get("namespaces") or None
@@ -144,11 +147,10 @@ async def service_event(event, body, **_) -> None:
         return
     _remember(body)
     if not meta.get("deletionTimestamp"):
-        fleet().changed(namespace, name, meta.get("generation"))
-        return
-    fleet().stop(namespace, name)
-    if reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
-        try:
-            await fleet().reconcile(namespace, name)
-        except Retryable as e:  # kopf calls again on the next event; the standby never writes
-            log.warning("%s/%s: taking the old finalizer off: %s", namespace, name, e)
+        fleet().changed(namespace, name, (meta.get("uid"), meta.get("generation")))
+    elif reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
+        # Its loop takes the old finalizer off (retrying as long as it must: kopf calls an event
+        # handler once) and ends once the service is gone.
+        fleet().changed(namespace, name, (meta.get("uid"), "deleting"))
+    else:
+        fleet().stop(namespace, name)

@@ -184,12 +184,16 @@ class Kube:
         return self.client._client.prepare_request("list", res=RESOURCES[kind][0], namespace=namespace or ALL_NS,
                                                    watch=watch, params=params)
 
-    async def list_versioned(self, kind: str, namespace: str | None, labels: dict) -> tuple[list[dict], str | None]:
+    async def list_versioned(self, kind: str, namespace: str | None, labels: dict,
+                             cached: bool = True) -> tuple[list[dict], str | None]:
         """→ (the objects matching `labels` server-side, the list's resourceVersion: where a watch
-        of changes since starts). namespace None: all namespaces. resourceVersion=0, as client-go's
-        reflector lists: served from the API server's watch cache, not read from etcd (a
-        label-selected list is otherwise a range read of every pod of the cluster, filtered)."""
-        br = self._collection(kind, namespace, {"labelSelector": build_selector(labels), "resourceVersion": "0"})
+        of changes since starts). namespace None: all namespaces. `cached`: resourceVersion=0, as
+        client-go's reflector lists first: served from the API server's watch cache, not read from
+        etcd (a label-selected list is otherwise a range read of every pod of the cluster,
+        filtered); but a watch cache may lag what was already seen, so a list again (after a 410)
+        is a consistent read."""
+        params = {"labelSelector": build_selector(labels), **({"resourceVersion": "0"} if cached else {})}
+        br = self._collection(kind, namespace, params)
         async with _errors(f"list {kind}"):
             listing = ListAsyncIterable(self.client._client.list_chunks(br))
             objects = [_plain(o) async for o in listing]

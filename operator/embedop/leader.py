@@ -8,11 +8,11 @@ checks `held()` first (cache.Cluster), and the service loops run only while the 
 The holder renews the lease every fifth of its duration. A candidate takes it over only after it
 has seen the lease unchanged for a whole duration, timed by its own clock (never by comparing
 another pod's timestamps with it, so clock skew between nodes does not matter). The holder counts
-itself leader only for two thirds of a duration from the moment it *sent* its last successful
-renewal (client-go's renew deadline, 10 s of 15): by the time another pod may take over, the old
-holder has stopped starting writes, and the last third is room for one already on the wire. (No
-client-side election fences a write the API server commits later still; writes here are also
-guarded by resourceVersions.) On a clean stop the lease is released, so a successor takes over at
+itself leader only until a third of a duration, or the API timeout if longer, before a successor
+may take over, counted from the moment it *sent* its last successful renewal (client-go's renew
+deadline: 10 s of 15): the old holder has stopped starting writes, and the rest is room for one
+already on the wire. (No client-side election fences a write the API server commits later still;
+the Deployment's writes are also guarded by resourceVersions.) On a clean stop the lease is released, so a successor takes over at
 its next look instead of after a duration."""
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ def _now() -> str:
 
 class Leadership:
     def __init__(self, kube: Kube, namespace: str, name: str, identity: str, duration_s: int,
-                 on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]]):
+                 on_start: Callable[[], Awaitable[None]], on_stop: Callable[[], Awaitable[None]],
+                 request_s: float = 0.0):
+        """`request_s`: the longest an API request of ours may take (its timeout): the holder stops
+        starting writes that long (and at least a third of a duration) before a successor may
+        start, so that a write already on the wire lands first."""
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.duration_s = duration_s  # whole seconds: what the Lease can say (leaseDurationSeconds)
-        self.deadline_s = duration_s * 2 / 3
+        self.deadline_s = max(duration_s / 5, duration_s - max(duration_s / 3, request_s))
         self.on_start, self.on_stop = on_start, on_stop
         self._held_until = 0.0  # loop time
         self._seen: tuple | None = None  # the lease's record as last seen, and since when (loop time)
@@ -54,7 +58,8 @@ class Leadership:
                 try:
                     await self._try()
                 except (Retryable, Rejected) as e:  # an outage, the Lease deleted, RBAC: try again soon
-                    self._mine, wait = None, getattr(e, "retry_after", None) or self.duration_s / 10
+                    # (not later than the holder's next renewal: a longer Retry-After would cost the lease)
+                    self._mine, wait = None, min(getattr(e, "retry_after", None) or self.duration_s / 10, self.duration_s / 5)
                     log.warning("leader election: %s", e)
                 if self.held() != self._leading:
                     self._leading = self.held()

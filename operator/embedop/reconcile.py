@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import decimal
+import hashlib
+import json
 from typing import Awaitable, Callable
 
 from lightkube.utils.quantity import parse_quantity
@@ -81,13 +83,35 @@ def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
         if not isinstance(actual, list):
             return False
         if desired and all(isinstance(d, dict) and "name" in d for d in desired):
-            # A list keyed by name under server-side apply (env, containers, ports, volumes,
-            # volumeMounts, ownerReferences): entries another manager added (a mutating webhook's
-            # sidecar, `kubectl set env`) stay whatever we apply, and are not ours to judge.
-            by_name = {a.get("name"): a for a in actual if isinstance(a, dict)}
-            return all(d["name"] in by_name and subset(d, by_name[d["name"]], path) for d in desired)
+            # A list keyed under server-side apply (env, containers, ports, volumes, volumeMounts,
+            # ownerReferences): entries another manager added (a mutating webhook's sidecar,
+            # `kubectl set env`) stay whatever we apply, and are not ours to judge. (An entry we
+            # stopped sending is caught by the applied-render stamp: see `drifted`.)
+            return all(any(isinstance(a, dict) and a.get("name") == d["name"] and subset(d, a, path) for a in actual)
+                       for d in desired)
         return len(desired) == len(actual) and all(subset(d, a, path) for d, a in zip(desired, actual))
     return _same_scalar(desired, actual, path)
+
+
+# On each object we apply: a digest of what we sent. A field or list entry we stop sending (an env
+# entry removed from the spec) is removed by our next apply, but a check of what we send against
+# what is stored cannot see it missing; the digest of the last apply says the render changed.
+APPLIED = f"{crd.GROUP}/applied"
+
+
+def stamped(obj: dict) -> dict:
+    """`obj` with the digest of itself (resourceVersion and the digest left out) as APPLIED."""
+    meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
+    meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k != APPLIED}
+    digest = hashlib.sha256(json.dumps({**obj, "metadata": meta}, sort_keys=True).encode()).hexdigest()[:16]
+    out = {**obj, "metadata": {**obj["metadata"], "annotations": {**meta["annotations"], APPLIED: digest}}}
+    return out
+
+
+def drifted(desired: dict, live: dict | None) -> bool:
+    """Whether `desired` (stamped) must be applied: the object is missing, or a field we send no
+    longer has our value as the API stores it, the stamp included (our render changed)."""
+    return live is None or not subset(_unguarded(desired), live)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -141,7 +165,7 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     live_count = live["spec"].get("replicas") if live else (body.get("status") or {}).get("desiredReplicas")
     image, notice = render.server_image(spec, live, settings.server_image, (body.get("status") or {}).get("defaultImage"))
     replicas = render.deployment_replicas(spec, live_count, decision, exists=live is not None)
-    obj = render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port)
+    obj = stamped(render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port))
     if live is not None:
         obj["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     return obj, notice
@@ -237,6 +261,7 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
             live = await cluster.get("Deployment", namespace, name, fresh=bool(outcome.scaled))
     # Whatever the spec's problems: the fleet runs at this count, and a switch to off must keep it.
     count = render.mirrored_replicas(spec, live["spec"].get("replicas") if live else None)
+    acted_on = body["metadata"].get("generation")  # observedGeneration: the spec this reconcile applied
     if count is not None:
         try:
             if await mirror_count(cluster, body, count):
@@ -247,8 +272,18 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
         if not _alive(body):
             return dataclasses.replace(outcome, gone=True, body=body)
         outcome.body = body
-    await _write_status(cluster, body, spec, live, hpa, outcome)
+        acted_on = observed(body, spec, acted_on)
+    await _write_status(cluster, body, spec, live, hpa, outcome, acted_on)
     return outcome
+
+
+def observed(fresh: dict, spec: dict, acted_on: int | None) -> int | None:
+    """The generation to report as observed by a writer that acted on `spec` at generation
+    `acted_on`: `fresh`'s, where only spec.replicas moved since (our own mirror of the count), else
+    `acted_on` (a user's edit that landed meanwhile has not been acted on)."""
+    def rest(s: dict) -> dict:
+        return {k: v for k, v in s.items() if k != "replicas"}
+    return fresh["metadata"].get("generation") if rest(specs.defaulted(fresh.get("spec") or {})) == rest(spec) else acted_on
 
 
 async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, live: dict | None,
@@ -263,7 +298,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     if ownership_differs and "replicas" not in deployment["spec"] and not owns_replicas(live, HANDOVER_MANAGER):
         live = await hand_over_replicas(cluster, live)
         deployment["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
-    if live is None or ownership_differs or not subset(_unguarded(deployment), live):
+    if ownership_differs or drifted(deployment, live):
         try:
             outcome.scaled = await apply_deployment(cluster, deployment, live)
         except Rejected as e:
@@ -274,12 +309,12 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             else:
                 outcome.rejected = outcome.scaled
     hpa = None
-    for obj in render.companions(owner, spec, settings.metrics_port):
+    for obj in map(stamped, render.companions(owner, spec, settings.metrics_port)):
         current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
         if not_ours(current, owner):
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
             continue
-        if current is None or not subset(obj, current):
+        if drifted(obj, current):
             current = await cluster.apply(obj)
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "HorizontalPodAutoscaler":
@@ -310,13 +345,11 @@ def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> i
 
 
 async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: dict | None, hpa: dict | None,
-                        outcome: Outcome) -> None:
+                        outcome: Outcome, generation: int | None) -> None:
+    """`generation`: the one this reconcile acted on: a spec edit that lands meanwhile (and makes
+    the write below retry on a fresh read) has not been observed."""
     owner = owner_of(body)
     autoscaled = spec["autoscaling"]["mode"] == "operator"
-
-    # The generation this reconcile acted on: a spec edit that lands meanwhile (and makes the
-    # write below retry on a fresh read) has not been observed.
-    generation = body["metadata"].get("generation")
 
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}

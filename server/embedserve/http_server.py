@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def build_app(server: "Server") -> FastAPI:
     # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
     # limit: at once on its Content-Length, else as the bytes arrive).
-    app = FastAPI(title="embedfleet server", version="0.1.0", max_body_size=server.settings.http_max_body_bytes)
+    app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

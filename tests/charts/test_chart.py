@@ -240,5 +240,35 @@ def test_an_upgrade_applies_the_crds_new_schema_and_uninstall_keeps_it():
 def test_values_of_a_release_from_before_the_crd_template_still_render():
     """helm upgrade --reuse-values: the old release's values have no `crds` (installed, as the
     default) and may have the removed `example` (ignored)."""
-    kinds = [o["kind"] for o in render({"crds": None, "example": {"enabled": True}})]
-    assert "CustomResourceDefinition" in kinds and "EmbeddingService" not in kinds
+    for values in ({"crds": None, "example": {"enabled": True}}, {"crds": {}}):
+        kinds = [o["kind"] for o in render(values)]
+        assert "CustomResourceDefinition" in kinds and "EmbeddingService" not in kinds
+
+
+def test_versions_agree():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    from embedop.config import OperatorSettings
+
+    assert OperatorSettings().server_image.endswith(":" + chart["appVersion"])
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["serverImage"]["repository"] in OperatorSettings().server_image
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.server", "Dockerfile.operator"])
+def test_hadolint_passes(dockerfile):
+    hadolint = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
+    out = subprocess.run([hadolint, str(ROOT / dockerfile)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_images_run_as_non_root_and_the_operator_image_has_no_torch():
+    server = (ROOT / "Dockerfile.server").read_text()
+    operator = (ROOT / "Dockerfile.operator").read_text()
+    assert "USER 10001" in server and "USER 10001" in operator
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not any(d.startswith(("torch", "transformers", "embedserve")) for d in deps)
+    assert "./server" not in operator and "pip install -c constraints.txt ./operator" in operator
+    assert 'ENTRYPOINT ["python", "-m", "embedserve"]' in server and "grpc_tools.protoc" in server

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from embedop.autoscale import History, PodSample, Policy, decide, trend
+from embedop.autoscale import History, PodSample, Policy, Seen, decide, trend
 
 POLICY = Policy(min_replicas=1, max_replicas=20, target_utilization=0.5, target_drain_s=1.0,
                 scale_up_stabilization_s=0, scale_down_stabilization_s=60)
@@ -356,3 +356,23 @@ def test_a_step_inside_an_interval_is_not_extrapolated():
         d = decide(pods(current, load / current), current, policy, history, now)
         history, current, now = d.history, d.desired, now + 15
     assert current == 5 and d.forecast == pytest.approx(3500)
+
+
+def test_a_saturating_step_is_not_extrapolated_either():
+    """A step past one pod's capacity leaves a backlog, counted from its second read: a third rise
+    after old → partial → full. The latest reads then rise far faster than the window's fit."""
+    policy = Policy(1, 20, 0.7, 1.0, 0, 120)
+    history = History(capacity=CAP, startup_s=60.0)
+    for t, v in ((940.0, 400.0), (955.0, 400.0), (970.0, 1950.0), (985.0, 3500.0)):
+        history = dataclasses.replace(history, demand=history.demand + ((t, v),))
+    history = dataclasses.replace(history, pods=(Seen("p0", 985.0, None, 3000.0),))  # its queue, read before
+    d = decide(pods(1, 3500, queued=3000), 1, policy, history, 1000.0)
+    assert d.demand > 3500  # the backlog counts, to be cleared ...
+    assert d.forecast == pytest.approx(d.demand)  # ... but is no trend: 400 → 1950 → 3500 → 3500 + backlog
+
+
+def test_a_long_interval_still_looks_ahead_on_a_ramp():
+    """intervalSeconds 30: the trend's window stretches to hold four reads."""
+    history = History(capacity=CAP, startup_s=60.0, demand=((910.0, 1000.0), (940.0, 1500.0), (970.0, 2000.0)))
+    d = run(pods(6, 2500 / 6), 6, history)
+    assert d.forecast > d.demand

@@ -127,13 +127,13 @@ def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator
             "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
             "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}})
         eventually(lambda: emulator.get(deploy)["spec"]["replicas"] == 6, timeout=30)
+        mark = len(em.applies)  # every apply from here on (refused or not) must carry the count
         assert "LOG_LEVEL" not in {e["name"] for e in emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert ("apps", "deployments/scale", "patch") in em.recorded["operator"]
         assert eventually(lambda: warnings(emulator, "RejectedByAPI", name))
     finally:
         em.policies.remove(debug_logging)
     # The policy is lifted: the spec goes through, the count stays, and the fleet settles.
-    mark = len(em.applies)
     eventually(lambda: {"name": "LOG_LEVEL", "value": "DEBUG"} in
                emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["env"], timeout=30)
     counts = [a["body"]["spec"].get("replicas") for a in em.applies[mark:] if a["kind"] == "Deployment" and a["name"] == name]

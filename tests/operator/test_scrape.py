@@ -114,18 +114,21 @@ def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
 
 
 def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-01-01T00:01:30Z",
-                running_since="2026-01-01T00:00:20Z", ip="10.0.0.1", deleting=False, last_since=None) -> dict:
+                running_since="2026-01-01T00:00:20Z", ip="10.0.0.1", deleting=False, last_since=None,
+                phase="Running") -> dict:
     """A Pod as the kubelet reports it: the Ready condition and the container's status
     (`last_since`: the previous container's start, when it restarted)."""
     meta = {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    # The kubelet's first sync: startTime, and Ready=False written with it.
     container = {"name": "server", "image": "embedserve", "imageID": "", "ready": ready, "started": started,
                  "restartCount": restarts, "state": {"running": {"startedAt": running_since}}}
     if last_since:
         container["lastState"] = {"terminated": {"startedAt": last_since, "exitCode": 137}}
     return {"metadata": meta, "status": {
-        "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_at}],
+        "phase": phase, "podIP": ip, "startTime": "2026-01-01T00:00:01Z",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_at}],
         "containerStatuses": [container]}}
 
 
@@ -143,15 +146,22 @@ def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-0
     # Crash-looping from the start: never Ready, whatever the restarts.
     (kubelet_pod(ready=False, started=False, restarts=4, ready_at="2026-01-01T00:00:02Z",
                  running_since="2026-01-01T00:05:00Z", last_since="2026-01-01T00:03:00Z"), False),
-], ids=["overloaded", "kubelet-restarted", "crashed-and-restarting", "new", "crash-looping"])
+    # Served, then crash-looping: Ready's transition stays the first crash's (00:30), each restart
+    # moves the containers' own times past it.
+    (kubelet_pod(ready=False, started=False, restarts=5, ready_at="2026-01-01T00:30:00Z",
+                 running_since="2026-01-01T00:45:00Z", last_since="2026-01-01T00:40:00Z"), True),
+], ids=["overloaded", "kubelet-restarted", "crashed-and-restarting", "new", "crash-looping", "served-then-crash-looping"])
 def test_a_pod_that_served_and_turned_unready_is_not_starting(pod, served):
     """Told from what the API keeps, so an operator restart forgets nothing."""
     view = autoscaler.pod_view(pod)
     assert (view.ready, view.served) == (False, served)
 
 
-def test_a_pod_being_deleted_leaves_the_fleet():
+def test_a_pod_being_deleted_or_failed_for_good_leaves_the_fleet():
+    """Deleted, or evicted (phase Failed, kept until the pod garbage collector's threshold): it
+    must neither count nor hold the fleet as a blind one would."""
     assert autoscaler.pod_view(kubelet_pod(deleting=True)) is None
+    assert autoscaler.pod_view(kubelet_pod(ready=False, phase="Failed", ready_at="2026-01-01T01:00:00Z")) is None
 
 
 def test_start_up_is_creation_to_the_first_ready():

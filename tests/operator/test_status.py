@@ -42,7 +42,8 @@ async def test_the_reconcile_and_the_autoscaler_racing_keep_each_others_conditio
         limited, problems = round_ % 2 == 0, (["made up"] if round_ % 2 else [])  # both change
         stale = await cluster.kube.get("EmbeddingService", NS, NAME)  # both writers start from this read
         await asyncio.gather(
-            reconcile._write_status(cluster, stale, spec, deployment, None, reconcile.Outcome(problems, [], body=stale)),
+            reconcile._write_status(cluster, stale, spec, deployment, None, reconcile.Outcome(problems, [], body=stale),
+                                    stale["metadata"]["generation"]),
             autoscaler._write_status(cluster, NS, NAME, spec, decision(limited), [], 3, body=stale),
         )
         st = emulator.get(service_path(NS, NAME))["status"]
@@ -151,3 +152,14 @@ async def test_a_mirror_raced_by_a_users_patch(emulator, cluster):
         emulator.merge_patch(service_path(NS, name), {"spec": patch})
         assert await reconcile.mirror_count(cluster, stale, 5) == (kept == 5)
         assert emulator.get(service_path(NS, name))["spec"]["replicas"] == kept, name
+
+
+def test_observed_generation_is_the_one_acted_on():
+    """A user's edit that lands while a reconcile runs has not been acted on (kstatus, Argo CD and
+    Flux read observedGeneration as "the controller has seen this spec"); our own mirror of the
+    count has."""
+    spec = specs.defaulted({"model": "m"})
+    mirrored = {"metadata": {"generation": 3}, "spec": {"model": "m", "replicas": 4}}
+    edited = {"metadata": {"generation": 3}, "spec": {"model": "other", "replicas": 4}}
+    assert reconcile.observed(mirrored, spec, 2) == 3
+    assert reconcile.observed(edited, spec, 2) == 2
