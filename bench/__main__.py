@@ -104,7 +104,7 @@ class Yardstick:
     SCRIPT = """
 import sys, time, torch
 from transformers import AutoModel, AutoTokenizer
-from embedserve.model_source import packaged_model_dir
+from embedserve.model.source import packaged_model_dir
 d = str(packaged_model_dir())
 model, enc = AutoModel.from_pretrained(d).eval(), AutoTokenizer.from_pretrained(d)([sys.argv[1]], return_tensors="pt")
 with torch.inference_mode():
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from embedserve.model_source import packaged_model_dir
+    from embedserve.model.source import packaged_model_dir
 
     model_dir = str(packaged_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)

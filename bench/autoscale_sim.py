@@ -3,7 +3,7 @@ use today. Seconds of simulated time; runs in well under a minute.
 
 Each replica is a FIFO device of fixed capacity (tokens/s) that becomes ready STARTUP_S after it
 is created. Every request goes to a random ready replica, whose admission is the server's real
-`embedserve.admission.decide` (throughput strategy, MAX_DRAIN_TIME_MS budget); the replica's
+`embedserve.admission.policy.decide` (throughput strategy, MAX_DRAIN_TIME_MS budget); the replica's
 offered-load rate is the server's real `DecayingRate`, beside its offered-tokens counter. Policies:
   ours       embedop.autoscale.decide (the operator's real function), every 5 s (the CRD default intervalSeconds)
   hpa-util   Kubernetes HPA on busy fraction, target 70%: 15 s sync, 10% tolerance, scale-up
@@ -28,9 +28,9 @@ import time
 import numpy as np
 
 from embedop import autoscale
-from embedserve import admission
-from embedserve.batching import reorder_window
-from embedserve.estimator import DecayingRate, Snapshot
+from embedserve.admission import policy as admission
+from embedserve.batching.decisions import reorder_window
+from embedserve.admission.estimator import DecayingRate, Snapshot
 
 CAPACITY = 10_000.0  # tokens/s per replica
 STARTUP_S = 60.0
@@ -42,7 +42,7 @@ BASE = 2.2 * 0.7 * CAPACITY
 INITIAL = math.ceil(BASE / (0.7 * CAPACITY))  # every policy starts with the base load's fleet
 MIN_R, MAX_R = 1, 30
 # As a GPU server admits: its batches run for milliseconds, so the reorder window held back from
-# the budget is DEADLINE_WAIT_MS's 50 ms (embedserve.batching.reorder_window).
+# the budget is DEADLINE_WAIT_MS's 50 ms (embedserve.batching.decisions.reorder_window).
 POLICY = admission.Policy(throughput=True, latency=False, max_drain_s=MAX_DRAIN_S, latency_soft_s=1, latency_hard_s=2,
                           reorder_s=reorder_window(0.05, MAX_DRAIN_S))
 

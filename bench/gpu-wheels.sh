@@ -17,6 +17,6 @@ echo "$target" > "$dir/PYTHON"
   transformers tokenizers huggingface_hub grpcio grpcio-health-checking grpcio-reflection protobuf prometheus_client \
   fastapi pydantic uvicorn pyzmq pytest pytest-asyncio pytest-timeout aiohttp
 rm -f "$dir"/numpy-*.whl  # the image's own (torch is built against it)
-PYTHONPATH=server "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model_source import packaged_model_dir; \
+PYTHONPATH=server "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model.source import packaged_model_dir; \
 AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.argv[1])" "$dir/tokenizer" > /dev/null
 du -sh "$dir"

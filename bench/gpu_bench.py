@@ -43,9 +43,9 @@ import torch
 from bench import gpu_served
 from bench.serve_vs_offline import model_max_length
 from embedserve.config import Settings
-from embedserve.encoder import Encoder, choose_placement
-from embedserve.packing import PackedBatch, PackSpec, layout, padded_rows
-from embedserve.worker import WarmupPlan, dummy_batch
+from embedserve.model.encoder import Encoder, choose_placement
+from embedserve.batching.packing import PackedBatch, PackSpec, layout, padded_rows
+from embedserve.model.worker import WarmupPlan, dummy_batch
 
 BUCKETS = (16, 64, 128, 256, 512)
 BATCHES = (8, 32, 128)
@@ -77,7 +77,7 @@ def save_model(path: str, tokenizer_dir: str, model: str, dry: bool) -> None:
     if model == "minilm":
         import shutil
 
-        from embedserve.model_source import packaged_model_dir
+        from embedserve.model.source import packaged_model_dir
 
         shutil.copytree(packaged_model_dir(), path, dirs_exist_ok=True)
         return
@@ -142,7 +142,7 @@ def fill(rows: list[np.ndarray], budget: int, max_rows: int) -> list[list[np.nda
 
 def padded_like(batch: PackedBatch):
     """A packed batch's rows as one padded batch (the padded model's own layout)."""
-    from embedserve.queues import Batch
+    from embedserve.batching.queues import Batch
 
     return Batch(*padded_rows(batch), batch.rows, batch.real_tokens, [])
 
@@ -217,7 +217,7 @@ def offline(model_dir: str, texts: list[str], rows: list[np.ndarray], dtype: str
     (graphs) on the corpus in arrival order, streams filled to each budget, pre-built."""
     from transformers import AutoModel, AutoTokenizer
 
-    from embedserve.pooling import pool
+    from embedserve.model.pooling import pool
 
     device = "cuda" if cuda else "cpu"
     tok = AutoTokenizer.from_pretrained(model_dir)

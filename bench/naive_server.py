@@ -28,7 +28,7 @@ class NaiveBatcher:
     def __init__(self, max_batch: int, wait_s: float):
         from transformers import AutoModel, AutoTokenizer
 
-        from embedserve.model_source import packaged_model_dir
+        from embedserve.model.source import packaged_model_dir
 
         d = str(packaged_model_dir())
         self.tok = AutoTokenizer.from_pretrained(d)

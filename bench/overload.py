@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from embedserve.model_source import packaged_model_dir
+    from embedserve.model.source import packaged_model_dir
 
     model_dir = str(packaged_model_dir())
     tok, limit = AutoTokenizer.from_pretrained(model_dir), model_max_length(model_dir)

@@ -27,7 +27,7 @@ from bench.corpus import corpus  # noqa: E402
 
 def model_max_length(model_dir: str) -> int:
     """Tokens per text as the model declares them (and the server serves them)."""
-    from embedserve.declared import read
+    from embedserve.model.declared import read
 
     return read(model_dir).max_seq_length or 512
 
@@ -36,8 +36,8 @@ def offline(texts: list[str], sizes=(1, 4, 8, 16, 32)) -> dict:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from embedserve.model_source import packaged_model_dir
-    from embedserve.pooling import pool
+    from embedserve.model.source import packaged_model_dir
+    from embedserve.model.pooling import pool
 
     d = str(packaged_model_dir())
     tok = AutoTokenizer.from_pretrained(d)
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     from tests.conftest import ServerProcess  # the same launcher the tests use
     from transformers import AutoTokenizer
 
-    from embedserve.model_source import packaged_model_dir
+    from embedserve.model.source import packaged_model_dir
 
     texts = corpus(args.texts, seed=1)
     tok = AutoTokenizer.from_pretrained(str(packaged_model_dir()))

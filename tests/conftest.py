@@ -161,7 +161,7 @@ def dns():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from embedserve.model_source import ModelSourceError, packaged_model_dir
+    from embedserve.model.source import ModelSourceError, packaged_model_dir
 
     try:
         return str(packaged_model_dir())

@@ -1,7 +1,7 @@
 """`python -m embedserve`: serve until SIGTERM/SIGINT, then drain gracefully and exit 0.
 
 FRONTENDS=1: one process does everything. FRONTENDS=N > 1: this process is the model's (admission,
-batching, the device) and starts N front-end processes that serve the ports (embedserve.frontend);
+batching, the device) and starts N front-end processes that serve the ports (embedserve.frontends.frontend);
 SIGTERM drains the front ends first (their requests are still computed here), then the model."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class FrontEnds:
     def _spawn(self, late: bool = False) -> subprocess.Popen:
         """`late`: started again while its siblings serve the ports (it listens only once ready)."""
         env = {**self.env, "EMBEDSERVE_FRONTEND_LATE": "1"} if late else self.env
-        return subprocess.Popen([sys.executable, "-m", "embedserve.frontend"], env=env)
+        return subprocess.Popen([sys.executable, "-m", "embedserve.frontends.frontend"], env=env)
 
     async def watch(self, heard: dict[int, float], unresponsive_s: float,
                     answering_since: Callable[[], float | None]) -> None:
@@ -136,7 +136,7 @@ class FrontEnds:
 
 async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -> None:
     from embedserve.app import Server
-    from embedserve.door import ModelDoor
+    from embedserve.frontends.door import ModelDoor
 
     server = Server(settings, listen=False)
     door = ModelDoor(server, ipc_path)

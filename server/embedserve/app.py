@@ -13,20 +13,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from embedserve import admission, metrics, simulated
+from embedserve import metrics
+from embedserve.admission import policy as admission
+from embedserve.model import simulated
 from embedserve.config import Settings, served_model_name
-from embedserve.declared import Head
-from embedserve.encoder import Encoder, Placement, choose_placement
-from embedserve.engine import Engine
-from embedserve.estimator import Estimator
+from embedserve.model.declared import Head
+from embedserve.model.encoder import Encoder, Placement, choose_placement
+from embedserve.batching.engine import Engine
+from embedserve.admission.estimator import Estimator
 from embedserve.metrics import Metrics
-from embedserve.prepare import prepare
+from embedserve.model.prepare import prepare
 from embedserve.service import EmbeddingService
-from embedserve.shaping import Limits
+from embedserve.batching.shaping import Limits
 from embedserve.lifecycle import settle_heap
 from embedserve.threads import in_daemon_thread
-from embedserve.transports import Transports
-from embedserve.worker import WarmupPlan, Watchdog
+from embedserve.transports.listeners import Transports
+from embedserve.model.worker import WarmupPlan, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def policy_from(settings: Settings, window_s: float) -> admission.Policy:
 class Server:
     """The model's process: estimator, admission, engine and device. With `listen` (one process,
     FRONTENDS=1) it also serves gRPC and HTTP: the transports come up first (reporting
-    "starting"), then the model. Without, front-end processes serve them (embedserve.door)."""
+    "starting"), then the model. Without, front-end processes serve them (embedserve.frontends.door)."""
 
     def __init__(self, settings: Settings, listen: bool = True):
         self.settings = settings

@@ -213,7 +213,7 @@ class Settings:
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
         if not settings.max_message_bytes:
-            from embedserve.tokenization import CHARS_PER_TOKEN_BOUND
+            from embedserve.batching.tokenization import CHARS_PER_TOKEN_BOUND
 
             text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
             settings = dataclasses.replace(settings, max_message_bytes=settings.max_texts_per_request * text_bytes + 2**20)
@@ -282,7 +282,7 @@ class _Reader:
         return None if self._raw(name) is None else self.bool(name, False)
 
     def pooling(self, name: str) -> str:
-        from embedserve.declared import ALIASES, POOLING_MODES
+        from embedserve.model.declared import ALIASES, POOLING_MODES
 
         v = (self._raw(name) or "").lower()
         bad = [m for m in v.split("+") if v and ALIASES.get(m, m) not in POOLING_MODES]

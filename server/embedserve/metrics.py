@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from embedserve.app import Server
-    from embedserve.queues import Batch
+    from embedserve.batching.queues import Batch
 
 disable_created_metrics()  # *_created series double the exposition for no dashboard's use
 

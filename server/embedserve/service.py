@@ -9,15 +9,15 @@ from typing import Callable
 
 import numpy as np
 
-from embedserve import admission
-from embedserve.declared import Head
-from embedserve.engine import Engine
+from embedserve.admission import policy as admission
+from embedserve.model.declared import Head
+from embedserve.batching.engine import Engine
 from embedserve.errors import NotReady
-from embedserve.estimator import Estimator
-from embedserve.gate import Caller, Gate, Observer
-from embedserve.intake import Intake
-from embedserve.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
-from embedserve.tokenization import TextTokenizer
+from embedserve.admission.estimator import Estimator
+from embedserve.admission.gate import Caller, Gate, Observer
+from embedserve.batching.intake import Intake
+from embedserve.batching.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.batching.tokenization import TextTokenizer
 
 # The latest rejection keeps /health "overloaded" this long.
 OVERLOADED_HOLD_S = 1.0

@@ -11,7 +11,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client, is_final, retry_after_s
-from embedserve.grpc_server import is_retry
+from embedserve.transports.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
 
 SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}

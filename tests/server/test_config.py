@@ -108,7 +108,7 @@ def test_container_cores_reads_the_cpu_quota_of_either_cgroup_version(tmp_path, 
 
 
 def test_a_simulated_rate_must_be_a_positive_number():
-    from embedserve import simulated
+    from embedserve.model import simulated
 
     for bad in ("sim:0", "sim:nan", "sim:-5", "sim:fast"):
         with pytest.raises(ValueError, match="MODEL_PATH"):

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.simulated import HANG_TOKEN
+from embedserve.model.simulated import HANG_TOKEN
 from tests.conftest import ServerProcess
 from tests.server.test_reliability import CAPS, infer_request, serving
 

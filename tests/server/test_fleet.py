@@ -347,7 +347,7 @@ def test_http_keep_alive_connections_are_closed_after_their_age():
 async def test_connection_age_forgets_connections_in_constant_time():
     """Clients without keep-alive open a connection per request: what the middleware remembers
     stays bounded by the connections of the last two ages, each request costing O(1)."""
-    from embedserve.http_server import ConnectionAge
+    from embedserve.transports.http_server import ConnectionAge
 
     now = [0.0]
     sent = []

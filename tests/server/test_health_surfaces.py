@@ -19,11 +19,11 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.__main__ import FrontEnds
 from embedserve.app import Server
 from embedserve.config import Settings
-from embedserve.door import ModelDoor
+from embedserve.frontends.door import ModelDoor
 from embedserve.errors import NotReady
-from embedserve.gate import Caller
+from embedserve.admission.gate import Caller
 from tests.conftest import free_port
-from tests.server.test_frontends import kill_front_ends
+from tests.server.frontends.test_frontend import kill_front_ends
 from tests.server.test_reliability import CAPS
 
 

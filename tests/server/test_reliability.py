@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.loadgen import call, open_loop
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.simulated import FAIL_TOKEN
+from embedserve.model.simulated import FAIL_TOKEN
 from tests.conftest import ServerProcess, counter, make_text
 
 CAPS = "16:8,32:8,64:8,128:4,256:2,512:1"

@@ -1,0 +1,192 @@
+"""A request into token rows: the checks, the prompt, tokenization, pre-tokenized input. The same
+in one process and in each front end (FRONTENDS > 1), which then hand the rows to the model
+process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from concurrent.futures import Executor
+from typing import NamedTuple
+
+import numpy as np
+
+from embedserve.model.declared import Head
+from embedserve.errors import InvalidInput, NotReady, WrongTask
+from embedserve.admission.gate import Caller
+from embedserve.transports.infer_decode import decode
+from embedserve.batching.tokenization import TextTokenizer, validate_texts
+
+# Requests with at most this many characters are tokenized on the event loop (~20 us for a
+# query, ~200 us at the bound; in the model's process, many in one call: embedserve.batching.intake):
+# handing them to a tokenizer thread costs more, since the thread then waits for the GIL the
+# busy loop holds (up to the switch interval). Longer ones go to the tokenizer threads, which
+# release the GIL while the Rust tokenizer runs.
+INLINE_CHARS = 512
+# A token-id row (HTTP input) may hold up to this many times the largest bucket's ids: cut at
+# max_length (TRUNCATE), as a long text is. The HTTP schema refuses a longer row (422) on its
+# length, before validating its ids one by one: a 33 MB body of one row had cost the event loop
+# ~0.35 s and ~100 MiB of validation, only for all but its first ids to be cut. Generous: 8,192 ids with the
+# default buckets, which is also OpenAI's limit on one input, so clients written for it fit.
+ID_ROW_BOUND = 16
+
+
+class Result(NamedTuple):
+    rows: np.ndarray  # [n, dim] float32: embeddings, or logits when the task is classify
+    tokens: int  # real tokens computed (usage)
+
+
+@dataclasses.dataclass
+class Limits:
+    max_texts: int
+    max_length: int  # tokens per text: the model's max_seq_length, capped by the largest bucket
+    truncate: bool
+
+
+class Texts(NamedTuple):
+    """An Embed request, checked: its texts, how to cut them, its prompt, and its content's key
+    (a retry finds the room booked for it by that). A tuple: one per request, on the event loop."""
+
+    texts: list[str]
+    truncate: bool
+    prompt: str
+    key: int
+
+
+def content_key(*parts) -> int:
+    """A request's content → a 63-bit key, the same in every process (Python's hash() of str and
+    bytes is salted per process: a retry landing on another front end would miss its booking)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        data = part if isinstance(part, (bytes, memoryview)) else str(part).encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | None, prompt_name: str | None) -> Texts:
+    truncate = limits.truncate if truncate is None else truncate
+    texts = validate_texts(texts, limits.max_texts)
+    try:
+        prompt = head.prompt(prompt_name) if head else ""
+    except KeyError as e:
+        raise InvalidInput(e.args[0]) from None
+    return Texts(texts, truncate, prompt, content_key(truncate, prompt, *texts))
+
+
+async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts) -> tuple[np.ndarray, np.ndarray]:
+    if sum(map(len, r.texts)) <= INLINE_CHARS:  # a thread hop costs more than the work
+        return tokenizer.encode(r.texts, r.truncate, r.prompt)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt)
+
+
+def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token id lists (HTTP input) → right-padded int32 ids and lengths, every check named. Rows
+    are counted and cut at max_length (or refused) before any array is made: padded to its
+    longest row as sent, one row of 200,000 ids beside 511 short ones held 1.1 GB at its peak."""
+    if not rows or len(rows) > limits.max_texts:
+        raise InvalidInput(f"send 1 to {limits.max_texts} token lists, got {len(rows)}")
+    counts = [len(r) for r in rows]
+    if 0 in counts:
+        raise InvalidInput("token lists must not be empty")
+    if max(counts) > limits.max_length:
+        if not limits.truncate:
+            row = next(i for i, n in enumerate(counts) if n > limits.max_length)
+            raise InvalidInput(_too_long(row, counts[row], limits.max_length))
+        rows = [r[: limits.max_length] for r in rows]
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)  # checked before narrowing
+    bad = f"token ids must be in [0, {vocab_size}) (the model's vocabulary)"
+    try:
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+    except OverflowError:
+        raise InvalidInput(bad) from None
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InvalidInput(bad)
+    return ids.astype(np.int32), lengths
+
+
+def _too_long(row: int, tokens: int, top: int) -> str:
+    return (f"row {row} has {tokens} tokens, more than {top} (the model's max_seq_length, capped by the "
+            "largest bucket), and TRUNCATE is off")
+
+
+def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarray, np.ndarray]:
+    """Pre-tokenized rows cut at max_length (or refused, TRUNCATE off)."""
+    top = limits.max_length
+    if ids.shape[1] <= top:
+        return ids, lengths
+    if not limits.truncate and (lengths > top).any():
+        row = int(np.flatnonzero(lengths > top)[0])
+        raise InvalidInput(_too_long(row, int(lengths[row]), top))
+    return ids[:, :top], np.minimum(lengths, top)
+
+
+def require_task(served: str, task: str) -> None:
+    if task != served:
+        other = "POST /classify" if served == "classify" else "Embed or /v1/embeddings"
+        raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {other}")
+
+
+class InFlight:
+    """The requests inside, for a graceful stop: refused once draining, waited for until none is
+    left. `refusal()` says why a request may not come in now (None: it may)."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0  # admitted requests not yet answered: what a graceful stop waits for
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def refusal(self) -> Exception | None:
+        return NotReady("server is shutting down") if self.draining else None
+
+    @property
+    def ready(self) -> bool:
+        return self.refusal() is None
+
+    async def drained(self) -> None:
+        """Returns once no admitted request is left unanswered (new ones are refused while
+        draining, so this only waits for the ones already inside)."""
+        await self._idle.wait()
+
+    def _tracked(self) -> "InFlight":
+        """`with self._tracked():` around a request inside (refused while draining)."""
+        return self
+
+    def __enter__(self) -> None:
+        if (error := self.refusal()) is not None:
+            raise error
+        self.in_flight += 1
+        self._idle.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+
+class PreTokenized(InFlight):
+    """The pre-tokenized entry points, the same in one process and in a front end: rows decoded
+    and checked here, then `_rows` (admit and compute, or send to the model process)."""
+
+    tokenizer: TextTokenizer
+    limits: Limits
+
+    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = Caller()) -> Result:
+        """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
+        with self._tracked():
+            ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
+            return await self._rows(ids, lengths, content_key(input_ids, attention_mask, *shape), caller)
+
+    async def infer_ids(self, rows: list[list[int]], caller: Caller = Caller()) -> Result:
+        """Token id lists (HTTP input) → the same path as Infer."""
+        with self._tracked():
+            ids, lengths = id_lists(rows, self.limits, self.tokenizer.vocab_size)
+            return await self._rows(ids, lengths, content_key(np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(lengths).tobytes(), *ids.shape), caller)
+
+    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+        raise NotImplementedError

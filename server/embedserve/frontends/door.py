@@ -1,0 +1,61 @@
+"""The model process's answers to its front ends (FRONTENDS > 1): what the model is (once it is
+ready), token rows in and vectors or a named refusal out, /health, and the shared signal.
+Admission, its estimator and the batcher stay here: one home each, one view for all front ends."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from embedserve import metrics
+from embedserve.frontends import ipc
+from embedserve.errors import KNOWN, NotReady, to_wire
+from embedserve.admission.gate import Caller
+
+
+class ModelDoor:
+    def __init__(self, server, path: str):
+        self.server = server
+        self.door = ipc.Door(path, {"hello": self.hello, "rows": self.rows, "state": self.state})
+
+    @property
+    def heard(self) -> dict[int, float]:
+        """Front end pid → when it last said hello or asked for the state (every STATE_EVERY_S):
+        how the model process knows each front end's loop still turns."""
+        return self.door.heard
+
+    def start(self) -> None:
+        self.door.start()
+
+    async def close(self) -> None:
+        await self.door.close()
+
+    async def hello(self, header: dict, payload) -> ipc.Message:
+        """Answered once the model is ready: what a front end needs to shape requests."""
+        await self.server.loaded.wait()
+        s = self.server
+        head = dataclasses.asdict(s.head) if s.head else None
+        if head:
+            head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
+        return {"task": s.task, "labels": s.labels, "head": head, "tokenizer": s.service.tokenizer.spec,
+                "simulated": s.service.head is None}, b""
+
+    async def rows(self, header: dict, payload) -> ipc.Message:
+        ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])
+        lengths = np.asarray(header["lengths"], dtype=np.int64)
+        caller = Caller(header["retry"], header["deadline"], header["waits"])
+        service = self.server.service
+        try:
+            if service is None:
+                raise NotReady("server is warming up")
+            result = await service.rows(ids, lengths, header["key"], caller)
+        except KNOWN as e:
+            return to_wire(e), b""
+        out = np.ascontiguousarray(result.rows, dtype="<f4")
+        return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
+
+    async def state(self, header: dict, payload) -> ipc.Message:
+        """/health's fields and the shared signal, for a front end's probes and /metrics."""
+        s = self.server
+        return {"health": s.health_fields(), "healthy": s.healthy, "signal": metrics.signal(s)}, b""

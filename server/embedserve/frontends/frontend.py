@@ -1,0 +1,214 @@
+"""A front-end process (FRONTENDS > 1): gRPC and HTTP on the pod's ports (SO_REUSEPORT: the kernel
+spreads connections over the front ends), validation and tokenization, and the token rows handed
+to the model process over IPC, which admits, batches and computes them (embedserve.frontends.door).
+A single event loop tops out at ~1,300-2,500 single-text requests/s: several front ends feed
+one device that can do far more. `python -m embedserve.frontends.frontend`, started by the model process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from embedserve.frontends import ipc
+from embedserve.config import Settings, served_model_name
+from embedserve.model.declared import Head
+from embedserve.errors import NotReady, from_wire
+from embedserve.admission.gate import Caller
+from embedserve.lifecycle import settle_heap, until_stopped
+from embedserve.metrics import Metrics
+from embedserve.batching.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.batching.tokenization import TextTokenizer
+from embedserve.transports.listeners import Transports
+
+log = logging.getLogger(__name__)
+STATE_EVERY_S = 0.25  # how fresh a front end's /health, gRPC health and shared signal are
+STATE_TIMEOUT_S = 2.0  # how long a front end waits for the model process's state
+STATE_MISSES = 2  # unanswered state requests in a row that make the model process unhealthy
+
+
+class RemoteService(PreTokenized):
+    """What the transports call, as EmbeddingService: the rows go to the model process."""
+
+    def __init__(self, link: ipc.Link, tokenizer: TextTokenizer, limits: Limits, head: Head | None, task: str,
+                 executor):
+        super().__init__()
+        self.link, self.tokenizer, self.limits, self.head, self.task = link, tokenizer, limits, head, task
+        self.executor = executor
+
+    def require_task(self, task: str) -> None:
+        require_task(self.task, task)
+
+    async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                          prompt_name: str | None = None) -> Result:
+        with self._tracked():
+            r = texts_request(texts, self.limits, self.head, truncate, prompt_name)
+            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+            return await self._rows(ids, lengths, r.key, caller)
+
+    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+        ids, lengths = cut(ids, lengths, self.limits)
+        header = {"op": "rows", "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
+                  "waits": caller.waits, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
+        reply, data = await self.link.call(header, np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        if "error" in reply:
+            raise from_wire(reply)
+        return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
+
+
+class Frontend:
+    """The hub the transports serve, in a front end: the model's state comes from the model
+    process, refreshed every STATE_EVERY_S."""
+
+    def __init__(self, settings: Settings, path: str, late: bool = False):
+        self.settings = settings
+        self.late = late  # started again beside front ends that serve: listen only once it can serve
+        # The model process (its pid from its environment: if it died while this one imported,
+        # the parent is already another process).
+        self.parent = int(os.environ.get("EMBEDSERVE_MODEL_PID", os.getppid()))
+        self.link = ipc.Link(path)
+        self.state: dict = {"health": {"status": "starting"}, "healthy": False, "signal": None}
+        self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.service: RemoteService | None = None
+        self.served_name, self.model_name = served_model_name(settings), settings.model_path
+        self.task, self.labels, self.head = "embed", [], None
+        self.started_at = time.monotonic()
+        self.draining = False
+        self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
+        self.transports = Transports(self, reuse_port=True)
+        self._refresher: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._missed = 0  # state requests unanswered in a row
+
+    def _signal(self) -> dict:
+        return self.state["signal"] or {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
+                                        "queued_tokens": 0, "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0,
+                                        "offered_tokens": 0.0, "admission_backlog_limit_seconds": None,
+                                        "gpu_memory_bytes": {}, "model": {}}
+
+    @property
+    def healthy(self) -> bool:
+        return self.service is not None and not self.draining and self.state["healthy"]
+
+    def health_fields(self) -> dict:
+        return {**self.state["health"], "frontend_pid": os.getpid(),
+                "frontend_in_flight_requests": self.service.in_flight if self.service else 0}
+
+    async def start(self) -> None:
+        settle_heap()  # before any request: what is frozen now is never freed
+        self._watcher = asyncio.create_task(self._watch_model(), name="model-process")
+        if not self.late:  # at the pod's start: nothing serves the ports yet, and probes read "starting"
+            await self.transports.start()
+        hello, _ = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the model is ready
+        head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
+        s = self.settings
+        tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
+        self.task, self.labels, self.head = hello["task"], hello["labels"], head
+        self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
+                                     None if hello["simulated"] else head, self.task, self._executor)
+        self.transports.install_api()  # with the service, in one step: no window where API paths 404
+        if self.late:
+            # Its siblings serve the ports meanwhile, and the kernel spreads new connections over
+            # every listening socket at once: started before the API was installed, it answered
+            # some callers 404 (HTTP) or UNAVAILABLE (gRPC) while the pod was Ready. Now the HTTP
+            # socket is not listening until here; gRPC's listens from the moment its port was
+            # added, and what lands there waits in the backlog until this start: served, late by
+            # one round trip to the model process.
+            await self.transports.start()
+        await self._refresh()
+        self._refresher = asyncio.create_task(self._keep_fresh(), name="state")
+        log.info("front end %d serving gRPC :%d, HTTP :%d", os.getpid(), self.transports.grpc_port,
+                 self.transports.http.port)
+
+    async def refresh(self) -> None:
+        """/health and /metrics read the model process's state as it is now (or, if it does not
+        answer within STATE_TIMEOUT_S STATE_MISSES times in a row, report it unhealthy: a probe never
+        hangs)."""
+        if self.service is not None:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        try:
+            state, _ = await asyncio.wait_for(self.link.call({"op": "state", "pid": os.getpid()}), STATE_TIMEOUT_S)
+            if "error" in state:  # the model process failed to answer (a bug there): a missed answer
+                raise RuntimeError(f"state request answered {state}")
+            self._missed = 0
+        except Exception:  # noqa: BLE001 - no answer, or a broken one
+            self._missed += 1
+            log.warning("the model process did not answer a state request (%d in a row)", self._missed, exc_info=True)
+            if self._missed < STATE_MISSES:  # one late answer from a busy process is not an outage
+                return
+            state = {**self.state, "healthy": False,
+                     "health": {**self.state["health"], "status": "unresponsive"}}
+        was = self.healthy
+        self.state = state
+        if self.healthy != was:
+            await self.transports.serving(self.healthy)
+
+    async def _keep_fresh(self) -> None:
+        """Also this front end's heartbeat: the model process kills one that stops asking
+        (FRONTEND_UNRESPONSIVE_S), so nothing may end this loop but a stop."""
+        while True:
+            await asyncio.sleep(STATE_EVERY_S)
+            try:
+                await self._refresh()
+            except Exception:  # noqa: BLE001
+                log.exception("refreshing the model's state failed")
+
+    async def _watch_model(self) -> None:
+        while os.getppid() == self.parent:
+            await asyncio.sleep(STATE_EVERY_S)
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """The model process is gone (in a pod it is PID 1 and the container goes with it; not so
+        under an init process or anywhere else): fail what waits on it, which would otherwise
+        never be answered, and stop."""
+        log.error("the model process %d is gone: failing %d requests in flight and stopping", self.parent,
+                  self.link.pending)
+        self.draining = True
+        if self.service is not None:
+            self.service.draining = True  # refused before any work, as in a graceful stop
+        self.link.fail_all(NotReady("the model process of this server is gone; retry on another server"))
+        os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop: refuse, drain what is left, exit
+
+    async def stop(self, grace: float) -> None:
+        self.draining = True
+        await self.transports.stop(grace)  # still asking for the state: draining, not stuck
+        for task in (self._refresher, self._watcher):
+            if task and task is not asyncio.current_task():
+                task.cancel()
+        await self.link.close()
+        self._executor.shutdown(wait=False)
+
+
+async def _serve(settings: Settings, path: str) -> None:
+    frontend = Frontend(settings, path, late=os.environ.get("EMBEDSERVE_FRONTEND_LATE") == "1")
+    start, stop = await until_stopped(frontend.start())
+    if start.done() and start.exception() is not None:
+        raise start.exception()
+    await stop.wait()
+    start.cancel()
+    await frontend.stop(settings.shutdown_grace_s)
+
+
+def main() -> int:
+    import sys
+
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
+    settings = Settings.from_env()
+    if settings.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    asyncio.run(_serve(settings, os.environ["EMBEDSERVE_IPC"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""The model on its device: loading, dtype, attention layout, torch.compile / CUDA graphs, and one
+forward pass + pooling per batch (padded rows, or packed rows: embedserve.batching.packing, .varlen).
+Constructed and used only on the model-worker thread (compiled graphs live there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from embedserve.model import varlen
+from embedserve.config import ConfigError, Settings
+from embedserve.model.cuda_graphs import CudaGraphs
+from embedserve.model.declared import Head
+from embedserve.batching.packing import PackedBatch, PackSpec, padded_rows, random_packed
+from embedserve.model.pooling import Pooler
+from embedserve.batching.queues import Batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+    compile: bool  # torch.compile (inductor) each shape
+    static_shapes: bool
+    cuda_graphs: bool = False  # replay one captured CUDA graph per shape
+    attention: str = "padded"  # padded rows, or "packed" rows with variable-length attention
+
+
+def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: bool) -> Placement:
+    """DEVICE/DTYPE/COMPILE/STATIC_SHAPES/ATTENTION → what the worker runs (pure). `attention`
+    is what the settings ask for; the Encoder keeps it only for a model the kernels serve
+    (ATTENTION=auto falls back to padded, ATTENTION=packed refuses to start)."""
+    name = settings.device
+    if name == "auto":
+        name = "cuda" if cuda_available else "cpu"
+    device = torch.device(name)
+    on_gpu = device.type == "cuda"
+    if settings.dtype == "auto":
+        dtype = (torch.bfloat16 if bf16_supported else torch.float16) if on_gpu else torch.float32
+    else:
+        dtype = getattr(torch, settings.dtype)
+    mode = ("graphs" if on_gpu else "false") if settings.compile == "auto" else settings.compile
+    compile_ = mode == "true"
+    graphs = on_gpu and mode in ("graphs", "true")
+    static = (graphs or compile_) if settings.static_shapes == "auto" else settings.static_shapes == "true"
+    # Packed rows by default where FlashAttention-2 runs them: CUDA, half precision.
+    packed = settings.attention == "packed" or (settings.attention == "auto" and on_gpu and dtype in varlen.HALF)
+    # Without static shapes every new batch shape would capture (or compile) another graph.
+    return Placement(device, dtype, compile_, static, graphs and static, "packed" if packed else "padded")
+
+
+def _declined(settings: Settings, reason: str) -> str:
+    """Packed rows cannot serve this model here: padded rows under ATTENTION=auto (said in the
+    log and in /health), a start-up error under ATTENTION=packed."""
+    if settings.attention == "packed":
+        raise ConfigError(f"ATTENTION=packed: {reason}")
+    log.warning("attention: padded rows (%s)", reason)
+    return "padded"
+
+
+class Encoder:
+    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify);
+    `run(batch)` → float32 [rows, dim] numpy."""
+
+    def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
+                 task: str = "embed", head: Head | None = None):
+        from transformers import AutoModel, AutoModelForSequenceClassification
+
+        self.placement = placement
+        self.settings = settings
+        self.task = task
+        if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
+            torch.cuda.set_device(placement.device)
+        loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
+
+        def load(**extra):
+            model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code,
+                                           **extra)
+            return model.to(placement.device).eval()
+
+        self.attention = self._attention(model_dir, settings, placement, task)
+        self.model = load(**({"attn_implementation": varlen.NAME} if self.attention == "packed" else {}))
+        self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
+        head = head or Head(("mean",), True, (), 512, False, {}, None)
+        exclude = torch.tensor(exclude_ids, dtype=torch.int64)
+        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
+        # Output width: the embedding dimension (after any Dense layers), or one logit per label.
+        hidden = int(self.model.config.hidden_size)
+        self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
+        if self.attention == "packed" and (reason := self._check_packed()) is not None:
+            self.attention = _declined(settings, reason)
+            self.model = load()  # afresh, as the model loads by default (switching back may not take)
+        self._forward = self._packed if self.attention == "packed" else self._eager
+        if placement.compile:
+            # One graph per static shape: let dynamo keep them all rather than fall back to
+            # eager after its default 8 recompilations.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            self._forward = torch.compile(self._forward, dynamic=False)
+        if placement.cuda_graphs:
+            self._forward = CudaGraphs(self._forward, placement.device)
+
+    @staticmethod
+    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> str:
+        """The attention layout this model runs: the placement's, unless the kernels cannot serve
+        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed)."""
+        if placement.attention != "packed":
+            return "padded"
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=settings.trust_remote_code)
+        on_gpu = placement.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(placement.device) if on_gpu else None
+        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability)
+        if reason is None and on_gpu:
+            heads = int(config.num_attention_heads)
+            reason = varlen.self_check(placement.device, placement.dtype, heads, int(config.hidden_size) // heads,
+                                       placement.cuda_graphs)
+        if reason is not None:
+            return _declined(settings, reason)
+        varlen.register()
+        log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
+                 "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
+        return "packed"
+
+    def _check_packed(self) -> str | None:
+        """The loaded model on a few packed rows (a padding tail and empty rows as served)
+        against the same rows padded, through transformers' own SDPA. Catches what the kernel's
+        check cannot: a model class that ignores the row bounds (remote code) and so attends
+        across rows, or that refuses the packed keywords. None: they agree."""
+        config, dev = self.model.config, self.placement.device
+        longest = min(64, int(config.max_position_embeddings) - self.position_offset)
+        spec = PackSpec(max_len=longest, max_rows=8, ladder=(4 * longest,))
+        batch = random_packed(3 * longest, spec, int(config.vocab_size), np.random.default_rng(0))
+        ids, mask = (t.to(dev) for t in padded_rows(batch))
+        packed = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens)
+        padded = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
+        try:
+            with torch.inference_mode():
+                got = self._packed(*(t.to(dev) for t in packed), batch.max_len)[: batch.rows].float()
+                self.model.set_attn_implementation(padded)
+                try:
+                    want = self._eager(ids, mask).float()
+                finally:
+                    self.model.set_attn_implementation(varlen.NAME)
+        except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
+            return f"packed rows fail on this model ({type(e).__name__}: {e})"
+        # Per row, the error's length relative to the vector's: blind to scale (unnormalized
+        # models) and to where in the vector bf16 rounds; attending across rows is far above it.
+        error = float(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max())
+        tolerance = 5e-2 if self.placement.dtype in varlen.HALF else 1e-4
+        if not error <= tolerance:  # NaN fails too
+            return f"packed rows differ from padded rows by {error:.3g} (relative, per row; > {tolerance})"
+        return None
+
+    def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_len: int) -> torch.Tensor:
+        """One stream of rows end to end ([T] tensors, see embedserve.batching.packing) → [S, dim]."""
+        hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
+                            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
+                            max_length_k=max_len).last_hidden_state[0]
+        return self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
+
+    def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.task == "classify":
+            return self.model(input_ids=ids, attention_mask=mask).logits.float()
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return self.pooler(hidden, ids, mask)
+
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray:
+        dev = self.placement.device
+        if isinstance(batch, PackedBatch) != (self.attention == "packed"):
+            raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
+        if isinstance(batch, PackedBatch):
+            tensors, extra = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens), (batch.max_len,)
+        else:
+            tensors, extra = (batch.input_ids, batch.attention_mask), ()
+        with torch.inference_mode():
+            if dev.type == "cuda":  # pinned host memory: the copies to the device run async
+                tensors = tuple(t.pin_memory() for t in tensors)
+                if not self.placement.cuda_graphs:  # graphs copy into their static inputs
+                    tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
+            # .cpu() waits for the result, so a graph's static output is read before its next replay.
+            return self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+
+    def memory(self) -> dict[str, int]:
+        if self.placement.device.type != "cuda":
+            return {}
+        return {
+            "allocated": torch.cuda.memory_allocated(self.placement.device),
+            "reserved": torch.cuda.memory_reserved(self.placement.device),
+        }
+
+
+def task_of(config, requested: str) -> str:
+    """TASK auto → classify for *ForSequenceClassification checkpoints, else embed."""
+    if requested != "auto":
+        return requested
+    architectures = getattr(config, "architectures", None) or []
+    return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"

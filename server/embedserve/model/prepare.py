@@ -1,0 +1,61 @@
+"""MODEL_PATH → everything the server must know before the worker loads the weights: the files,
+the task, how the model was declared to be served (pooling, Dense, Normalize, max_seq_length,
+prompts) with the environment's overrides, the buckets that fit, and the tokenizer. Blocking
+(a download, file reads): run it off the event loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from embedserve.model import declared
+from embedserve.model import simulated
+from embedserve.config import Settings
+from embedserve.model.declared import Head
+from embedserve.model.encoder import task_of
+from embedserve.model.source import resolve
+from embedserve.batching.tokenization import TextTokenizer, vocab_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    model_dir: str
+    task: str  # embed | classify
+    labels: list[str]  # classify: the label of each logit
+    head: Head
+    buckets: tuple[int, ...]
+    tokenizer: TextTokenizer
+    exclude_ids: list[int]
+
+
+def usable_buckets(buckets: tuple[int, ...], max_length: int) -> tuple[int, ...]:
+    """Buckets for texts of at most `max_length` tokens: none longer, and `max_length` itself
+    when it falls between two (so the longest texts get a bucket of their own size)."""
+    kept = tuple(b for b in buckets if b < max_length)
+    return kept + (max_length,) if max_length <= buckets[-1] else buckets
+
+
+def prepare(s: Settings) -> Prepared:
+    from transformers import AutoConfig, AutoTokenizer
+
+    sim = simulated.parse(s.model_path) is not None
+    # The simulator borrows the packaged tokenizer.
+    model_dir = str(resolve("" if sim else s.model_path, s.model_cache_dir, s.trust_remote_code))
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
+    hf_tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
+    task = "embed" if sim else task_of(config, s.task)
+    labels = [config.id2label[i] for i in range(config.num_labels)] if task == "classify" else []
+    head, notes = declared.resolve(
+        declared.read(model_dir), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
+        getattr(config, "max_position_embeddings", None), s.buckets[-1])
+    for note in notes:
+        log.info("%s", note)
+    log.info("serving as declared: %s", head.describe())
+    tokenizer = TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case)
+    exclude = vocab_ids(hf_tok, s.exclude_tokens)
+    if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
+        raise declared.DeclarationError(
+            f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {'+'.join(head.pooling)}")
+    return Prepared(model_dir, task, labels, head, usable_buckets(s.buckets, head.max_length), tokenizer, exclude)

@@ -1,0 +1,56 @@
+"""A simulated accelerator (MODEL_PATH=sim:<tokens_per_second>): for tests and the fleet
+simulator only, never a default. A batch "runs" by sleeping a fixed launch cost plus
+padded_tokens / rate, so N server processes on a small CPU behave like N devices with a known
+capacity. Its vectors are deterministic (a seeded projection of the row's token ids), unit-length.
+A batch containing FAIL_TOKEN raises and one containing HANG_TOKEN never returns, so tests can
+exercise device faults on a real process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from embedserve.batching.queues import Batch
+
+PREFIX = "sim:"
+LAUNCH_S = 0.001  # per-batch cost, so bigger batches pay as on a real device
+FAIL_TOKEN = 1  # a batch holding this token id ([unused0] in BERT vocabularies) fails, as a broken device would
+HANG_TOKEN = 2  # a batch holding this one ([unused1]) never returns, as a hung kernel would
+
+
+def parse(model_path: str) -> float | None:
+    """`sim:20000` → 20000.0 tokens/s; None for any other MODEL_PATH."""
+    if not model_path.startswith(PREFIX):
+        return None
+    try:
+        rate = float(model_path[len(PREFIX) :])
+    except ValueError:
+        raise ValueError(f"MODEL_PATH={model_path!r}: expected sim:<tokens_per_second>") from None
+    if not rate > 0:  # NaN too
+        raise ValueError(f"MODEL_PATH={model_path!r}: the rate must be > 0")
+    return rate
+
+
+class SimulatedAccelerator:
+    def __init__(self, tokens_per_s: float, dim: int = 384, vocab_size: int = 30522):
+        self.rate, self.dim = tokens_per_s, dim
+        self._projection = np.random.default_rng(0).standard_normal((vocab_size, dim)).astype(np.float32)
+
+    def run(self, batch: Batch) -> np.ndarray:
+        time.sleep(LAUNCH_S + batch.padded_tokens / self.rate)
+        ids = batch.input_ids[: batch.rows].numpy()
+        attended = ids[batch.attention_mask[: batch.rows].numpy() == 1]
+        if (attended == FAIL_TOKEN).any():
+            raise RuntimeError(f"simulated device fault (token {FAIL_TOKEN} in the batch)")
+        if (attended == HANG_TOKEN).any():
+            threading.Event().wait()  # forever: the process exits around it
+            raise AssertionError("unreachable")
+        mask = batch.attention_mask[: batch.rows].numpy().astype(np.float32)
+        out = np.einsum("bl,bld->bd", mask, self._projection[ids])
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    def memory(self) -> dict[str, int]:
+        return {}

@@ -1,0 +1,145 @@
+"""gRPC transport: embedfleet.v1.Inference, grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.admission.gate import Caller
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
+
+
+def is_retry(metadata) -> bool:
+    """Our client sends embedfleet-attempt=N (N>1 on retries); gRPC's own retry sends
+    grpc-previous-rpc-attempts."""
+    for key, value in metadata or ():
+        if key == "embedfleet-attempt" and value not in ("", "0", "1"):
+            return True
+        if key == "grpc-previous-rpc-attempts" and value not in ("", "0"):
+            return True
+    return False
+
+
+def caller(context) -> Caller:
+    metadata = context.invocation_metadata() or ()
+    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in tuple(metadata))
+
+
+_STATUS = (
+    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (ModelFailure, grpc.StatusCode.INTERNAL),
+    (WrongTask, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None]):
+        self._service = get_service  # None until start-up has built it
+        self._health_fields = health_fields
+        self._observe = observe
+
+    async def Embed(self, request, context):
+        return await self._call(
+            "Embed", context,
+            lambda s: s.embed_texts(request.texts, caller(context), prompt_name=request.prompt_name or None),
+        )
+
+    async def Infer(self, request, context):
+        return await self._call(
+            "Infer", context,
+            lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
+        )
+
+    async def HealthCheck(self, request, context):
+        fields = self._health_fields()
+        return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
+
+    async def _call(self, rpc: str, context, run):
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            service = self._service()
+            if service is None:
+                raise NotReady("server is warming up")
+            service.require_task("embed")
+            out = (await run(service)).rows
+            context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
+            return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
+        except tuple(e for e, _ in _STATUS) as e:
+            code = next(c for t, c in _STATUS if isinstance(e, t))
+            if isinstance(e, Overloaded):
+                # Ours, and gRPC's standard server pushback: a channel whose retry policy covers
+                # RESOURCE_EXHAUSTED retries by itself at the booked moment. Sustained overload
+                # sends a negative pushback: gRPC's (and our Client's) "do not retry".
+                pushback = "-1" if e.final else str(e.retry_after_ms)
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),
+                                               ("grpc-retry-pushback-ms", pushback)))
+            await context.abort(code, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self._observe(rpc, code.name, time.perf_counter() - t0)
+
+
+# The most often a client may ping. One second is gRPC core's own floor for a client's pings, so
+# no gRPC client's keepalive (ours: every 5 s on a silent connection) is refused; a faster flood
+# still earns GOAWAY after gRPC's default 2 strikes.
+MIN_PING_INTERVAL_MS = 1000
+
+
+def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
+                 max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 15.0,
+                 reuse_port: bool = False):
+    """→ (server, health servicer, bound port). Health starts NOT_SERVING. `reuse_port`: front
+    ends share the port (one process alone must not: a second server on it would be an error)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
+        ("grpc.so_reuseport", int(reuse_port)),
+        # Our Client pings connections silent for 5 s, calls or none, to notice a frozen pod.
+        # gRPC servers by default accept no ping on a connection without calls and one per
+        # 5 minutes otherwise, and after 2 more ("strikes") close it with GOAWAY too_many_pings.
+        ("grpc.keepalive_permit_without_calls", 1),
+        # (C core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; a misspelt name is
+        # ignored without a word.)
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ]
+    if max_connection_age_s > 0:
+        # A client keeps its HTTP/2 connections and only re-resolves when one closes: without an
+        # age, pods added by a scale-up never see traffic from clients already connected. The
+        # close is a GOAWAY: calls in flight finish within the grace, new ones go elsewhere.
+        options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, health_servicer, bound
+
+
+async def set_serving(health_servicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)

@@ -1,0 +1,377 @@
+"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed, and /classify.
+Same service, same admission as gRPC; errors as JSON bodies with the right status codes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Annotated, Literal, Union
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, StringConstraints, create_model
+
+from embedserve.config import Settings
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.admission.gate import Caller
+from embedserve.batching.shaping import ID_ROW_BOUND
+
+if TYPE_CHECKING:
+    from embedserve.app import Server
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503)}
+_STATUS = (  # error → (HTTP status, OpenAI-style type)
+    (InvalidInput, 400, "invalid_request_error"),
+    (WrongTask, 400, "invalid_request_error"),
+    (Overloaded, 429, "rate_limit_error"),
+    (NotReady, 503, "service_unavailable"),
+    (ModelFailure, 500, "server_error"),
+)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "embedfleet"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+# What the service accepts, said in the schema: non-blank texts, 1..MAX_ITEMS of them. A list
+# stops at its first bad item (fail_fast): each member of a union otherwise reported every item,
+# 200,000 errors for a 1 MB body, seconds of the loop to list them.
+MAX_ITEMS = 2048  # a hard ceiling; MAX_TEXTS_PER_REQUEST (default 512) applies below it (400)
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
+INPUT_DOC = "A text, a list of texts, a list of token ids, or a list of token id lists."
+
+
+def embeddings_input(ids_per_row: int):
+    """/v1/embeddings' `input`, its token-id rows at most `ids_per_row` long (shaping.ID_ROW_BOUND):
+    the schema refuses a longer row on its length, before its ids are validated one by one."""
+    ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=ids_per_row, fail_fast=True)]
+    return Union[Text, Texts, ids, Annotated[list[ids], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]]
+
+
+EmbeddingsInput = embeddings_input(ID_ROW_BOUND * Settings().buckets[-1])  # with the default buckets
+
+
+class EmbeddingsRequest(BaseModel):
+    input: EmbeddingsInput = Field(description=INPUT_DOC)  # each server's own bound: _embed_routes
+    model: str = Field(description="The served model's id (GET /v1/models).")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
+    user: str | None = None
+    prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
+                                    "before each text (default: its default prompt, if it declares one).")
+
+
+class TeiEmbedRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    normalize: bool = True
+    truncate: bool | None = Field(None, description="Cut over-long inputs (default: the server's TRUNCATE).")
+    truncation_direction: Literal["Right", "right"] = Field("Right", description="Texts are cut at the end, "
+                                                             "as sentence-transformers cuts them.")
+    prompt_name: str | None = Field(None, description="One of the model's declared prompts, put before each "
+                                    "text (default: its default prompt, if it declares one).")
+
+
+class ClassifyRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    all_scores: bool = Field(False, description="Also return every label's probability.")
+    truncate: bool | None = None
+
+
+class TeiPredictRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    raw_scores: bool = Field(False, description="Logits instead of probabilities.")
+    truncate: bool | None = None
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float
+
+
+class Classification(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float] | None = None
+
+
+def _caller(request: Request) -> Caller:
+    """A retry is marked by our header or by the openai client's retry counter; a caller that
+    waits server-side for booked room says embedfleet-queue: wait."""
+    retry = (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
+             or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
+    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait")
+
+
+def _texts(inputs) -> list[str]:
+    return [inputs] if isinstance(inputs, str) else list(inputs)
+
+
+def _l2(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows / np.where(norms == 0, 1, norms)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def register(app: FastAPI, server: "Server") -> None:
+    """Error handlers and request metrics: installed before the app serves its first request."""
+    for error, status, kind in _STATUS:
+        def handler(request: Request, exc: Exception, status=status, kind=kind):
+            headers = {}
+            if isinstance(exc, NotReady):  # warming up, draining, a lost device: another pod, or later
+                headers["Retry-After"] = "1"
+                if server.draining:  # the response closes its connection: the retry reaches another pod
+                    headers["retry-after-ms"] = str(DRAINING_RETRY_AFTER_MS)
+            if isinstance(exc, Overloaded):
+                # Seconds for every HTTP client; milliseconds for those that read them (the
+                # openai client prefers retry-after-ms, and waits exactly that long).
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
+                headers["retry-after-ms"] = str(exc.retry_after_ms)
+                if exc.final:  # sustained overload: the openai client obeys this before anything else
+                    headers["x-should-retry"] = "false"
+            return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
+
+        app.add_exception_handler(error, handler)
+
+    def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's own 422, ASCII-escaped (the input it echoes back may hold a lone surrogate,
+        JSON allows "\\ud800", which UTF-8 cannot encode: that was a 500), and brief: FastAPI
+        lists an error per item, each echoing its input (3,000 texts over the limit answered
+        620 KB; a 1 MB body, 36 MB)."""
+        return Response(error_reply(exc.errors()), status_code=422, media_type="application/json")
+
+    app.add_exception_handler(RequestValidationError, invalid_body)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = starting(request, server) or await call_next(request)
+        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/"):
+            server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
+        return response
+
+
+# What a 422 reports: the first errors, each echoing a little of its input (strings cut, lists
+# and objects of more than a few items, or nested, summarised), in a reply of at most REPLY_BYTES.
+REPORTED_ERRORS = 10
+ECHOED_CHARS = 100
+ECHOED_ITEMS = 8
+# Cut inputs alone do not bound a reply: ASCII-escaped, a character outside the BMP is 12 bytes,
+# and an error may echo up to 8 keys and 8 values of 100 of them.
+REPLY_BYTES = 8192
+
+
+def error_reply(errors: list[dict]) -> str:
+    """The 422's JSON, in FastAPI's shape ({"detail": [error, ...]}, so its schema still holds):
+    the first REPORTED_ERRORS errors that fit REPLY_BYTES, their inputs cut short (or, where that
+    is still too long, summarised), then one entry counting the errors left out. Each error is
+    serialized alone: a reply never costs the event loop much more than its own bytes."""
+    listed, size = [], 0
+    for e in errors[:REPORTED_ERRORS]:
+        room = REPLY_BYTES - 200 - size  # 200: left for the count
+        text = _serialized(e, 0)
+        if len(text) > room and "input" in e:
+            text = _serialized(e, 1)
+        if len(text) > room:
+            break
+        listed.append(text)
+        size += len(text) + 2
+    if len(errors) > len(listed):
+        listed.append(json.dumps({"type": "too_many_errors", "loc": ["body"], "input": None,
+                                  "msg": f"{len(errors) - len(listed)} {'more ' if listed else ''}errors not listed"}))
+    return '{"detail": [' + ", ".join(listed) + "]}"
+
+
+def _serialized(error: dict, depth: int) -> str:
+    return json.dumps(jsonable_encoder({**error, "input": _brief(error["input"], depth)} if "input" in error else error),
+                      ensure_ascii=True)
+
+
+def _brief(value, depth: int = 0):
+    """A request's value as an error echoes it: strings (dict keys too: a 1 MB key had been echoed
+    whole, once per member of the input's union) cut at ECHOED_CHARS; a list or object echoed
+    item by item only at the top and only up to ECHOED_ITEMS items, else summarised."""
+    if isinstance(value, str):
+        return value if len(value) <= ECHOED_CHARS else f"{value[:ECHOED_CHARS]}... ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict)):
+        if depth or len(value) > ECHOED_ITEMS:
+            return f"({type(value).__name__} of {len(value)} items)"
+        if isinstance(value, dict):
+            return {_brief(k, 1): _brief(v, 1) for k, v in value.items()}
+        return [_brief(v, 1) for v in value]
+    return value
+
+
+STARTING_RETRY_AFTER_S = 5
+# A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
+# goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
+DRAINING_RETRY_AFTER_MS = 100
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
+
+
+def starting(request: Request, server: "Server") -> JSONResponse | None:
+    """Before the model has loaded the API's routes do not exist yet (which one the server offers
+    depends on the model's task): they answer 503 with Retry-After, not 404."""
+    if server.service is not None or request.url.path not in API_PATHS:
+        return None
+    return _error(503, "service_unavailable", "server is warming up", None,
+                  {"Retry-After": str(STARTING_RETRY_AFTER_S)})
+
+
+def install_routes(app: FastAPI, server: "Server") -> None:
+    """The API for the loaded model's task (known once it has loaded): embedding routes or the
+    classification route, so the OpenAPI document says exactly what this server does."""
+    router = APIRouter()
+
+    def service():
+        if server.service is None:
+            raise NotReady("server is warming up")
+        return server.service
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[Model(id=server.served_name, created=int(time.time() - (time.monotonic() - server.started_at)))])
+
+    if server.task == "classify":
+        _classify_routes(router, server, service)
+    else:
+        _embed_routes(router, server, service)
+    app.include_router(router)
+    app.openapi_schema = None  # regenerate with the new routes
+
+
+def _prompt_field(server: "Server", description: str):
+    """prompt_name as the schema says it: one of the model's declared prompt names (none: only
+    null). Any other name is refused with 400, naming the ones there are."""
+    names = sorted(server.head.prompts) if server.head else []
+    return (str | None, Field(None, description=description, json_schema_extra={"enum": [*names, None]}))
+
+
+def _embed_routes(router: APIRouter, server: "Server", service) -> None:
+    openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
+        server, EmbeddingsRequest.model_fields["prompt_name"].description),
+        input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
+
+    async def embeddings(body, request: Request):
+        """OpenAI-compatible embeddings."""
+        svc = service()
+        if body.model != server.served_name:
+            return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
+                          f"this server serves {server.served_name!r}", "model_not_found")
+        inp = body.input
+        ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
+        if ids and body.prompt_name:
+            raise InvalidInput("prompt_name applies to texts, not to token ids")
+        if ids:
+            result = await svc.infer_ids([inp] if isinstance(inp[0], int) else inp, _caller(request))
+        else:
+            result = await svc.embed_texts(_texts(inp), _caller(request), prompt_name=body.prompt_name)
+        rows = result.rows
+        if body.dimensions is not None:
+            if body.dimensions > rows.shape[1]:
+                raise InvalidInput(f"dimensions={body.dimensions} exceeds the model's {rows.shape[1]}")
+            rows = _l2(rows[:, : body.dimensions])
+        data = [
+            Embedding(index=i, embedding=base64.b64encode(row.astype("<f4").tobytes()).decode()
+                      if body.encoding_format == "base64" else row.tolist())
+            for i, row in enumerate(rows)
+        ]
+        return EmbeddingsResponse(data=data, model=server.served_name,
+                                  usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
+
+    embeddings.__annotations__.update(body=openai_request, request=Request)  # classes made here, not names
+    router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)(embeddings)
+
+    normalized = server.head.normalize if server.head else True
+    # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
+    tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
+        (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
+        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description))
+
+    async def embed(body, request: Request):
+        """TEI-style embeddings: one vector per input."""
+        svc = service()
+        rows = (await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate,
+                                      prompt_name=body.prompt_name)).rows
+        return (_l2(rows) if body.normalize and not normalized else rows).tolist()
+
+    embed.__annotations__.update(body=tei_request, request=Request)
+    router.post("/embed", response_model=list[list[float]], responses=ERRORS)(embed)
+    # TEI serves the model's task on / too: huggingface_hub's InferenceClient(model=URL) posts there.
+    router.post("/", response_model=list[list[float]], responses=ERRORS, summary="Embed (TEI's /)")(embed)
+
+
+def _classify_routes(router: APIRouter, server: "Server", service) -> None:
+    @router.post("/classify", response_model=list[Classification], responses=ERRORS)
+    async def classify(body: ClassifyRequest, request: Request):
+        """Sequence classification (TASK=classify): the top label and its probability per input."""
+        svc = service()
+        probs = softmax((await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows)
+        out = []
+        for row in probs:
+            top = int(row.argmax())
+            scores = {label: float(p) for label, p in zip(server.labels, row)} if body.all_scores else None
+            out.append(Classification(label=server.labels[top], score=float(row[top]), scores=scores))
+        return out
+
+    @router.post("/", response_model=Union[list[Prediction], list[list[Prediction]]], responses=ERRORS,
+                 summary="Predict (TEI's /)")
+    async def predict(body: TeiPredictRequest, request: Request):
+        """TEI's predict: every label with its score, best first; one list per input when the
+        inputs are a list."""
+        rows = (await service().embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows
+        scores = rows if body.raw_scores else softmax(rows)
+        out = [sorted((Prediction(label=label, score=float(p)) for label, p in zip(server.labels, row)),
+                      key=lambda p: -p.score) for row in scores]
+        return out[0] if isinstance(body.inputs, str) else out
+
+
+def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, code=code)).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,131 @@
+"""HTTP transport on HTTP_HEALTH_PORT: GET /health, GET /metrics, and the JSON API of http_api
+(uvicorn in our event loop; OpenAPI at /openapi.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+import time
+from typing import TYPE_CHECKING, Callable
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from embedserve.transports import http_api
+from embedserve.metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from embedserve.app import Server
+
+
+def build_app(server: "Server") -> FastAPI:
+    # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
+    # limit: at once on its Content-Length, else as the bytes arrive).
+    app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """The shared signal and readiness; 503 while starting, draining, or failing batches."""
+        await server.refresh()
+        return JSONResponse(server.health_fields(), status_code=200 if server.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await server.refresh()
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+    http_api.register(app, server)
+    return app
+
+
+class ConnectionAge:
+    """ASGI middleware: the first response after a keep-alive connection is `max_age_s` old, and
+    every response while the server drains, says `Connection: close`. HTTP clients (the openai
+    client's pool, say) keep connections for ever, and behind a ClusterIP Service a connection is
+    one pod: without an age, pods added by a scale-up never see those clients; without the close
+    on draining, a client's retry of the draining pod's 503 goes down the same connection to the
+    same pod. A connection is known by its peer address and port."""
+
+    def __init__(self, app, max_age_s: float, clock: Callable[[], float] = time.monotonic,
+                 draining: Callable[[], bool] = lambda: False):
+        self.app, self.max_age_s, self.clock, self.draining = app, max_age_s, clock, draining
+        self._born: dict[tuple, float] = {}
+        self._order: collections.deque[tuple[float, tuple]] = collections.deque()  # by birth: O(1) forgetting
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        peer = scope.get("client")
+        if not peer or self.max_age_s <= 0:
+            return await self.app(scope, receive, _closing(send, self.draining))
+        now, peer = self.clock(), tuple(peer)
+        while self._order and self._order[0][0] < now - 2 * self.max_age_s:  # connections long gone
+            born, old = self._order.popleft()
+            if self._born.get(old) == born:
+                del self._born[old]
+        born = self._born.get(peer)
+        if born is None:
+            born = self._born[peer] = now
+            self._order.append((now, peer))
+        if born > now - self.max_age_s:
+            return await self.app(scope, receive, _closing(send, self.draining))
+        del self._born[peer]
+        return await self.app(scope, receive, _closing(send, lambda: True))
+
+
+def _closing(send, close: Callable[[], bool]):
+    """`send` that adds `Connection: close` to the response's headers when `close()` says so as
+    the response starts (uvicorn then closes): a request in flight at SIGTERM closes too."""
+    async def closing(message):
+        if message["type"] == "http.response.start" and close():
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn as a task of our loop: the process's signals are ours, not uvicorn's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    def __init__(self, server: "Server", host: str, port: int, max_connection_age_s: float = 0.0,
+                 reuse_port: bool = False):
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # front ends share the port; the kernel spreads the connections
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._socket.bind((host, port))  # bound now, so port 0 resolves before start
+        self.port = self._socket.getsockname()[1]
+        self.app = build_app(server)
+        config = uvicorn.Config(ConnectionAge(self.app, max_connection_age_s, draining=lambda: server.draining),
+                                log_level="warning", access_log=False, lifespan="off")
+        self._uvicorn = _EmbeddedServer(config)
+        self._task: asyncio.Task | None = None
+
+    def install_api(self, server: "Server") -> None:
+        http_api.install_routes(self.app, server)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._uvicorn.serve(sockets=[self._socket]))
+        while not self._uvicorn.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()
+
+    async def stop(self, timeout: float) -> None:
+        """Stop; a request still unanswered `timeout` seconds on is cancelled. uvicorn's default
+        waits for every connection to finish its request, forever: a client that sends its body
+        slowly, or never, held the process past any grace."""
+        if self._task:
+            self._uvicorn.config.timeout_graceful_shutdown = max(0.1, timeout)
+            self._uvicorn.should_exit = True
+            await self._task

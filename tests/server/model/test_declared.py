@@ -1,0 +1,74 @@
+"""Reading a model directory's sentence-transformers declaration, and the environment's overrides."""
+
+import json
+
+import pytest
+
+from embedserve.model.declared import Declared, DeclarationError, read, resolve
+
+
+def write(root, files: dict) -> str:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(content))
+    return str(root)
+
+
+MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+           {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+
+
+def test_the_packaged_model_declares_mean_normalize_and_256_tokens(model_dir):
+    d = read(model_dir)
+    assert (d.pooling, d.normalize, d.max_seq_length, d.dense, d.prompts) == (("mean",), True, 256, (), {})
+
+
+def test_the_older_flag_format_and_several_modes(tmp_path):
+    d = read(write(tmp_path, {"modules.json": MODULES, "1_Pooling/config.json": {
+        "word_embedding_dimension": 8, "pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}}))
+    assert d.pooling == ("cls", "max") and not d.normalize
+
+
+def test_prompts_and_their_default(tmp_path):
+    d = read(write(tmp_path, {"modules.json": MODULES, "1_Pooling/config.json": {"pooling_mode": "cls"},
+                              "config_sentence_transformers.json": {"prompts": {"query": "q: ", "doc": ""},
+                                                                    "default_prompt_name": "query"}}))
+    head, _ = resolve(d, "", None, 512, 512, 512)
+    assert head.prompt(None) == "q: " and head.prompt("doc") == ""
+    with pytest.raises(KeyError, match="unknown prompt_name 'x'; this model's prompts: doc, query"):
+        head.prompt("x")
+
+
+@pytest.mark.parametrize("module, message", [
+    ({"path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}, "does not run: sentence_transformers.models.LayerNorm"),
+    ({"path": "2_Router", "type": "sentence_transformers.base.modules.router.Router"}, "does not run"),
+])
+def test_modules_it_cannot_run_fail_start_up_naming_them(tmp_path, module, message):
+    with pytest.raises(DeclarationError, match=message):
+        read(write(tmp_path, {"modules.json": MODULES + [{"idx": 2, "name": "2", **module}],
+                              "1_Pooling/config.json": {"pooling_mode": "mean"}}))
+
+
+def test_prompts_left_out_of_pooling_are_refused_not_ignored(tmp_path):
+    with pytest.raises(DeclarationError, match="include_prompt: false"):
+        read(write(tmp_path, {"modules.json": MODULES, "1_Pooling/config.json": {"pooling_mode": "mean", "include_prompt": False}}))
+
+
+def test_a_plain_checkpoint_is_served_as_sentence_transformers_serves_one(tmp_path):
+    head, notes = resolve(read(tmp_path), "", None, 512, 512, 512)
+    assert (head.pooling, head.normalize) == (("mean",), False)
+    assert any("no sentence-transformers modules.json" in n for n in notes)
+
+
+def test_the_environment_overrides_and_says_so():
+    head, notes = resolve(Declared(True, ("cls",), normalize=True, max_seq_length=256), "mean+last", False, 512, 512, 512)
+    assert (head.pooling, head.normalize) == (("mean", "lasttoken"), False)
+    assert any("POOLING=mean+last overrides" in n for n in notes) and any("NORMALIZE=false overrides" in n for n in notes)
+
+
+def test_max_length_is_the_declared_one_capped_by_positions_and_the_largest_bucket():
+    assert resolve(Declared(True, max_seq_length=256), "", None, 512, 512, 512)[0].max_length == 256
+    assert resolve(Declared(True), "", None, 10**30, 514, 512)[0].max_length == 512  # tokenizer's "no limit"
+    head, notes = resolve(Declared(True, max_seq_length=8192), "", None, 8192, 8192, 512)
+    assert head.max_length == 512 and any("largest bucket (512) cuts" in n for n in notes)
