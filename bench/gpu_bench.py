@@ -44,7 +44,7 @@ from bench import gpu_served
 from bench.serve_vs_offline import model_max_length
 from embedserve.config import Settings
 from embedserve.model.encoder import Encoder, choose_placement
-from embedserve.batching.packing import PackedBatch, PackSpec, layout, padded_rows
+from embedserve.model.batches import PackedBatch, PackSpec, layout, padded_rows
 from embedserve.model.worker import WarmupPlan, dummy_batch
 
 BUCKETS = (16, 64, 128, 256, 512)
@@ -142,7 +142,7 @@ def fill(rows: list[np.ndarray], budget: int, max_rows: int) -> list[list[np.nda
 
 def padded_like(batch: PackedBatch):
     """A packed batch's rows as one padded batch (the padded model's own layout)."""
-    from embedserve.batching.queues import Batch
+    from embedserve.model.batches import Batch
 
     return Batch(*padded_rows(batch), batch.rows, batch.real_tokens, [])
 

@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from embedserve.app import Server
-    from embedserve.batching.queues import Batch
+    from embedserve.model.batches import Batch
 
 disable_created_metrics()  # *_created series double the exposition for no dashboard's use
 

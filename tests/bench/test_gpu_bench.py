@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.gpu_bench import MAX_TOKENS, fill, stream, write
-from embedserve.batching.packing import PackSpec
+from embedserve.model.batches import PackSpec
 
 
 def test_streams_are_filled_within_the_row_cap_as_well_as_the_token_budget():

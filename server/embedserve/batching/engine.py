@@ -15,12 +15,14 @@ from typing import Callable
 
 import numpy as np
 
-from embedserve.batching.decisions import (choose_bucket, fit_length, ladder_size, length_ladder, next_drain, next_packed_drain,
-                                 pack_rows, reorder_window, room, select_rows, within_window)
+from embedserve.batching.decisions import choose_bucket, next_drain, next_packed_drain, pack_rows, reorder_window, room, select_rows, within_window
+from embedserve.model.shapes import fit_length, ladder_size, length_ladder
 from embedserve.errors import DeviceUnresponsive, ModelFailure, NotReady
 from embedserve.admission.estimator import Estimator
-from embedserve.batching.packing import PackedBatch, assemble_packed
-from embedserve.batching.queues import Batch, BucketQueues, Chunk, PendingRequest, assemble
+from embedserve.batching.packing import assemble_packed
+from embedserve.model.batches import PackedBatch
+from embedserve.batching.queues import BucketQueues, Chunk, PendingRequest, assemble
+from embedserve.model.batches import Batch
 from embedserve.threads import in_daemon_thread
 from embedserve.model.worker import ModelWorker, Runner, WarmupPlan, WarmupResult, Watchdog
 

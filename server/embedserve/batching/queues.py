@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from embedserve.batching.decisions import BucketView
+from embedserve.model.batches import Batch
 
 
 class PendingRequest:
@@ -144,21 +145,6 @@ class BucketQueues:
                 chunk.queued_rows = chunk.queued_tokens = 0
         self.queued_tokens -= freed
         return freed
-
-
-@dataclasses.dataclass(eq=False)
-class Batch:
-    """One forward pass: `rows` real rows first, then any dummy rows a captured shape needs."""
-
-    input_ids: torch.Tensor  # [B, L] int64
-    attention_mask: torch.Tensor  # [B, L] int64
-    rows: int
-    real_tokens: int
-    routes: list[tuple[PendingRequest, np.ndarray, slice]]  # request, its positions, batch rows
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.input_ids.shape[0] * self.input_ids.shape[1])
 
 
 def assemble(taken: list[QueuedRow], pad_id: int, pad_to: int | None, batch_to: int | None) -> Batch:

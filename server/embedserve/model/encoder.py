@@ -14,9 +14,9 @@ from embedserve.model import varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
-from embedserve.batching.packing import PackedBatch, PackSpec, padded_rows, random_packed
+from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
-from embedserve.batching.queues import Batch
+from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
 

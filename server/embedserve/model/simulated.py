@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from embedserve.batching.queues import Batch
+from embedserve.model.batches import Batch
 
 PREFIX = "sim:"
 LAUNCH_S = 0.001  # per-batch cost, so bigger batches pay as on a real device

@@ -120,7 +120,7 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, head_dim: i
     inputs. None: it agrees; else why not. At start-up, before the model trusts the kernel: a
     torch build or GPU whose kernel fails or differs gets padded rows (ATTENTION=auto) instead
     of wrong vectors or a crash loop."""
-    from embedserve.batching.packing import PackSpec, layout
+    from embedserve.model.batches import PackSpec, layout
 
     spec = PackSpec(max_len=128, max_rows=8, ladder=(256,))
     cu_host, _, _, size = layout(np.array([5, 37, 1, 90]), spec)

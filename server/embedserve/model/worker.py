@@ -14,10 +14,9 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from embedserve.batching.decisions import (bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop,
-                                 token_ladder)
-from embedserve.batching.packing import PackedBatch, PackSpec, random_packed
-from embedserve.batching.queues import Batch
+from embedserve.model.shapes import bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop, token_ladder
+from embedserve.model.batches import PackedBatch, PackSpec, random_packed
+from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
 

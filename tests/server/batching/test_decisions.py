@@ -5,25 +5,8 @@ import types
 import numpy as np
 import pytest
 
-from embedserve.batching.decisions import (
-    BucketView,
-    bucket_row_limit,
-    choose_bucket,
-    choose_cap,
-    fit_length,
-    ladder_size,
-    length_ladder,
-    next_drain,
-    next_packed_drain,
-    pack_rows,
-    packed_slots,
-    reorder_window,
-    room,
-    select_rows,
-    sweep_should_stop,
-    token_ladder,
-    within_window,
-)
+from embedserve.batching.decisions import BucketView, choose_bucket, next_drain, next_packed_drain, pack_rows, reorder_window, room, select_rows, within_window
+from embedserve.model.shapes import bucket_row_limit, choose_cap, fit_length, ladder_size, length_ladder, packed_slots, sweep_should_stop, token_ladder
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedserve.batching.decisions import length_ladder
+from embedserve.model.shapes import length_ladder
 from embedserve.batching.engine import Engine, split_by_bucket
 from embedserve.errors import DeviceUnresponsive, ModelFailure, NotReady
 from embedserve.admission.estimator import Estimator

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from embedserve.batching.decisions import token_ladder
+from embedserve.model.shapes import token_ladder
 from embedserve.config import Settings
 from embedserve.model.declared import POOLING_MODES, Head
 from embedserve.model.encoder import Encoder, choose_placement
 from embedserve.batching.engine import Engine
 from embedserve.admission.estimator import Estimator
-from embedserve.batching import packing
-from embedserve.batching.packing import PackedBatch, PackSpec, assemble_packed, layout, random_packed
-from embedserve.batching.queues import Batch, Chunk, PendingRequest, QueuedRow
+from embedserve.batching.packing import assemble_packed
+from embedserve.model.batches import Batch, PackedBatch, PackSpec, layout, padded_rows, random_packed
+from embedserve.batching.queues import Chunk, PendingRequest, QueuedRow
 from embedserve.model.worker import WarmupPlan, warm_up
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
@@ -70,9 +70,9 @@ def encoders(model_dir):
     return packaged(model_dir, {"ATTENTION": "packed"}), packaged(model_dir, {})
 
 
-def padded_rows(batch: PackedBatch) -> Batch:
+def as_padded(batch: PackedBatch) -> Batch:
     """The packed batch's real rows, padded (the padded path's own layout)."""
-    return Batch(*packing.padded_rows(batch), batch.rows, batch.real_tokens, [])
+    return Batch(*padded_rows(batch), batch.rows, batch.real_tokens, [])
 
 
 @pytest.mark.parametrize("ladder", [None, (256, 320, 384, 448, 512, 640)], ids=["exact", "static"])
@@ -85,7 +85,7 @@ def test_the_packed_encoder_computes_what_the_padded_one_does(encoders, ladder):
     spec = PackSpec(max_len=256, max_rows=16, ladder=ladder)
     for tokens in (250, 300, 640):
         batch = random_packed(tokens, spec, packed.model.config.vocab_size, rng)
-        got, want = packed.run(batch), padded.run(padded_rows(batch))
+        got, want = packed.run(batch), padded.run(as_padded(batch))
         assert got.shape == want.shape == (batch.rows, packed.dim) and packed.dim == 384 * len(POOLING_MODES)
         np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -96,7 +96,7 @@ def test_each_layout_refuses_the_others_batches(encoders):
     with pytest.raises(TypeError, match="PackedBatch for an encoder of padded rows"):
         padded.run(batch)
     with pytest.raises(TypeError, match="Batch for an encoder of packed rows"):
-        packed.run(padded_rows(batch))
+        packed.run(as_padded(batch))
 
 
 class SteadyDevice:
@@ -214,7 +214,7 @@ def test_cuda_packed_graphs_compute_what_the_padded_model_does_at_every_stream_s
         for below, size in zip((0, *spec.ladder), spec.ladder):
             batch = random_packed(int(rng.integers(below + 1, size + 1)), spec, 3000, rng)
             assert batch.padded_tokens == size
-            rows = padded_rows(batch)
+            rows = as_padded(batch)
             got, want = packed.run(batch), padded.run(rows)
             allowed = 1e-5 if dtype == "float32" else max(1e-3, float(np.abs(want - truth.run(rows)).max()))
             worst.append(float(np.abs(got - want).max()) / allowed)
@@ -232,7 +232,7 @@ def test_cuda_eager_packed_rows_agree_with_padded_rows(tiny_dir):
     rng = np.random.default_rng(1)
     for tokens in (7, 300, 3000):
         batch = random_packed(tokens, spec, 3000, rng)
-        rows = padded_rows(batch)
+        rows = as_padded(batch)
         want = padded.run(rows)
         allowed = max(1e-3, float(np.abs(want - truth.run(rows)).max()))
         np.testing.assert_allclose(packed.run(batch), want, atol=allowed)

@@ -4,7 +4,7 @@ import torch
 
 from embedserve.config import Settings
 from embedserve.model.encoder import Encoder, choose_placement
-from embedserve.batching.queues import Batch
+from embedserve.model.batches import Batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
 

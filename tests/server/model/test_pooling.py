@@ -7,7 +7,7 @@ from sentence_transformers.base.modules import Dense, Normalize
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 from embedserve.model.declared import POOLING_MODES, DeclarationError
-from embedserve.batching.packing import PackSpec, layout
+from embedserve.model.batches import PackSpec, layout
 from embedserve.model.pooling import Pooler, pool, pool_segments
 
 

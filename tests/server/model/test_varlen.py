@@ -11,8 +11,8 @@ from embedserve.model import varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.declared import POOLING_MODES, Head
 from embedserve.model.encoder import Encoder, Placement, choose_placement
-from embedserve.batching.packing import PackSpec, random_packed
-from embedserve.batching.queues import Batch
+from embedserve.model.batches import PackSpec, random_packed
+from embedserve.model.batches import Batch
 
 HEAD = Head(POOLING_MODES, False, (), 64, False, {}, None)
 
