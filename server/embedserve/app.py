@@ -22,7 +22,7 @@ from embedserve.model.encoder import Encoder, Placement, choose_placement
 from embedserve.batching.engine import Engine
 from embedserve.admission.estimator import Estimator
 from embedserve.metrics import Metrics
-from embedserve.model.prepare import prepare
+from embedserve.prepare import prepare
 from embedserve.service import EmbeddingService
 from embedserve.batching.shaping import Limits
 from embedserve.lifecycle import settle_heap

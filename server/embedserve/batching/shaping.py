@@ -15,7 +15,7 @@ import numpy as np
 from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports.infer_decode import decode
+from embedserve.batching.infer_decode import decode
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedserve.errors import InvalidInput
-from embedserve.transports.infer_decode import decode
+from embedserve.batching.infer_decode import decode
 
 VOCAB = 100
 
