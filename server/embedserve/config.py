@@ -15,6 +15,16 @@ class ConfigError(ValueError):
     """An environment variable has a value the server cannot use."""
 
 
+# What settings are checked against, kept here so that config imports nothing of the server (every
+# stage imports config): the pooling modes a model may declare or POOLING may name
+# (model.declared, model.pooling), and the most characters one token may stand for
+# (batching.tokenization cuts a text longer than max_seq_length × this before tokenizing; message
+# size limits follow from it).
+POOLING_MODES = ("cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens")
+POOLING_ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens"}
+CHARS_PER_TOKEN_BOUND = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     model_path: str = PACKAGED_MODEL
@@ -213,8 +223,6 @@ class Settings:
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
         if not settings.max_message_bytes:
-            from embedserve.batching.tokenization import CHARS_PER_TOKEN_BOUND
-
             text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
             settings = dataclasses.replace(settings, max_message_bytes=settings.max_texts_per_request * text_bytes + 2**20)
         if not settings.http_max_body_bytes:
@@ -282,10 +290,8 @@ class _Reader:
         return None if self._raw(name) is None else self.bool(name, False)
 
     def pooling(self, name: str) -> str:
-        from embedserve.model.declared import ALIASES, POOLING_MODES
-
         v = (self._raw(name) or "").lower()
-        bad = [m for m in v.split("+") if v and ALIASES.get(m, m) not in POOLING_MODES]
+        bad = [m for m in v.split("+") if v and POOLING_ALIASES.get(m, m) not in POOLING_MODES]
         if bad:
             raise ConfigError(f"{name}={v!r}: expected one of {', '.join(POOLING_MODES)} (several joined by +)")
         return v

@@ -5,15 +5,26 @@ counters and histograms are fed through the Observer calls the core makes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from embedserve.app import Server
     from embedserve.model.batches import Batch
+
+
+class Observed(Protocol):
+    """What the shared signal is read from (embedserve.app's Server; a front end renders the values
+    the model process sends): the estimator, and what says what is served."""
+
+    estimator: Any  # embedserve.admission.estimator.Estimator
+    service: Any  # embedserve.service.EmbeddingService (None until ready): its gate's bookings, its policy
+    engine: Any  # embedserve.batching.engine.Engine (None until ready)
+    placement: Any  # device and dtype
+    head: Any  # embedserve.model.declared.Head
+    model_name: str
 
 disable_created_metrics()  # *_created series double the exposition for no dashboard's use
 
@@ -24,7 +35,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 32768, 65536, 262144)
 
 
-def signal(server: "Server") -> dict:
+def signal(server: Observed) -> dict:
     """The shared signal's values, in one unit (real tokens), read from the estimator at scrape
     time (never a second copy). Plain values: a front end (FRONTENDS > 1) gets them from the
     model process and renders the same families."""

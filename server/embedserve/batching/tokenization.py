@@ -14,14 +14,14 @@ import json
 import numpy as np
 from tokenizers import Tokenizer, normalizers
 
+# CHARS_PER_TOKEN_BOUND (kept with the settings whose sizes follow from it): a text is cut at this
+# many characters per token of max_length before it is tokenized: the tokenizer reads a whole text
+# before truncating, and a 4 MiB text would hold a tokenizer thread for seconds. Generous (English
+# runs 4-5 characters per token, code and URLs less): only texts whose first max_length tokens span
+# more than this are tokenized differently, and those are cut either way.
+from embedserve.config import CHARS_PER_TOKEN_BOUND
 from embedserve.errors import InvalidInput
 
-# A text is cut at this many characters per token of max_length before it is tokenized: the
-# tokenizer reads a whole text before truncating, and a 4 MiB text would hold a tokenizer thread
-# for seconds. Generous (English runs 4-5 characters per token, code and URLs less): only texts
-# whose first max_length tokens span more than this are tokenized differently, and those are
-# cut either way.
-CHARS_PER_TOKEN_BOUND = 16
 # Characters per token a text may show: from a symbol or CJK character split into byte tokens, to
 # the bound at which texts are cut before tokenizing anyway.
 CHARS_PER_TOKEN_RANGE = (0.25, float(CHARS_PER_TOKEN_BOUND))

@@ -14,9 +14,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-# Pooling modes sentence-transformers offers for encoders (its names; "last" is our old alias).
-POOLING_MODES = ("cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens")
-ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens"}
+# Pooling modes sentence-transformers offers for encoders (its names; "last" is our old alias),
+# kept with the settings that name them.
+from embedserve.config import POOLING_ALIASES as ALIASES, POOLING_MODES
+
 _LEGACY_POOLING = {  # sentence-transformers < 6 saved one boolean per mode, in this order
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",

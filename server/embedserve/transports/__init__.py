@@ -1,1 +1,8 @@
-"""(described in the next commit)"""
+"""Transports: the gRPC and HTTP listeners of a serving process (listeners.py, grpc_server.py,
+http_server.py), the JSON API (http_api.py: OpenAI, TEI-style, classify) and the Hub they serve
+from (hub.py: the one process's Server, or a front end's link to the model process). They turn
+requests into calls of the service and its errors into statuses, and decide nothing about
+admission or batching.
+
+May import: embedserve.config, embedserve.errors, embedserve.metrics, embedserve.admission, embedserve.batching, embedserve.model
+"""

@@ -7,7 +7,7 @@ import base64
 import json
 import math
 import time
-from typing import TYPE_CHECKING, Annotated, Literal, Union
+from typing import Annotated, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request
@@ -19,10 +19,9 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
+from embedserve.transports.hub import Hub
 from embedserve.batching.shaping import ID_ROW_BOUND
 
-if TYPE_CHECKING:
-    from embedserve.app import Server
 
 
 class ErrorDetail(BaseModel):
@@ -159,7 +158,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=1, keepdims=True)
 
 
-def register(app: FastAPI, server: "Server") -> None:
+def register(app: FastAPI, server: Hub) -> None:
     """Error handlers and request metrics: installed before the app serves its first request."""
     for error, status, kind in _STATUS:
         def handler(request: Request, exc: Exception, status=status, kind=kind):
@@ -255,7 +254,7 @@ DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
 
 
-def starting(request: Request, server: "Server") -> JSONResponse | None:
+def starting(request: Request, server: Hub) -> JSONResponse | None:
     """Before the model has loaded the API's routes do not exist yet (which one the server offers
     depends on the model's task): they answer 503 with Retry-After, not 404."""
     if server.service is not None or request.url.path not in API_PATHS:
@@ -264,7 +263,7 @@ def starting(request: Request, server: "Server") -> JSONResponse | None:
                   {"Retry-After": str(STARTING_RETRY_AFTER_S)})
 
 
-def install_routes(app: FastAPI, server: "Server") -> None:
+def install_routes(app: FastAPI, server: Hub) -> None:
     """The API for the loaded model's task (known once it has loaded): embedding routes or the
     classification route, so the OpenAPI document says exactly what this server does."""
     router = APIRouter()
@@ -286,14 +285,14 @@ def install_routes(app: FastAPI, server: "Server") -> None:
     app.openapi_schema = None  # regenerate with the new routes
 
 
-def _prompt_field(server: "Server", description: str):
+def _prompt_field(server: Hub, description: str):
     """prompt_name as the schema says it: one of the model's declared prompt names (none: only
     null). Any other name is refused with 400, naming the ones there are."""
     names = sorted(server.head.prompts) if server.head else []
     return (str | None, Field(None, description=description, json_schema_extra={"enum": [*names, None]}))
 
 
-def _embed_routes(router: APIRouter, server: "Server", service) -> None:
+def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
         server, EmbeddingsRequest.model_fields["prompt_name"].description),
         input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
@@ -347,7 +346,7 @@ def _embed_routes(router: APIRouter, server: "Server", service) -> None:
     router.post("/", response_model=list[list[float]], responses=ERRORS, summary="Embed (TEI's /)")(embed)
 
 
-def _classify_routes(router: APIRouter, server: "Server", service) -> None:
+def _classify_routes(router: APIRouter, server: Hub, service) -> None:
     @router.post("/classify", response_model=list[Classification], responses=ERRORS)
     async def classify(body: ClassifyRequest, request: Request):
         """Sequence classification (TASK=classify): the top label and its probability per input."""

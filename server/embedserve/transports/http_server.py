@@ -8,7 +8,7 @@ import collections
 import contextlib
 import socket
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,12 +16,11 @@ from fastapi.responses import JSONResponse, Response
 
 from embedserve.transports import http_api
 from embedserve.metrics import CONTENT_TYPE
-
-if TYPE_CHECKING:
-    from embedserve.app import Server
+from embedserve.transports.hub import Hub
 
 
-def build_app(server: "Server") -> FastAPI:
+
+def build_app(server: Hub) -> FastAPI:
     # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
     # limit: at once on its Content-Length, else as the bytes arrive).
     app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes)
@@ -97,7 +96,7 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, server: "Server", host: str, port: int, max_connection_age_s: float = 0.0,
+    def __init__(self, server: Hub, host: str, port: int, max_connection_age_s: float = 0.0,
                  reuse_port: bool = False):
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,7 +110,7 @@ class HttpServer:
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
-    def install_api(self, server: "Server") -> None:
+    def install_api(self, server: Hub) -> None:
         http_api.install_routes(self.app, server)
 
     async def start(self) -> None:

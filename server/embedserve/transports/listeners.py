@@ -2,8 +2,8 @@
 their graceful stop: the same in a single-process server and in each front end (FRONTENDS > 1,
 where every front end binds the same ports with SO_REUSEPORT and the kernel spreads connections).
 
-The hub they serve is duck-typed: `service` (None until the model is ready), `health_fields()`,
-`healthy`, `metrics`, and what http_api reads (task, head, labels, served_name, started_at)."""
+What they serve from is a Hub (hub.py): the one process's Server, or a front end's link to the
+model process."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import time
 
 from embedserve.transports import grpc_server
 from embedserve.transports import http_server
+from embedserve.transports.hub import Hub
 
 log = logging.getLogger(__name__)
 
 
 class Transports:
-    def __init__(self, hub, reuse_port: bool = False):
+    def __init__(self, hub: Hub, reuse_port: bool = False):
         s = hub.settings
         self.hub = hub
         held_s = (s.reservation_horizon_ms + s.max_drain_time_ms) / 1000
