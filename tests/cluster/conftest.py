@@ -3,7 +3,7 @@ EMBEDFLEET_CLUSTER_TESTS=1 (so a developer's production context is never touched
 It installs the CRD, works in a fresh namespace it deletes afterwards, and runs the operator
 locally with `--namespace` against that cluster (test_uninstall_on_cluster.py installs the chart
 instead). Here a real API server judges what the emulator cannot: server-side apply's field
-ownership, garbage collection, foreground deletion, controllers, admission. See the README
+ownership, garbage collection, foreground deletion, controllers, admission. See docs/testing.md
 ("Tests on a real cluster") for kind."""
 
 import json

@@ -173,14 +173,14 @@ def test_a_real_prometheus_scrapes_the_shared_signal(prometheus, default_server)
 
 
 def test_the_shipped_autoscaling_promql_reads_offered_load_from_a_real_prometheus(prometheus, default_server):
-    """The chart's prometheus-adapter rule and the README's KEDA query, evaluated for real."""
+    """The chart's prometheus-adapter rule and the KEDA query of docs/operator.md, evaluated for real."""
     import yaml  # noqa: PLC0415 - only this test reads the chart
 
     root = pathlib.Path(__file__).resolve().parents[2]
     rule = yaml.safe_load((root / "charts/embedfleet/values.yaml").read_text())["prometheusAdapter"]["rules"][0]
     adapter = rule["metricsQuery"].replace("<<.LabelMatchers>>", 'job="embedfleet"').replace("<<.GroupBy>>", "job")
-    readme = (root / "README.md").read_text()
-    keda = readme[readme.index("query: |") + len("query: |"):readme.index("threshold:")]
+    guide = (root / "docs" / "operator.md").read_text()
+    keda = guide[guide.index("query: |") + len("query: |"):guide.index("threshold:")]
     keda = " ".join(line.split("#")[0].strip() for line in keda.splitlines()).replace('service="minilm"', 'job="embedfleet"')
     wait_for(lambda: query(prometheus, "embedfleet_service_rate_tokens_per_second > 0"))
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(default_server.target))
