@@ -1,3 +1,27 @@
-"""embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling)."""
+"""embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
+
+Flat, on purpose: sixteen modules in two kinds, each named for its job, and a subpackage per kind
+would add a level without telling a reader more than this list does.
+
+Pure (dicts and numbers in, dicts and numbers out; tested as tables):
+  crd        the CustomResourceDefinition, built here; its schema's defaults
+  spec       a spec defaulted, and what no schema can say about it (problems)
+  render     spec → the manifests of what a service owns
+  status     observations → status fields and conditions
+  autoscale  the autoscaling decision (samples, policy, history → replicas)
+
+I/O, from the edge in:
+  kube       the Kubernetes API calls (lightkube), errors sorted for the callers
+  cache      informers: the owned kinds listed and watched by label; reads from the copies,
+             guarded writes through one Cluster (the leader check before each)
+  leader     leader election on a coordination.k8s.io Lease
+  reconcile  one reconcile: render, apply what drifted, report status
+  autoscaler one autoscaling step: scrape the pods, decide, scale, record
+  fleet      one task per service: reconciles and autoscaler steps, kicked by watch events
+  handlers   the only module with kopf handlers: startup, the services' events
+  config     the operator's settings, from the environment, once
+  uninstall  the chart's optional pre-delete hook
+  __main__   `python -m embedop`
+"""
 
 __version__ = "0.2.0"
