@@ -79,7 +79,7 @@ class Settings:
     computes), 0 on CPU (nothing to overlap; a batch formed later is fuller)."""
     backpressure_throughput: bool = True
     """BACKPRESSURE_THROUGHPUT_ENABLED: reject when admitting would push drain time past
-    MAX_DRAIN_TIME_MS less the batcher's reorder window (batching.reorder_window)."""
+    MAX_DRAIN_TIME_MS less the batcher's reorder window (batching.decisions.reorder_window)."""
     backpressure_latency: bool = False
     """BACKPRESSURE_LATENCY_ENABLED: shed by windowed P95 latency (25% at soft, all at hard)."""
     max_drain_time_ms: float = 500.0
@@ -91,7 +91,7 @@ class Settings:
     (retry-after-ms is then the moment the queue ahead of it drains below the limit). A burst up
     to this much model time is scheduled; past it a request is told when booking is possible, so
     a flood cannot book the future. Full, with demand over capacity for as long, it starts
-    sustained-overload refusals (nothing booked, told not to retry; admission.py). 0 books
+    sustained-overload refusals (nothing booked, told not to retry; admission/policy.py). 0 books
     nothing (refusals say when there will be room)."""
     max_connection_age_s: float = 30.0
     """MAX_CONNECTION_AGE_S: gRPC and HTTP keep-alive connections are closed gracefully after

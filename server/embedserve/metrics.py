@@ -5,26 +5,32 @@ counters and histograms are fed through the Observer calls the core makes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from embedserve.admission.estimator import Estimator
+    from embedserve.batching.engine import Engine
     from embedserve.model.batches import Batch
+    from embedserve.model.declared import Head
+    from embedserve.model.encoder import Placement
+    from embedserve.service import EmbeddingService
 
 
 class Observed(Protocol):
-    """What the shared signal is read from (embedserve.app's Server; a front end renders the values
-    the model process sends): the estimator, and what says what is served."""
+    """What the shared signal is read from: the model's process (embedserve.app's Server; a front
+    end renders the values the model process sends it)."""
 
-    estimator: Any  # embedserve.admission.estimator.Estimator
-    service: Any  # embedserve.service.EmbeddingService (None until ready): its gate's bookings, its policy
-    engine: Any  # embedserve.batching.engine.Engine (None until ready)
-    placement: Any  # device and dtype
-    head: Any  # embedserve.model.declared.Head
+    estimator: "Estimator"
+    service: "EmbeddingService | None"  # None until ready: its gate's bookings, its policy's backlog limit
+    engine: "Engine | None"
+    placement: "Placement | None"
+    head: "Head | None"
     model_name: str
+
 
 disable_created_metrics()  # *_created series double the exposition for no dashboard's use
 

@@ -1,6 +1,8 @@
-"""The package tree is the map of the data path: each subpackage of embedserve imports only what
-its docstring's "May import:" line allows, and no module imports itself back through others
-(function-level and TYPE_CHECKING imports included: a reader follows those too)."""
+"""The package tree is the map of the data path. The stages are layers: each module imports only
+modules of lower layers (and of its own unit); each subpackage imports only what its docstring's
+"May import:" line allows; no module imports itself back through others; no relative import.
+Imports are read as a reader follows them (tests/imports.py): function-level and TYPE_CHECKING
+ones too, and the parent packages Python runs first."""
 
 from __future__ import annotations
 
@@ -9,35 +11,35 @@ import re
 from pathlib import Path
 
 import embedserve
+from tests.imports import circles, graph, modules
 
 PKG = Path(embedserve.__file__).parent
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts and "_pb2" not in p.name}
+MODULES = modules(PKG)
+EDGES, RELATIVE = graph(PKG)
 SUBPACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" and m != "embedserve")
-
-
-def imports(name: str) -> set[str]:
-    """The embedserve modules `name` imports, wherever in the file."""
-    found = set()
-    for node in ast.walk(ast.parse(MODULES[name].read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "embedserve":
-            for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                found.add(full if full in MODULES else node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "embedserve")
-    return {m for m in found if m in MODULES and m != name}
+# Lowest first: what a layer may import is below it. The request flows down (transports call the
+# service, which admits and batches, which runs the model); what wires the stages sits on top.
+LAYERS = [
+    {"embedserve", "embedserve.errors", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
+     "embedserve.client"},
+    {"embedserve.model", "embedserve.admission"},
+    {"embedserve.batching"},
+    {"embedserve.service"},
+    {"embedserve.metrics"},
+    {"embedserve.transports"},
+    {"embedserve.frontends", "embedserve.prepare"},
+    {"embedserve.app"},
+    {"embedserve.__main__"},
+]
 
 
 def unit(name: str) -> str:
     """The subpackage a module belongs to, or the top-level module itself."""
     return next((p for p in SUBPACKAGES if name == p or name.startswith(p + ".")), name)
+
+
+def layer(name: str) -> int:
+    return next(i for i, units in enumerate(LAYERS) if unit(name) in units)
 
 
 def allowed(package: str) -> set[str]:
@@ -47,39 +49,25 @@ def allowed(package: str) -> set[str]:
     return {m.strip() for m in line.group(1).split(",")}
 
 
-def test_every_subpackage_imports_only_what_its_docstring_allows():
-    wrong = [f"{m} imports {i}" for m in MODULES for i in imports(m)
-             if unit(m) in SUBPACKAGES and unit(i) != unit(m) and unit(i) not in allowed(unit(m))]
+def test_every_module_has_a_layer():
+    assert all(any(unit(m) in units for units in LAYERS) for m in MODULES), \
+        [m for m in MODULES if not any(unit(m) in units for units in LAYERS)]
+
+
+def test_every_module_imports_only_from_the_layers_below():
+    wrong = [f"{m} imports {i}" for m, imports in EDGES.items() for i in imports
+             if unit(i) != unit(m) and i != "embedserve" and layer(i) >= layer(m)]
     assert wrong == []
 
 
-def test_no_import_circle():
-    graph = {m: imports(m) for m in MODULES}
-    circles, index, low, stack, on = [], {}, {}, [], set()
+def test_every_subpackage_imports_only_what_its_docstring_allows():
+    wrong = [f"{m} imports {i}" for m, imports in EDGES.items() for i in imports
+             if unit(m) in SUBPACKAGES and unit(i) != unit(m) and i != "embedserve" and unit(i) not in allowed(unit(m))]
+    assert wrong == []
 
-    def visit(v):  # Tarjan: every strongly connected component of more than one module is a circle
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while (w := stack.pop()) != v:
-                on.discard(w)
-                component.append(w)
-            on.discard(v)
-            if component:
-                circles.append(sorted([v, *component]))
 
-    for m in graph:
-        if m not in index:
-            visit(m)
-    assert circles == []
+def test_no_import_circle_and_no_relative_import():
+    assert circles(EDGES) == [] and RELATIVE == []
 
 
 def test_the_subpackages_are_the_stages():

@@ -1,8 +1,8 @@
 """The door every request passes before any work is spent on it: count the offer once, let a
-booked retry in, ask admission (pure, admission.py), and for what does not fit now, book the
+booked retry in, ask admission (pure, policy.py), and for what does not fit now, book the
 moment it will and either hold the caller until then (a caller that said it waits) or refuse it
 with that moment (RESOURCE_EXHAUSTED / 429 + retry-after); under sustained overload, refuse it
-as final (admission.still_sustained). Runs on the event loop."""
+as final (policy.still_sustained). Runs on the event loop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import itertools
 import math
 from typing import Callable, NamedTuple, Protocol
 
-from embedserve.admission import policy as admission
+from embedserve.admission.policy import Policy, decide, still_sustained, uniform
 from embedserve.errors import Overloaded
 from embedserve.admission.estimator import Estimator
 from embedserve.admission.reservations import ReservationBook
@@ -33,20 +33,20 @@ class Observer(Protocol):
 
 
 class Gate:
-    def __init__(self, estimator: Estimator, policy: admission.Policy, observer: Observer,
-                 draw: Callable[[], float] = admission.uniform):
+    def __init__(self, estimator: Estimator, policy: Policy, observer: Observer,
+                 draw: Callable[[], float] = uniform):
         self.estimator, self.policy, self.observer, self.draw = estimator, policy, observer, draw
         self.book = ReservationBook()
         self.last_rejection = -math.inf
         self._held: list[tuple[float, int, float, asyncio.Future]] = []  # (moment, seq, tokens, wake), a heap
         self._seq = itertools.count()
         self._joining = 0.0  # tokens of callers woken by release_held that have not resumed yet
-        self._sustained = False  # admission.still_sustained
+        self._sustained = False  # still_sustained (policy.py)
         self._over_since: float | None = None  # since when new demand has exceeded the service rate
 
     def sustained(self, snap) -> bool:
         """Sustained overload now (for /health): refused without booking."""
-        return admission.still_sustained(snap.arrival_rate, snap.service_rate, self._sustained)
+        return still_sustained(snap.arrival_rate, snap.service_rate, self._sustained)
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -71,7 +71,7 @@ class Gate:
         # Bookings past their grace leave before they count: nothing else may read the book for
         # hours (probes over gRPC), and dead ones inflated every refusal's moment.
         reserved = self.book.reserved(now)
-        decision = admission.decide(snap, cost, self.policy, self.draw(), reserved, self._sustained, over_for)
+        decision = decide(snap, cost, self.policy, self.draw(), reserved, self._sustained, over_for)
         self._sustained = self._sustained or decision.final
         if decision.admit:
             return
@@ -91,7 +91,7 @@ class Gate:
     def _follow_demand(self, arrival_rate: float, service_rate: float, now: float) -> None:
         """At each new request, with the arrival rate read just before it: since when demand has
         exceeded capacity without a break, and whether a sustained overload has ended."""
-        self._sustained = admission.still_sustained(arrival_rate, service_rate, self._sustained)
+        self._sustained = still_sustained(arrival_rate, service_rate, self._sustained)
         if arrival_rate < service_rate:
             self._over_since = None
         elif self._over_since is None:

@@ -41,7 +41,7 @@ class Policy:
     max_drain_s: float
     latency_soft_s: float
     latency_hard_s: float
-    # The batcher's reorder window (batching.reorder_window): rows admitted up to this much
+    # The batcher's reorder window (batching.decisions.reorder_window): rows admitted up to this much
     # after a row may run before it, so that much time is held back from the drain budget and
     # accepted requests finish within MAX_DRAIN_TIME_MS plus their own batch.
     reorder_s: float = 0.0

@@ -2,7 +2,7 @@
 
 A request that does not fit the drain budget is told when it will (`retry-after-ms`) and its
 tokens are booked for that moment (within the horizon, and unless the overload is sustained:
-admission.py). A retry finds its booking by the request's content (the same
+policy.py). A retry finds its booking by the request's content (the same
 texts or token ids), so it works for every client that resends the same request after the
 server's delay: ours, the openai client (which honours `retry-after-ms`), gRPC's own retry
 policy (which honours `grpc-retry-pushback-ms`), or a shell loop. A booking not claimed within

@@ -65,7 +65,7 @@ class Engine:
         self.estimator = estimator
         self.deadline_s = deadline_s
         self.max_drain_s = max_drain_s  # the admission budget the reorder window is held back from
-        self.window_s = deadline_s  # batching.reorder_window, sized by the warm-up
+        self.window_s = deadline_s  # batching.decisions.reorder_window, sized by the warm-up
         self.clock = clock
         self.queues = BucketQueues(plan.buckets)
         self.lengths = length_ladder(plan.buckets)  # static shapes' padded lengths

@@ -4,5 +4,5 @@
 warms it up and runs batches (worker.py), and a simulated device (simulated.py). It knows nothing
 of requests, queues or admission.
 
-May import: embedserve.config, embedserve.errors
+May import: embedserve.config
 """

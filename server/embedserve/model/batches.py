@@ -30,7 +30,7 @@ class Batch:
     attention_mask: torch.Tensor  # [B, L] int64
     rows: int
     real_tokens: int
-    routes: list[tuple[object, np.ndarray, slice]]  # the batcher's: request, its positions, rows  # request, its positions, batch rows
+    routes: list[tuple[object, np.ndarray, slice]]  # the batcher's: request, its positions, batch rows (read by it, not the model)
 
     @property
     def padded_tokens(self) -> int:

@@ -1,5 +1,5 @@
 """The model on its device: loading, dtype, attention layout, torch.compile / CUDA graphs, and one
-forward pass + pooling per batch (padded rows, or packed rows: embedserve.batching.packing, .varlen).
+forward pass + pooling per batch (padded rows, or packed rows: embedserve.model.batches, .varlen).
 Constructed and used only on the model-worker thread (compiled graphs live there)."""
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Encoder:
 
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_len: int) -> torch.Tensor:
-        """One stream of rows end to end ([T] tensors, see embedserve.batching.packing) → [S, dim]."""
+        """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
         hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
                             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
                             max_length_k=max_len).last_hidden_state[0]

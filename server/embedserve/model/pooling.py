@@ -2,7 +2,7 @@
 sentence-transformers offers (concatenated when several are declared), then its Dense layers and
 Normalize, as the model declares them (embedserve.model.declared). Rows are right-padded; sums
 accumulate in float32 (one bmm in the model's dtype, its result rounded to that dtype, as
-sentence-transformers' own sum is). Packed rows (embedserve.batching.packing) pool per segment of one
+sentence-transformers' own sum is). Packed rows (embedserve.model.batches) pool per segment of one
 token stream, in float32 throughout, then the same head."""
 
 from __future__ import annotations

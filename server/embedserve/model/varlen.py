@@ -1,5 +1,5 @@
 """Variable-length attention over packed rows, registered with transformers' AttentionInterface
-so a BERT-family model runs a packed stream (embedserve.batching.packing) unchanged: the model is loaded
+so a BERT-family model runs a packed stream (embedserve.model.batches) unchanged: the model is loaded
 with `attn_implementation=NAME`, called with input_ids and position_ids of shape [1, T], and the
 row bounds travel as transformers' own packed-sequence keywords (cu_seq_lens_q/k,
 max_length_q/k), which BertModel hands down to every attention call. transformers builds no

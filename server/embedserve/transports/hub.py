@@ -1,19 +1,41 @@
-"""What the transports serve from: a Hub. In one process it is the Server that wires the stages
-(embedserve.app); in a front end (FRONTENDS > 1), the front end's link to the model process
-(embedserve.frontends.frontend). The transports know only this: what they read and call, no more."""
+"""What the transports serve from: a Hub, with its Service. In one process the Hub is the Server
+that wires the stages (embedserve.app) and its Service the EmbeddingService (embedserve.service);
+in a front end (FRONTENDS > 1), the front end (embedserve.frontends.frontend) and its
+RemoteService, which sends rows to the model process. The transports know only this: what they
+read and call, no more (tests/server/transports/test_hub.py checks that both sides have it)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from embedserve.admission.gate import Caller
+from embedserve.batching.shaping import Result
 from embedserve.config import Settings
 from embedserve.metrics import Metrics
 from embedserve.model.declared import Head
 
 
+class Service(Protocol):
+    draining: bool  # refusing new requests (SIGTERM)
+    in_flight: int  # admitted requests not yet answered
+
+    def require_task(self, task: str) -> None:
+        """Refuse (WrongTask) a call for another task than the one served."""
+
+    async def embed_texts(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
+                          prompt_name: str | None = None) -> Result: ...
+
+    async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = ...) -> Result: ...
+
+    async def infer_ids(self, rows: list[list[int]], caller: Caller = ...) -> Result: ...
+
+    async def drained(self) -> None:
+        """Returns once no admitted request is left unanswered."""
+
+
 class Hub(Protocol):
     settings: Settings
-    service: Any  # what the RPCs and routes call (embedserve.service, or a front end's proxy); None until ready
+    service: Service | None  # None until the model is ready
     metrics: Metrics
     draining: bool  # SIGTERM received: answers close their connections
     served_name: str  # the model's id in the OpenAI API

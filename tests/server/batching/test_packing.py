@@ -1,4 +1,5 @@
-"""Packed rows end to end on CPU: the stream's layout, the packed encoder against the padded one
+"""Packed rows end to end on CPU, across the stages (the layout itself: model/test_batches.py): the
+assembly of queued rows into a stream, the packed encoder against the padded one
 on the packaged model (every pooling mode, EXCLUDE_TOKENS), the engine routing packed results to
 their requests, and the warm-up's token budget. On CPU the packed encoder runs the reference
 attention (SDPA row by row), registered with transformers exactly as the CUDA kernels are, so
@@ -18,29 +19,12 @@ from embedserve.model.encoder import Encoder, choose_placement
 from embedserve.batching.engine import Engine
 from embedserve.admission.estimator import Estimator
 from embedserve.batching.packing import assemble_packed
-from embedserve.model.batches import Batch, PackedBatch, PackSpec, layout, padded_rows, random_packed
+from embedserve.model.batches import Batch, PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.batching.queues import Chunk, PendingRequest, QueuedRow
 from embedserve.model.worker import WarmupPlan, warm_up
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
 ALL_MODES = Head(POOLING_MODES, True, (), 256, False, {}, None)  # every mode at once, concatenated
-
-
-def test_a_static_stream_covers_every_token_with_rows_no_longer_than_the_pin():
-    spec = PackSpec(max_len=16, max_rows=8, ladder=(32, 64))
-    cu, positions, segments, size = layout(np.array([5, 16, 2]), spec)
-    assert size == 32 and len(cu) == 1 + 8 + 2  # row cap + ceil(32 / 16) tail rows
-    assert cu.tolist() == [0, 5, 21, 23, 32] + [32] * 6  # the tail (9 tokens) is one row; then empty rows
-    assert positions.tolist() == list(range(5)) + list(range(16)) + [0, 1] + list(range(9))
-    assert segments.tolist() == [0] * 5 + [1] * 16 + [2] * 2 + [3] * 9
-    cu, _, _, size = layout(np.array([16, 16, 16, 1]), PackSpec(16, 8, (64,)))
-    assert (size, cu[:7].tolist()) == (64, [0, 16, 32, 48, 49, 64, 64])  # a 15-token tail row
-
-
-def test_an_eager_stream_is_exactly_its_rows():
-    cu, positions, segments, size = layout(np.array([3, 1, 2]), PackSpec(16, 8, None))
-    assert (size, cu.tolist(), positions.tolist(), segments.tolist()) == (6, [0, 3, 4, 6], [0, 1, 2, 0, 0, 1],
-                                                                          [0, 0, 0, 1, 2, 2])
 
 
 async def test_assembly_keeps_each_rows_tokens_and_routes_its_output_row():
