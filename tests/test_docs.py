@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
+# Pages whose named paths are checked too (not linked pages of the docs: the figures).
+NAMING = [*PAGES, ROOT / "bench" / "RESULTS.md"]
 README_MAX_LINES = 260
 # Paths the pages name that a checkout does not hold until a script makes them.
 GENERATED = {"bench/wheels"}
@@ -161,7 +163,7 @@ def test_every_docs_page_is_linked_from_the_readme():
 REPO_PATH = re.compile(r"`((?:server|operator|crds|charts|protos|tests|bench)/[\w./-]*)(?:::[\w.]+)?`")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+@pytest.mark.parametrize("page", NAMING, ids=page_id)
 def test_every_repository_path_named_exists(page):
     named = {m for line in prose(page) for m in REPO_PATH.findall(line)}
     named |= {m for line in page.read_text().splitlines() for m in REPO_PATH.findall(line)
