@@ -1,43 +1,101 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOAT: _ClassVar[Encoding]
+    INT8: _ClassVar[Encoding]
+    UINT8: _ClassVar[Encoding]
+    BINARY: _ClassVar[Encoding]
+    UBINARY: _ClassVar[Encoding]
+FLOAT: Encoding
+INT8: Encoding
+UINT8: Encoding
+BINARY: Encoding
+UBINARY: Encoding
+
 class EmbedRequest(_message.Message):
-    __slots__ = ("texts", "prompt_name")
+    __slots__ = ("texts", "prompt_name", "dimensions", "encoding", "truncate")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     prompt_name: str
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+    dimensions: int
+    encoding: Encoding
+    truncate: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("input_ids", "attention_mask", "shape")
+    __slots__ = ("input_ids", "attention_mask", "shape", "dimensions", "encoding")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     input_ids: bytes
     attention_mask: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    dimensions: int
+    encoding: Encoding
+    def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "shape")
+    __slots__ = ("embeddings", "shape", "quantized", "encoding")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    quantized: bytes
+    encoding: Encoding
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., quantized: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "texts", "truncate", "raw_scores")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    raw_scores: bool
+    def __init__(self, query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., raw_scores: _Optional[bool] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("scores",)
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedSparseResponse(_message.Message):
+    __slots__ = ("indices", "values", "offsets", "dimension")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    indices: bytes
+    values: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    dimension: int
+    def __init__(self, indices: _Optional[bytes] = ..., values: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ..., dimension: _Optional[int] = ...) -> None: ...
 
 class HealthCheckRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthCheckResponse(_message.Message):
-    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload")
+    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload", "task", "quantize_range")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +115,8 @@ class HealthCheckResponse(_message.Message):
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     SUSTAINED_OVERLOAD_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_RANGE_FIELD_NUMBER: _ClassVar[int]
     status: str
     accepting_requests: bool
     queued_tokens: int
@@ -76,4 +136,6 @@ class HealthCheckResponse(_message.Message):
     prompts: _containers.RepeatedScalarFieldContainer[str]
     default_prompt_name: str
     sustained_overload: bool
-    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ...) -> None: ...
+    task: str
+    quantize_range: float
+    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ...) -> None: ...

@@ -49,6 +49,16 @@ class InferenceStub:
                 request_serializer=embedfleet_dot_v1_dot_inference__pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=embedfleet_dot_v1_dot_inference__pb2.HealthCheckResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/embedfleet.v1.Inference/Rerank',
+                request_serializer=embedfleet_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+                response_deserializer=embedfleet_dot_v1_dot_inference__pb2.RerankResponse.FromString,
+                _registered_method=True)
+        self.EmbedSparse = channel.unary_unary(
+                '/embedfleet.v1.Inference/EmbedSparse',
+                request_serializer=embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -76,6 +86,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """A cross-encoder's relevance of each text to the query (a server whose task is rerank):
+        one score per text, in the order of texts (sort them yourself, or use HTTP /v1/rerank).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedSparse(self, request, context):
+        """SPLADE sparse vectors (a server whose task is sparse): each text's non-zero vocabulary entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +118,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.HealthCheck,
                     request_deserializer=embedfleet_dot_v1_dot_inference__pb2.HealthCheckRequest.FromString,
                     response_serializer=embedfleet_dot_v1_dot_inference__pb2.HealthCheckResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=embedfleet_dot_v1_dot_inference__pb2.RerankRequest.FromString,
+                    response_serializer=embedfleet_dot_v1_dot_inference__pb2.RerankResponse.SerializeToString,
+            ),
+            'EmbedSparse': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedSparse,
+                    request_deserializer=embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +211,60 @@ class Inference:
             '/embedfleet.v1.Inference/HealthCheck',
             embedfleet_dot_v1_dot_inference__pb2.HealthCheckRequest.SerializeToString,
             embedfleet_dot_v1_dot_inference__pb2.HealthCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedfleet.v1.Inference/Rerank',
+            embedfleet_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+            embedfleet_dot_v1_dot_inference__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedSparse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedfleet.v1.Inference/EmbedSparse',
+            embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.FromString,
             options,
             channel_credentials,
             insecure,
