@@ -110,7 +110,8 @@ async def test_sustained_overload_from_callers_that_retry_is_refused_at_once(ref
     retry-after, no server-side wait) at 2× capacity, long past the reservation horizon: once the
     horizon has filled and demand has exceeded capacity for a horizon, the excess is refused for
     good and served calls wait no longer than the drain budget and a batch. Booking them as a burst's turned the excess into a queue as deep as
-    the horizon: served calls waited the horizon, refused ones up to twice it (bench/RESULTS.md)."""
+    the horizon: served calls waited the horizon, refused ones up to twice it (89624bf's run:
+    git log -p bench/RESULTS.md)."""
     server = ServerProcess({
         "MODEL_PATH": f"sim:{SIM_RATE}", "MAX_DRAIN_TIME_MS": str(MAX_DRAIN_MS), "BATCH_CAPS": CAPS,
         "RESERVATION_HORIZON_MS": str(HORIZON_MS),
