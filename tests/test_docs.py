@@ -87,20 +87,27 @@ def variables_read(settings_class) -> set[str]:
     return parsed | env.read
 
 
-def variables_documented(page: Path) -> set[str]:
-    """The names in the first column of the page's `| variable | default | meaning |` tables."""
-    names, in_table = set(), False
+def table_rows(page: Path, header: str):
+    """(line, first cell) of each body row of the page's tables whose first column is `header`."""
+    in_table = False
     for line in prose(page):
         if not line.startswith("|"):
             in_table = False
             continue
         first = line.strip("|").split("|")[0].strip()
-        if first == "variable":
+        if first == header:
             in_table = True
         elif in_table and set(first) - set("-: "):
-            found = re.findall(r"`([A-Z][A-Z0-9_]*)`", first)
-            assert found, f"{page_id(page)}: a settings row names no `VARIABLE`: {line[:80]}"
-            names |= set(found)
+            yield line, first
+
+
+def variables_documented(page: Path) -> set[str]:
+    """The names in the first column of the page's `| variable | default | meaning |` tables."""
+    names = set()
+    for line, first in table_rows(page, "variable"):
+        found = re.findall(r"`([A-Z][A-Z0-9_]*)`", first)
+        assert found, f"{page_id(page)}: a settings row names no `VARIABLE`: {line[:80]}"
+        names |= set(found)
     return names
 
 
@@ -193,16 +200,9 @@ def test_the_module_tables_name_every_server_module():
     of server/embedserve is named (a new module gets a row)."""
     package = ROOT / "server" / "embedserve"
     modules = {p.name for p in package.rglob("*.py") if p.name != "__init__.py" and "_pb2" not in p.name}
-    named, in_table = set(), False
-    for line in prose(DOCS / "architecture.md"):
-        if not line.startswith("|"):
-            in_table = False
-            continue
-        first = line.strip("|").split("|")[0].strip()
-        if first == "module":
-            in_table = True
-        elif in_table:
-            named |= set(re.findall(r"`(\w+\.py)`", line))
+    named = set()
+    for line, _ in table_rows(DOCS / "architecture.md", "module"):
+        named |= set(re.findall(r"`(\w+\.py)`", line))
     assert not named - modules, f"named but not in server/embedserve: {sorted(named - modules)}"
     assert not modules - named, f"server/embedserve modules missing from docs/architecture.md: {sorted(modules - named)}"
 
