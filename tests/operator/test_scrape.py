@@ -42,6 +42,18 @@ def test_every_mapped_metric_is_a_pod_sample_field():
     assert set(autoscaler.METRICS.values()) <= fields
 
 
+def test_the_served_task_is_the_task_label_of_model_info():
+    """The server's info metric, as prometheus_client's Info writes it, with and without the label."""
+    def with_info(labels: dict) -> str:
+        reg = prometheus_client.CollectorRegistry()
+        prometheus_client.Gauge("embedfleet_queued_tokens", "queued", registry=reg).set(2)
+        prometheus_client.Info("embedfleet_model", "model", registry=reg).info(labels)
+        return prometheus_client.generate_latest(reg).decode()
+    assert autoscaler.read_exposition(with_info({"model": "m", "task": "rerank"})) == ({"queued_tokens": 2.0}, "rerank")
+    assert autoscaler.read_exposition(with_info({"model": "m", "device": "cpu"}))[1] is None
+    assert autoscaler.read_exposition(exposition(rate=1, arrival=1, queued=0, offered=1, limit=1))[1] is None
+
+
 def test_a_missing_metric_is_left_out():
     text = "# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens 3\n"
     assert autoscaler.parse_metrics(text) == {"queued_tokens": 3.0}
