@@ -50,12 +50,12 @@ def steady_load(seed: int) -> Callable[[], str]:
     """One replica's worth of load as a live server shows it: ~500 offered tokens/s on a ~1000
     tokens/s pod (0.7 target: 1 pod), the gauges moving by a few % at each scrape and the offered
     counter growing, so the measured rates in status move as they would (and are refreshed at
-    most once a minute)."""
+    most once a minute); its model_info says it serves embed (status.task: written once)."""
     rng, start = random.Random(seed), time.monotonic()
 
     def text() -> str:
         return exposition(1000 * rng.uniform(0.97, 1.03), 500 * rng.uniform(0.95, 1.05), rng.choice((0, 0, 40)),
-                          offered_total=500 * (time.monotonic() - start))
+                          offered_total=500 * (time.monotonic() - start), task="embed")
     return text
 
 

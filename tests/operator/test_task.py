@@ -131,6 +131,10 @@ def test_spec_task_status_task_and_the_mismatch_with_the_real_operator(emulator,
         eventually(lambda: "TASK" not in env_of(emulator, name))
         _, c = eventually(lambda: (t := task_of(emulator, name))[1].get("reason") == "Inferred" and t)
         assert task_of(emulator, name)[0] == "rerank" and c["status"] == "False"
+
+        # Mode off: nothing scrapes the pods, so the served task and its condition would go stale.
+        emulator.merge_patch(service_path(NS, name), {"spec": {"autoscaling": {"mode": "off"}}})
+        eventually(lambda: task_of(emulator, name) == (None, {}))
     except AssertionError:
         print(op.log()[-3000:])
         raise
