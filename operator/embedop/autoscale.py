@@ -62,6 +62,7 @@ class PodSample:
     startup_s: float | None = None  # creation → Ready, when the pod became ready
     backlog_limit_s: float | None = None  # the queue its admission lets grow, s of model time (None: not exported)
     served: bool = False  # the API shows it has been Ready (autoscaler.pod_view), though not now
+    task: str | None = None  # the task label of its embedfleet_model_info (None: not exported); not a decision input
 
     @property
     def was_ready(self) -> bool:

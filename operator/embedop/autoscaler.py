@@ -47,15 +47,27 @@ METRICS = {
 REQUIRED = ("service_rate", "arrival_rate", "queued_tokens")
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The METRICS samples of a Prometheus text exposition, as PodSample fields (a metric exported
-    with labels is summed over them)."""
+# The info series that says what a server serves; its `task` label is reported in status.task.
+MODEL_INFO, TASK_LABEL = "embedfleet_model_info", "task"
+
+
+def read_exposition(text: str) -> tuple[dict[str, float], str | None]:
+    """→ (the METRICS samples of a Prometheus text exposition, as PodSample fields (a metric
+    exported with labels is summed over them); the task its MODEL_INFO labels, None without one)."""
     out: dict[str, float] = {}
+    task = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in METRICS:
                 out[METRICS[sample.name]] = out.get(METRICS[sample.name], 0.0) + float(sample.value)
-    return out
+            elif sample.name == MODEL_INFO and sample.labels.get(TASK_LABEL):
+                task = sample.labels[TASK_LABEL]
+    return out, task
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The METRICS samples of a Prometheus text exposition, as PodSample fields."""
+    return read_exposition(text)[0]
 
 
 def _time(value: str | None) -> datetime.datetime | None:
@@ -121,11 +133,11 @@ async def scrape(session: aiohttp.ClientSession, pods: list[dict], port: int, ti
         try:
             async with session.get(metrics_url(view.ip, port), timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 r.raise_for_status()
-                values = parse_metrics(await r.text())
+                values, task = read_exposition(await r.text())
             if missing := [f for f in REQUIRED if f not in values]:
                 raise ValueError("no " + ", ".join(k for k, v in METRICS.items() if v in missing) +
                                  " in its /metrics: not an embedfleet server, or an incompatible version")
-            return autoscale.PodSample(scraped=True, **base, **values)
+            return autoscale.PodSample(scraped=True, **base, **values, task=task)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             if errors is not None:
                 errors[view.name] = f"{type(e).__name__}: {e}" if str(e) else f"no answer within {timeout:g} s"
@@ -243,8 +255,14 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
             generation, before, now)
         metrics = status.condition("MetricsUnavailable", unscraped is not None, reason, unscraped or "",
                                    generation, before, now)
-        conditions = status.merge_conditions(before, [limited, metrics])
-        changed = previous.get("desiredReplicas") != decision.desired or conditions != before
-        return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions}
+        # The served task changes only with the pods' model or TASK: written when it does, not
+        # held back like the measurements (and a fleet at rest writes nothing).
+        task = status.served_task([s.task for s in scraped], previous.get("task"))
+        mismatch = status.task_mismatch(spec.get("task"), task, generation, before, now)
+        conditions = status.merge_conditions(before, [limited, metrics, *([mismatch] if mismatch else [])])
+        changed = (previous.get("desiredReplicas") != decision.desired or conditions != before
+                   or task != previous.get("task"))
+        return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions,
+                **({"task": task} if task else {})}
 
     await reconcile.update_status(cluster, namespace, name, compute, body)

@@ -21,6 +21,8 @@ RESERVED_ENV_RULE = ("set by the operator (the probes, the Services and the auto
                      "spec.env cannot override them")
 GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserved and left idle; "
             "scale with replicas (the autoscaler does)")
+# What a server may be told to serve (its TASK setting, besides auto: the server infers it).
+TASKS = ("embed", "rerank", "sparse", "classify")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
                      "so 0 pods never scale up; to stop a service use mode off with replicas 0")
 
@@ -93,6 +95,10 @@ SPEC = obj(
     "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
     {
         "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
+        "task": string("What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), "
+                       "sparse (SPLADE vectors) or classify (labels). Unset: the server infers it from the model's "
+                       "files. status.task says what the pods serve; a disagreement with this is the TaskMismatch condition.",
+                       enum=list(TASKS)),
         "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
         "replicas": integer("Server replicas. Mode off: the count, set here, by kubectl scale (the scale subresource) or by an external HPA/KEDA. Modes operator and hpa: a new service starts with it (within min/max), then the autoscaler or the HorizontalPodAutoscaler owns the count and the operator writes the live count here, so a switch to off keeps the fleet as it is; a value set by hand is undone (use mode off to scale by hand; GitOps tools should ignore this field).", 1, 0, 1000),
         "resources": obj("Resources of each server pod.", {
@@ -188,7 +194,7 @@ SPEC = obj(
 )
 
 CONDITION = obj("A condition of the service.", {
-    "type": string("Ready, Progressing, Degraded, ScalingLimited or MetricsUnavailable."),
+    "type": string("Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable or TaskMismatch."),
     "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": string("CamelCase reason."),
     "message": string("Human-readable detail."),
@@ -198,7 +204,7 @@ CONDITION = obj("A condition of the service.", {
 
 STATUS = obj("Observed state, written by the operator.", {
     "observedGeneration": integer("Last spec generation the operator reconciled."),
-    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held).", "items": CONDITION,
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held), TaskMismatch (mode operator: the pods serve another task than spec.task).", "items": CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     "replicas": integer("Server pods that exist."),
     "readyReplicas": integer("Server pods ready to serve."),
@@ -209,6 +215,8 @@ STATUS = obj("Observed state, written by the operator.", {
     "estimatedDrainMs": number("Largest backlog drain time among the replicas."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),
+    "task": string("The task the pods serve (embed, rerank, sparse or classify), from the task label of their "
+                   "embedfleet_model_info (mode operator, where the operator scrapes them)."),
     "defaultImage": string("The operator's default server image this service was given (spec.image unset), kept so "
                            "that a Deployment made again runs the same server; set spec.image to move to another."),
 })
@@ -236,6 +244,7 @@ def crd() -> dict:
                     "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": [
                     {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+                    {"name": "Task", "type": "string", "jsonPath": ".status.task"},
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
                     {"name": "Service-Rate", "type": "number", "jsonPath": ".status.serviceRateTokensPerSecond"},

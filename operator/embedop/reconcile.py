@@ -366,8 +366,8 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
             new["observedGeneration"] = generation
         if not spec.get("image") and (image := render.pinned_image(deployment)):
             new["defaultImage"] = image  # outlives the Deployment (render.server_image)
-        if not autoscaled:  # the autoscaler's measurements would go stale: none is better
-            new.update(dict.fromkeys(status.MEASURED, None))
+        if not autoscaled:  # the autoscaler's measurements (and served task) would go stale: none is better
+            new.update(dict.fromkeys((*status.MEASURED, "task"), None))
         return new
 
     await update_status(cluster, owner.namespace, owner.name, compute, body)

@@ -72,6 +72,8 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
     values = {
         "MODEL_PATH": spec["model"],
         "MODEL_CACHE_DIR": MODEL_CACHE,
+        # Unset: the server infers the task from the model's files (TASK=auto, its default).
+        **({"TASK": spec["task"]} if spec.get("task") else {}),
         "GRPC_PORT": GRPC_PORT,
         "HTTP_HEALTH_PORT": http_port,
         "DEVICE": "cuda" if spec["resources"]["gpu"] > 0 else "cpu",

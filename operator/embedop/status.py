@@ -5,8 +5,9 @@ resourceVersion it read, so neither undoes the other):
 - the reconcile: observedGeneration, replicas, readyReplicas, selector, defaultImage, the Ready,
   Progressing and Degraded conditions, and desiredReplicas in modes off and hpa (where it clears
   the autoscaler's conditions and measurements, which would go stale);
-- the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason and the
-  ScalingLimited and MetricsUnavailable conditions.
+- the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason, the
+  served task and the ScalingLimited, MetricsUnavailable and TaskMismatch conditions (the reconcile
+  clears these in modes off and hpa, where nothing scrapes the pods).
 (spec.replicas, in modes operator and hpa, mirrors the live count: reconcile.mirror_count.)
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 import datetime
 
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
-AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable")
+TASK_MISMATCH = "TaskMismatch"
+AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable", TASK_MISMATCH)
 MEASURED = ("serviceRateTokensPerSecond", "arrivalRateTokensPerSecond", "estimatedDrainMs")
 # The measured rates are refreshed at most this often (with a decision or condition that changes,
 # at once): Prometheus has the live series, and a status write is an etcd write and a watch event
@@ -118,3 +120,25 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
             degraded,
         ]),
     }
+
+
+def served_task(tasks: list[str | None], previous: str | None) -> str | None:
+    """status.task from the scraped pods' task labels: the one they agree on; `previous` when none
+    says (a server without the label) or they disagree (a rollout from one task to another)."""
+    said = {t for t in tasks if t}
+    return said.pop() if len(said) == 1 else previous
+
+
+def task_mismatch(wanted: str | None, served: str | None, generation: int | None, previous: list[dict],
+                  now: str) -> dict | None:
+    """The TaskMismatch condition: True when spec.task (`wanted`) is set and the pods serve another
+    task. None (the condition left as it is) while the served task is unknown."""
+    if served is None:
+        return None
+    if wanted and wanted != served:
+        return condition(TASK_MISMATCH, True, "TaskDiffers",
+                         f"spec.task is {wanted} but the pods serve {served}: a rollout to {wanted} is under way, "
+                         f"or the new pods cannot start with TASK={wanted} (see their logs)", generation, previous, now)
+    return condition(TASK_MISMATCH, False, "AsSpecified" if wanted else "Inferred",
+                     f"the pods serve {served}" + ("" if wanted else " (inferred by the server: spec.task unset)"),
+                     generation, previous, now)

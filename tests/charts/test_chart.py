@@ -237,6 +237,23 @@ def test_an_upgrade_applies_the_crds_new_schema_and_uninstall_keeps_it():
     assert not any(o["kind"] == "CustomResourceDefinition" for o in render({"crds": {"install": False}}))
 
 
+def test_the_charts_crd_takes_the_reranker_example_and_refuses_an_unknown_task():
+    """spec.task as the chart installs it: the reranker example valid, an unknown task refused,
+    the served task a status field and a printer column."""
+    import jsonschema
+
+    (rendered,) = [o for o in render({}) if o["kind"] == "CustomResourceDefinition"]
+    version = rendered["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    example = yaml.safe_load((ROOT / "crds" / "examples" / "reranker.yaml").read_text())
+    assert example["spec"]["task"] == "rerank"
+    jsonschema.validate(example, schema)
+    with pytest.raises(jsonschema.ValidationError, match="'summarize' is not one of"):
+        jsonschema.validate({**example, "spec": {**example["spec"], "task": "summarize"}}, schema)
+    assert schema["properties"]["status"]["properties"]["task"]["type"] == "string"
+    assert {"name": "Task", "type": "string", "jsonPath": ".status.task"} in version["additionalPrinterColumns"]
+
+
 def test_values_of_a_release_from_before_the_crd_template_still_render():
     """helm upgrade --reuse-values: the old release's values have no `crds` (installed, as the
     default) and may have the removed `example` (ignored)."""

@@ -24,3 +24,17 @@ def test_defaults_satisfy_the_rules(emulator, namespace):
     created = emulator.request("POST", service_path(namespace), new_service("plain", {"model": "m"}, namespace))
     assert created["spec"]["batching"]["deadlineWaitMs"] == 50  # defaulted, then validated
     emulator.request("DELETE", service_path(namespace, "plain"))
+
+
+def test_spec_task_is_an_enum_the_api_server_enforces(emulator, namespace):
+    """spec.task takes embed, rerank, sparse or classify (the reranker example's); anything else is
+    refused at `kubectl apply`, naming the value."""
+    code, reply = emulator.attempt("POST", service_path(namespace),
+                                   new_service("bad-task", {"model": "m", "task": "summarize"}, namespace))
+    if code == 201:
+        emulator.request("DELETE", service_path(namespace, "bad-task"))
+    assert code == 422 and "summarize" in reply, reply
+    created = emulator.request("POST", service_path(namespace),
+                               new_service("reranker", {"model": "BAAI/bge-reranker-base", "task": "rerank"}, namespace))
+    assert created["spec"]["task"] == "rerank"
+    emulator.request("DELETE", service_path(namespace, "reranker"))

@@ -87,10 +87,13 @@ def test_scale_subresource_and_printer_columns():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Model", "Ready", "Desired", "Service-Rate", "Drain-Ms", "Age"]
+        "Model", "Task", "Ready", "Desired", "Service-Rate", "Drain-Ms", "Age"]
+    (task,) = [c for c in version["additionalPrinterColumns"] if c["name"] == "Task"]
+    assert task == {"name": "Task", "type": "string", "jsonPath": ".status.task"}
+    assert schema()["properties"]["status"]["properties"]["task"]["type"] == "string"
 
 
-@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml"])
+@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml", "reranker.yaml"])
 def test_examples_are_valid(name):
     obj = load(name)
     jsonschema.validate(obj, strict(schema()))
@@ -108,7 +111,17 @@ BAD = [
     ("bad mode", lambda s: s.update(autoscaling={"mode": "keda"}), "'keda' is not one of"),
     ("bad quantity", lambda s: s.update(resources={"memory": "lots"}), "does not match"),
     ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
+    ("unknown task", lambda s: s.update(task="summarize"), "'summarize' is not one of"),
+    ("task in capitals", lambda s: s.update(task="Rerank"), "'Rerank' is not one of"),
 ]
+
+
+@pytest.mark.parametrize("task", crd.TASKS)
+def test_every_task_is_accepted(task):
+    obj = load("minimal.yaml")
+    obj["spec"]["task"] = task
+    jsonschema.validate(obj, strict(schema()))
+    assert schema()["properties"]["spec"]["properties"]["task"]["enum"] == ["embed", "rerank", "sparse", "classify"]
 
 
 @pytest.mark.parametrize("label, mutate, message", BAD, ids=[b[0] for b in BAD])
