@@ -1,0 +1,145 @@
+"""text-embeddings-inference's routes beside /embed, in its shapes (router/src/http/types.rs):
+/tokenize and /decode from the served tokenizer, /similarity, and the root route POST / of an
+embedding server, which takes TEI's embed payload and its similarity payload alike (what
+huggingface_hub's InferenceClient(base_url=...) posts for feature_extraction and
+sentence_similarity).
+
+/tokenize shows what the model reads: the same tokenizer the server embeds with (a front end's
+own copy, FRONTENDS > 1: no round trip to the model process), the same prompt, the same cut at
+max_length. Installed by http_api.install_routes on an embedding server."""
+
+from __future__ import annotations
+
+from typing import Annotated, Callable, Literal, Union
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, StringConstraints, create_model
+
+from embedserve.batching.tokenization import validate_texts
+from embedserve.errors import InvalidInput
+from embedserve.transports.hub import Hub
+
+PATHS = frozenset(("/tokenize", "/decode", "/similarity"))
+
+# As http_api's (which installs this module, so cannot be imported from here): non-blank texts,
+# 1..MAX_ITEMS of them, a list stopping at its first bad item.
+MAX_ITEMS = 2048
+MAX_IDS = 65536  # ids in one /decode row: bounds the schema's work, far over any model's length
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
+IdRow = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_IDS, fail_fast=True)]
+
+
+class TokenizeRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    add_special_tokens: bool = True
+    prompt_name: str | None = Field(None, description="One of the model's declared prompts, put before each "
+                                    "text (default: its default prompt, if it declares one), as /embed puts it.")
+    truncate: bool | None = Field(None, description="Extension: cut at the model's max length as /embed does "
+                                  "(default: the server's TRUNCATE); false shows every token.")
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = Field(description="Character offset into the prompted text (TEI: UTF-8 bytes); "
+                              "null for a special token.")
+    stop: int | None
+
+
+class DecodeRequest(BaseModel):
+    ids: Union[IdRow, Annotated[list[IdRow], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]]
+    skip_special_tokens: bool = True
+
+
+class SimilarityInput(BaseModel):
+    source_sentence: Text
+    sentences: Texts
+
+
+class SimilarityParameters(BaseModel):
+    truncate: bool | None = None
+    truncation_direction: Literal["Right", "right"] = "Right"
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(BaseModel):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+    # Extensions, as on /embed: TEI reads these from `parameters` only.
+    truncate: bool | None = None
+    prompt_name: str | None = None
+
+
+def cosines(rows: np.ndarray) -> list[float]:
+    """Cosine similarity of row 0 with each later row (a zero vector: 0)."""
+    rows = rows.astype(np.float64)
+    norms = np.linalg.norm(rows, axis=1)
+    norms[norms == 0] = 1
+    unit = rows / norms[:, None]
+    return (unit[1:] @ unit[0]).tolist()
+
+
+def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
+            caller: Callable[[Request], object], errors: dict) -> None:
+    """The routes, on an embedding server's router. `embed` is /embed's handler and `embed_request`
+    its body's class (POST / takes that shape too); `service` the served service (NotReady before)."""
+
+    @router.post("/tokenize", response_model=list[list[SimpleToken]], responses=errors)
+    async def tokenize(body: TokenizeRequest):
+        """TEI's /tokenize: per input, its tokens as the model reads them."""
+        svc = service()
+        texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
+                               server.settings.max_texts_per_request)
+        tokens = svc.tokenizer.tokens(texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
+        return [[SimpleToken(id=i, text=t, special=s, start=a, stop=b) for i, t, s, a, b in row] for row in tokens]
+
+    @router.post("/decode", response_model=list[str], responses=errors)
+    async def decode(body: DecodeRequest):
+        """TEI's /decode: token ids back to text, one string per list of ids."""
+        rows = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+        if len(rows) > server.settings.max_texts_per_request:
+            raise InvalidInput(f"{len(rows)} id lists exceed MAX_TEXTS_PER_REQUEST={server.settings.max_texts_per_request}")
+        return service().tokenizer.decode(rows, body.skip_special_tokens)
+
+    async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
+        texts = [inputs.source_sentence, *inputs.sentences]
+        rows = (await service().embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
+        return cosines(rows)
+
+    @router.post("/similarity", response_model=list[float], responses=errors)
+    async def similarity(body: SimilarityRequest, request: Request):
+        """TEI's /similarity: the cosine similarity of source_sentence with each of sentences."""
+        p = body.parameters or SimilarityParameters()
+        return await similar(body.inputs, _first(p.truncate, body.truncate), _first(p.prompt_name, body.prompt_name), request)
+
+    # POST /: TEI's embed payload or its similarity payload, told apart by `inputs`.
+    root_request = create_model("TeiRootRequest", __base__=embed_request,
+                                inputs=(Union[Text, Texts, SimilarityInput], ...),
+                                parameters=(SimilarityParameters | None, None))
+
+    async def root(body, request: Request):
+        """TEI's root route of an embedding server: `inputs` a text or texts → /embed's answer;
+        `inputs` {source_sentence, sentences} → /similarity's."""
+        if isinstance(body.inputs, SimilarityInput):
+            p = body.parameters or SimilarityParameters()
+            return await similar(body.inputs, _first(p.truncate, body.truncate),
+                                 _first(p.prompt_name, body.prompt_name), request)
+        return await embed(body, request)
+
+    root.__annotations__.update(body=root_request, request=Request)
+    answer = Union[list[list[int]], list[list[float]], list[float], list[str]]
+    router.post("/", response_model=answer, responses=errors, summary="Embed or similarity (TEI's /)")(root)
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _prompt(svc, name: str | None) -> str:
+    try:
+        return svc.head.prompt(name) if svc.head else ""
+    except KeyError as e:
+        raise InvalidInput(e.args[0]) from None
