@@ -175,6 +175,11 @@ class Server:
             "asyncio_tasks": len(asyncio.all_tasks()),
         }
 
+    @property
+    def model_dimension(self) -> int:
+        """Dimensions the model computes (0 until loaded): the most a request's `dimensions` may ask."""
+        return self.engine.dim if self.engine else 0
+
     def _dimension(self) -> int:
         if not self.engine:
             return 0

@@ -302,9 +302,17 @@ def _prompt_field(server: Hub, description: str):
     return (str | None, Field(None, description=description, json_schema_extra={"enum": [*names, None]}))
 
 
+def _dimensions_field(server: Hub, description: str):
+    """dimensions as the schema says it: 1 to the model's dimensions. Over that is refused with 400
+    naming the limit (encodings.output_dimensions), as an unknown prompt_name is."""
+    top = {"maximum": server.model_dimension} if server.model_dimension else {}
+    return (int | None, Field(None, ge=1, description=description, json_schema_extra=top))
+
+
 def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
         server, EmbeddingsRequest.model_fields["prompt_name"].description),
+        dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
         input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
 
     async def embeddings(body, request: Request):
@@ -334,7 +342,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
     tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
-        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description))
+        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
+        dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
@@ -350,7 +359,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     router.post("/embed", response_model=answer, responses=ERRORS)(embed)
     # TEI's other routes, and / (its route for the model's task: huggingface_hub's
     # InferenceClient(model=URL) posts there), which takes /embed's and /similarity's payloads.
-    http_tei.install(router, server, service, embed, tei_request, _caller, ERRORS)
+    http_tei.install(router, server, service, embed, tei_request, _caller,
+                     lambda description: _prompt_field(server, description), ERRORS)
 
 
 def _cut(rows: np.ndarray, dimensions: int | None, head, normalized: bool) -> np.ndarray:

@@ -28,7 +28,16 @@ MAX_ITEMS = 2048
 MAX_IDS = 65536  # ids in one /decode row: bounds the schema's work, far over any model's length
 Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
 Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
-IdRow = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_IDS, fail_fast=True)]
+
+
+def id_row(vocab_size: int):
+    """A list of token ids. The schema states the vocabulary's bound; the tokenizer checks it
+    (400 naming the list), as the prompt names are stated and checked."""
+    return Annotated[list[Annotated[int, Field(ge=0, json_schema_extra={"maximum": vocab_size - 1})]],
+                     Field(max_length=MAX_IDS, fail_fast=True)]
+
+
+IdRow = id_row(2**31)  # the documented default; each server's own bound: install()
 
 
 class TokenizeRequest(BaseModel):
@@ -59,10 +68,13 @@ class SimilarityInput(BaseModel):
     sentences: Texts
 
 
+PROMPT_DOC = "One of the model's declared prompts, put before each text (default: its default prompt, if it declares one)."
+
+
 class SimilarityParameters(BaseModel):
     truncate: bool | None = None
     truncation_direction: Literal["Right", "right"] = "Right"
-    prompt_name: str | None = None
+    prompt_name: str | None = Field(None, description=PROMPT_DOC)
 
 
 class SimilarityRequest(BaseModel):
@@ -70,7 +82,7 @@ class SimilarityRequest(BaseModel):
     parameters: SimilarityParameters | None = None
     # Extensions, as on /embed: TEI reads these from `parameters` only.
     truncate: bool | None = None
-    prompt_name: str | None = None
+    prompt_name: str | None = Field(None, description=PROMPT_DOC + " Extension: TEI takes it in `parameters`.")
 
 
 def cosines(rows: np.ndarray) -> list[float]:
@@ -83,12 +95,23 @@ def cosines(rows: np.ndarray) -> list[float]:
 
 
 def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
-            caller: Callable[[Request], object], errors: dict) -> None:
+            caller: Callable[[Request], object], prompt_field: Callable, errors: dict) -> None:
     """The routes, on an embedding server's router. `embed` is /embed's handler and `embed_request`
-    its body's class (POST / takes that shape too); `service` the served service (NotReady before)."""
+    its body's class (POST / takes that shape too); `service` the served service (NotReady before);
+    `prompt_field(description)` a prompt_name field whose schema names the model's prompts."""
 
-    @router.post("/tokenize", response_model=list[list[SimpleToken]], responses=errors)
-    async def tokenize(body: TokenizeRequest):
+    def prompted(model: type) -> type:
+        return create_model(model.__name__, __base__=model,
+                            prompt_name=prompt_field(model.model_fields["prompt_name"].description))
+
+    tokenize_request, parameters = prompted(TokenizeRequest), prompted(SimilarityParameters)
+    row = id_row(service().tokenizer.vocab_size)
+    decode_request = create_model("DecodeRequest", __base__=DecodeRequest, ids=(
+        Union[row, Annotated[list[row], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]], ...))
+    similarity_request = create_model("SimilarityRequest", __base__=prompted(SimilarityRequest),
+                                      parameters=(parameters | None, None))
+
+    async def tokenize(body):
         """TEI's /tokenize: per input, its tokens as the model reads them."""
         svc = service()
         texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
@@ -96,29 +119,36 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
         tokens = svc.tokenizer.tokens(texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
         return [[SimpleToken(id=i, text=t, special=s, start=a, stop=b) for i, t, s, a, b in row] for row in tokens]
 
-    @router.post("/decode", response_model=list[str], responses=errors)
-    async def decode(body: DecodeRequest):
+    tokenize.__annotations__.update(body=tokenize_request)
+    router.post("/tokenize", response_model=list[list[SimpleToken]], responses=errors)(tokenize)
+
+    async def decode(body):
         """TEI's /decode: token ids back to text, one string per list of ids."""
         rows = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
         if len(rows) > server.settings.max_texts_per_request:
             raise InvalidInput(f"{len(rows)} id lists exceed MAX_TEXTS_PER_REQUEST={server.settings.max_texts_per_request}")
         return service().tokenizer.decode(rows, body.skip_special_tokens)
 
+    decode.__annotations__.update(body=decode_request)
+    router.post("/decode", response_model=list[str], responses=errors)(decode)
+
     async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
         texts = [inputs.source_sentence, *inputs.sentences]
         rows = (await service().embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
         return cosines(rows)
 
-    @router.post("/similarity", response_model=list[float], responses=errors)
-    async def similarity(body: SimilarityRequest, request: Request):
+    async def similarity(body, request: Request):
         """TEI's /similarity: the cosine similarity of source_sentence with each of sentences."""
         p = body.parameters or SimilarityParameters()
         return await similar(body.inputs, _first(p.truncate, body.truncate), _first(p.prompt_name, body.prompt_name), request)
 
+    similarity.__annotations__.update(body=similarity_request, request=Request)
+    router.post("/similarity", response_model=list[float], responses=errors)(similarity)
+
     # POST /: TEI's embed payload or its similarity payload, told apart by `inputs`.
     root_request = create_model("TeiRootRequest", __base__=embed_request,
                                 inputs=(Union[Text, Texts, SimilarityInput], ...),
-                                parameters=(SimilarityParameters | None, None))
+                                parameters=(parameters | None, None))
 
     async def root(body, request: Request):
         """TEI's root route of an embedding server: `inputs` a text or texts → /embed's answer;

@@ -45,6 +45,7 @@ class Hub(Protocol):
     task: str  # embed or classify
     labels: list[str]  # a classifier's, in output order
     head: Head | None  # how the model is served (prompts, normalize), once known
+    model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask
     started_at: float  # monotonic
 
     @property
