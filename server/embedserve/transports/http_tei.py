@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from embedserve.batching.tokenization import validate_texts
 from embedserve.errors import InvalidInput
+from embedserve.transports import encodings
 from embedserve.transports.hub import Hub
 
 PATHS = frozenset(("/tokenize", "/decode", "/similarity"))
@@ -134,8 +135,11 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
 
     async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
         texts = [inputs.source_sentence, *inputs.sentences]
-        rows = (await service().embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
-        return cosines(rows)
+        svc = service()
+        rows = (await svc.embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
+        # Over the vectors served by default: a declared truncate_dim's first dimensions.
+        dims = encodings.output_dimensions(None, svc.head.truncate_dim if svc.head else None, rows.shape[1])
+        return cosines(rows[:, :dims])
 
     async def similarity(body, request: Request):
         """TEI's /similarity: the cosine similarity of source_sentence with each of sentences."""
