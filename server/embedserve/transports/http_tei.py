@@ -10,12 +10,14 @@ max_length. Installed by http_api.install_routes on an embedding server."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Callable, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StringConstraints, create_model
 
+from embedserve.batching.shaping import INLINE_CHARS
 from embedserve.batching.tokenization import validate_texts
 from embedserve.errors import InvalidInput
 from embedserve.transports import encodings
@@ -117,7 +119,11 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
         svc = service()
         texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
                                server.settings.max_texts_per_request)
-        tokens = svc.tokenizer.tokens(texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
+        args = (texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
+        # Long inputs on a thread (the Rust tokenizer releases the GIL), as embedding does: up to
+        # MAX_TEXTS_PER_REQUEST texts of several thousand characters would hold the event loop.
+        tokens = (svc.tokenizer.tokens(*args) if sum(map(len, texts)) <= INLINE_CHARS
+                  else await asyncio.to_thread(svc.tokenizer.tokens, *args))
         return [[SimpleToken(id=i, text=t, special=s, start=a, stop=b) for i, t, s, a, b in row] for row in tokens]
 
     tokenize.__annotations__.update(body=tokenize_request)
