@@ -115,6 +115,8 @@ class Server:
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
         )
         await self.engine.start()
+        if m.head and not sim_rate:
+            m.head.check_dimension(self.engine.dim)
         self.service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
@@ -161,7 +163,9 @@ class Server:
             "p95_server_side_latency_ms": snap.p95_latency_s * 1000,
             "gpu_queue_depth": self.engine.in_worker if self.engine else 0,
             "in_flight_requests": self.service.in_flight if self.service else 0,
-            "embedding_dimension": self.engine.dim if self.engine else 0,
+            "embedding_dimension": self._dimension(),  # served by default (a declared truncate_dim)
+            "model_dimension": self.engine.dim if self.engine else 0,  # the most `dimensions` may ask
+            "quantize_range": self.settings.quantize_range,
             "uptime_seconds": time.monotonic() - self.started_at,
             **(self.head.describe() if self.head else {}),
             "model": self.model_name,
@@ -170,6 +174,16 @@ class Server:
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }
+
+    @property
+    def model_dimension(self) -> int:
+        """Dimensions the model computes (0 until loaded): the most a request's `dimensions` may ask."""
+        return self.engine.dim if self.engine else 0
+
+    def _dimension(self) -> int:
+        if not self.engine:
+            return 0
+        return self.head.dimension(self.engine.dim) if self.head else self.engine.dim
 
     @property
     def ready(self) -> bool:

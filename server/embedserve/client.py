@@ -91,8 +91,27 @@ def is_final(error: grpc.RpcError) -> bool:
     return any(k == "grpc-retry-pushback-ms" and v.startswith("-") for k, v in error.trailing_metadata() or ())
 
 
+# A quantized encoding's numpy dtype, and whether it packs 8 dimensions to a byte (as
+# sentence-transformers' quantize_embeddings returns them).
+_QUANTIZED = {pb.INT8: (np.int8, False), pb.UINT8: (np.uint8, False), pb.BINARY: (np.int8, True),
+              pb.UBINARY: (np.uint8, True)}
+
+
 def decode_embeddings(response: pb.EmbedResponse) -> np.ndarray:
-    return np.frombuffer(response.embeddings, dtype="<f4").reshape(tuple(response.shape))
+    """float32 [rows, dimensions]; quantized: int8/uint8 [rows, dimensions], or binary/ubinary
+    [rows, ceil(dimensions / 8)] (bits packed, as quantize_embeddings packs them)."""
+    rows, dims = tuple(response.shape)
+    if response.encoding == pb.FLOAT:
+        return np.frombuffer(response.embeddings, dtype="<f4").reshape(rows, dims)
+    dtype, packed = _QUANTIZED[response.encoding]
+    return np.frombuffer(response.quantized, dtype=dtype).reshape(rows, (dims + 7) // 8 if packed else dims)
+
+
+def _encoding(name: str) -> int:
+    try:
+        return pb.Encoding.Value(name.upper())
+    except ValueError:
+        raise ValueError(f"encoding {name!r}: expected one of {', '.join(k.lower() for k in pb.Encoding.keys())}") from None
 
 
 class Client:
@@ -115,13 +134,19 @@ class Client:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def embed(self, texts: list[str]) -> np.ndarray:
-        return decode_embeddings(await self._call(self.stub.Embed, pb.EmbedRequest(texts=texts)))
+    async def embed(self, texts: list[str], dimensions: int = 0, encoding: str = "float",
+                    prompt_name: str = "") -> np.ndarray:
+        """→ float32 [rows, dimensions] (0: the model's default), or quantized (`encoding` int8,
+        uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)])."""
+        request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name)
+        return decode_embeddings(await self._call(self.stub.Embed, request))
 
-    async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
+                    encoding: str = "float") -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype="<i4")
         mask = np.ascontiguousarray(attention_mask, dtype="<i4")
-        request = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape))
+        request = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape),
+                                  dimensions=dimensions, encoding=_encoding(encoding))
         return decode_embeddings(await self._call(self.stub.Infer, request))
 
     async def health(self) -> pb.HealthCheckResponse:

@@ -122,6 +122,11 @@ class Settings:
     to it, as sentence-transformers does; false refuses them (INVALID_ARGUMENT)."""
     max_texts_per_request: int = 512
     """MAX_TEXTS_PER_REQUEST: most texts (or rows) in one request."""
+    quantize_range: float = 1.0
+    """QUANTIZE_RANGE: r > 0, the fixed range [-r, r] of every dimension that int8 and uint8
+    encodings map onto their 256 levels (sentence-transformers' quantize_embeddings with
+    `ranges` [-r, r]); 1.0 covers every component of a unit vector. Fixed, not calibrated on the
+    request: the same vector quantizes the same in every request and on every pod."""
     max_message_bytes: int = 0
     """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
     can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters
@@ -204,6 +209,7 @@ class Settings:
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
+            quantize_range=s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),

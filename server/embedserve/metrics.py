@@ -52,7 +52,7 @@ def signal(server: Observed) -> dict:
     if engine and engine.dim:
         head = server.head.describe() if server.head else {}
         info = {"model": server.model_name, "device": str(placement.device),
-                "dtype": str(placement.dtype).removeprefix("torch."), "dimension": str(engine.dim),
+                "dtype": str(placement.dtype).removeprefix("torch."), "dimension": str(server.head.dimension(engine.dim) if server.head else engine.dim),
                 "attention": engine.attention,
                 **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
                    for k, v in head.items()}}

@@ -175,6 +175,7 @@ class PreTokenized(InFlight):
 
     tokenizer: TextTokenizer
     limits: Limits
+    head: Head | None  # prompts, normalize, truncate_dim (None: the simulated device's tests)
 
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = Caller()) -> Result:
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""

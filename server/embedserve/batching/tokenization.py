@@ -52,6 +52,8 @@ class TextTokenizer:
             return tok
 
         self._cutting, self._checking = copy(max_length), copy(max_length + 1)
+        self._whole: Tokenizer | None = None  # no truncation: /tokenize with truncate off, made when first asked
+        self._copy = copy
         self.max_length = max_length
         self.max_chars = max_length * CHARS_PER_TOKEN_BOUND
         self.truncate = truncate
@@ -115,6 +117,39 @@ class TextTokenizer:
                                           "max_seq_length, capped by the largest bucket) and truncation is off")
                 start += n
         return out
+
+    def tokens(self, texts: list[str], prompt: str = "", add_special_tokens: bool = True,
+               truncate: bool | None = None) -> list[list[tuple[int, str, bool, int | None, int | None]]]:
+        """What the model reads of each text (HTTP /tokenize): per text, its tokens as (id, text,
+        special, start, stop), start and stop character offsets into prompt + text (None for a
+        special token, whose text is the token itself). Cut at max_length as embedding cuts
+        (truncate, default TRUNCATE); not cut with truncate off, where embedding would refuse."""
+        cut = self.truncate if truncate is None else truncate
+        prepared = self._prepared(list(texts), cut, prompt)
+        if cut:
+            tok = self._cutting
+        else:
+            if self._whole is None:
+                self._whole = self._copy(self.max_length)
+                self._whole.no_truncation()
+            tok = self._whole
+        try:
+            encodings = tok.encode_batch(prepared, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as e:
+            raise unreadable(e) from None
+        out = []
+        for text, e in zip(prepared, encodings):
+            out.append([(i, token, True, None, None) if special else (i, text[start:stop], False, start, stop)
+                        for i, token, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)])
+        return out
+
+    def decode(self, rows: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Token ids → text (HTTP /decode); an id outside the vocabulary is named."""
+        for i, row in enumerate(rows):
+            bad = next((t for t in row if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidInput(f"ids[{i}] holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return self._cutting.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def sample(self, texts: list[str], prompt: str, lengths: np.ndarray) -> tuple[float, int]:
         """What characters per token is learned on (Estimator.learn_chars_per_token), from a

@@ -39,7 +39,7 @@ class ModelDoor:
         if head:
             head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
         return {"task": s.task, "labels": s.labels, "head": head, "tokenizer": s.service.tokenizer.spec,
-                "simulated": s.service.head is None}, b""
+                "simulated": s.service.head is None, "model_dimension": s.model_dimension}, b""
 
     async def rows(self, header: dict, payload) -> ipc.Message:
         ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])

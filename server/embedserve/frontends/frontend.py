@@ -78,6 +78,7 @@ class Frontend:
         self.service: RemoteService | None = None
         self.served_name, self.model_name = served_model_name(settings), settings.model_path
         self.task, self.labels, self.head = "embed", [], None
+        self.model_dimension = 0  # dimensions the model computes: from the model process
         self.started_at = time.monotonic()
         self.draining = False
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
@@ -110,6 +111,7 @@ class Frontend:
         s = self.settings
         tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
         self.task, self.labels, self.head = hello["task"], hello["labels"], head
+        self.model_dimension = hello["model_dimension"]
         self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
                                      None if hello["simulated"] else head, self.task, self._executor)
         self.transports.install_api()  # with the service, in one step: no window where API paths 404

@@ -45,6 +45,10 @@ class Declared:
     do_lower_case: bool = False
     prompts: dict[str, str] = dataclasses.field(default_factory=dict)
     default_prompt_name: str | None = None
+    # Matryoshka: the leading dimensions to serve by default. sentence-transformers takes it as
+    # SentenceTransformer(..., truncate_dim=) and does not save it; a model's authors state it as
+    # `truncate_dim` in config_sentence_transformers.json, beside the prompts.
+    truncate_dim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Head:
     lower_case: bool
     prompts: dict[str, str]
     default_prompt_name: str | None
+    truncate_dim: int | None = None  # dimensions served by default (None: all)
 
     def prompt(self, name: str | None) -> str:
         """The text put before each input: `name`'s prompt, else the default one, else none.
@@ -70,10 +75,19 @@ class Head:
             return self.prompts[name]
         return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
 
+    def dimension(self, model_dim: int) -> int:
+        """Dimensions served by default: the declared truncate_dim, else every one the model
+        computes (a truncate_dim over that is refused at start-up: `check_dimension`)."""
+        return min(self.truncate_dim, model_dim) if self.truncate_dim else model_dim
+
+    def check_dimension(self, model_dim: int) -> None:
+        if self.truncate_dim and self.truncate_dim > model_dim:
+            raise DeclarationError(f"truncate_dim {self.truncate_dim} exceeds the model's {model_dim} dimensions")
+
     def describe(self) -> dict:
         return {"pooling": "+".join(self.pooling), "normalize": self.normalize, "max_length": self.max_length,
                 "dense_layers": len(self.dense), "prompts": sorted(self.prompts),
-                "default_prompt_name": self.default_prompt_name or ""}
+                "default_prompt_name": self.default_prompt_name or "", "truncate_dim": self.truncate_dim or 0}
 
 
 def _json(path: Path) -> dict | list | None:
@@ -124,8 +138,12 @@ def read(model_dir: str | Path) -> Declared:
     default = st.get("default_prompt_name")
     if default is not None and default not in prompts:
         raise DeclarationError(f"default_prompt_name {default!r} is not among the prompts {sorted(prompts)}")
+    truncate_dim = st.get("truncate_dim")
+    if truncate_dim is not None and (not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1):
+        raise DeclarationError(f"config_sentence_transformers.json declares truncate_dim {truncate_dim!r}; "
+                               "expected a positive integer")
     return Declared(True, pooling, include_prompt, tuple(dense), normalize, bert.get("max_seq_length"),
-                    bool(bert.get("do_lower_case", False)), prompts, default)
+                    bool(bert.get("do_lower_case", False)), prompts, default, truncate_dim)
 
 
 def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_max_length: int | None,
@@ -155,5 +173,5 @@ def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_
         notes.append("no sentence-transformers modules.json: mean pooling, no normalization "
                      "(as SentenceTransformer serves a plain checkpoint)")
     head = Head(modes, norm, declared.dense, min(model_max, largest_bucket), declared.do_lower_case,
-                dict(declared.prompts), declared.default_prompt_name)
+                dict(declared.prompts), declared.default_prompt_name, declared.truncate_dim)
     return head, notes

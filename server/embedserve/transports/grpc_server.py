@@ -14,6 +14,7 @@ from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
+from embedserve.transports import encodings
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -45,28 +46,33 @@ _STATUS = (
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None]):
+    def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
+                 quantize_range: float = 1.0):
         self._service = get_service  # None until start-up has built it
         self._health_fields = health_fields
         self._observe = observe
+        self._quantize_range = quantize_range  # QUANTIZE_RANGE
 
     async def Embed(self, request, context):
+        truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
             "Embed", context,
-            lambda s: s.embed_texts(request.texts, caller(context), prompt_name=request.prompt_name or None),
+            lambda s: s.embed_texts(request.texts, caller(context), truncate, prompt_name=request.prompt_name or None),
+            request,
         )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
             lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
+            request,
         )
 
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
-    async def _call(self, rpc: str, context, run):
+    async def _call(self, rpc: str, context, run, request):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -74,9 +80,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if service is None:
                 raise NotReady("server is warming up")
             service.require_task("embed")
-            out = (await run(service)).rows
+            encoding = _encoding(request.encoding)  # refused before any work, as a negative dimensions
+            encodings.check_dimensions(request.dimensions)
+            response = self._response((await run(service)).rows, service.head, request.dimensions, encoding)
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
-            return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
+            return response
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))
             if isinstance(e, Overloaded):
@@ -95,6 +103,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         finally:
             self._observe(rpc, code.name, time.perf_counter() - t0)
+
+
+    def _response(self, out, head, dimensions: int, encoding: str) -> pb.EmbedResponse:
+        """The rows cut to `dimensions` (re-normalized where the model normalizes), as float32 in
+        `embeddings` or, quantized, in `quantized`; `shape` is [rows, dimensions] either way."""
+        dims = encodings.output_dimensions(dimensions, head.truncate_dim if head else None, out.shape[1])
+        out = encodings.truncated(out, dims, bool(head and head.normalize))
+        if encoding == encodings.FLOAT:
+            return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
+        quantized = encodings.quantize(out, encoding, self._quantize_range)
+        return pb.EmbedResponse(quantized=quantized.tobytes(), shape=out.shape, encoding=pb.Encoding.Value(encoding.upper()))
+
+
+def _encoding(value: int) -> str:
+    """The proto's Encoding as encodings names it (an open enum: any int can arrive)."""
+    if value not in pb.Encoding.values():
+        names = ", ".join(pb.Encoding.keys())
+        raise InvalidInput(f"encoding={value} is not an Encoding ({names})")
+    return pb.Encoding.Name(value).lower()
 
 
 # The most often a client may ping. One second is gRPC core's own floor for a client's pings, so

@@ -1,9 +1,9 @@
-"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed, and /classify.
-Same service, same admission as gRPC; errors as JSON bodies with the right status codes."""
+"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed (its other
+routes: http_tei.py), and /classify. Same service, same admission as gRPC; errors as JSON bodies
+with the right status codes."""
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import time
@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
+from embedserve.transports import encodings, http_tei
 from embedserve.transports.hub import Hub
 from embedserve.batching.shaping import ID_ROW_BOUND
 
@@ -47,7 +48,7 @@ _STATUS = (  # error → (HTTP status, OpenAI-style type)
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[float], str]
+    embedding: Union[list[int], list[float], str]  # quantized, float, base64
 
 
 class Usage(BaseModel):
@@ -96,8 +97,12 @@ EmbeddingsInput = embeddings_input(ID_ROW_BOUND * Settings().buckets[-1])  # wit
 class EmbeddingsRequest(BaseModel):
     input: EmbeddingsInput = Field(description=INPUT_DOC)  # each server's own bound: _embed_routes
     model: str = Field(description="The served model's id (GET /v1/models).")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized).")
+    encoding_format: Literal["float", "base64", "int8", "uint8", "binary", "ubinary"] = Field(
+        "float", description="float or base64 (float32 little-endian), as OpenAI's; extension: int8, uint8, binary, "
+        "ubinary, quantized as sentence-transformers' quantize_embeddings over [-QUANTIZE_RANGE, QUANTIZE_RANGE] "
+        "(lists of ints; binary packs 8 dimensions to a byte).")
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized where the model "
+                                   "normalizes; default: the model's declared truncate_dim, else all).")
     user: str | None = None
     prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
                                     "before each text (default: its default prompt, if it declares one).")
@@ -111,6 +116,11 @@ class TeiEmbedRequest(BaseModel):
                                                              "as sentence-transformers cuts them.")
     prompt_name: str | None = Field(None, description="One of the model's declared prompts, put before each "
                                     "text (default: its default prompt, if it declares one).")
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (re-normalized where the "
+                                   "vectors are normalized; default: the model's declared truncate_dim, else all).")
+    encoding: Literal["float", "base64", "int8", "uint8", "binary", "ubinary"] = Field(
+        "float", description="Extension: float (lists of floats), base64 (float32 little-endian per row), or "
+        "quantized as sentence-transformers' quantize_embeddings over [-QUANTIZE_RANGE, QUANTIZE_RANGE] (lists of ints).")
 
 
 class ClassifyRequest(BaseModel):
@@ -191,7 +201,7 @@ def register(app: FastAPI, server: Hub) -> None:
     async def observe(request: Request, call_next):
         t0 = time.perf_counter()
         response = starting(request, server) or await call_next(request)
-        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/"):
+        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/") or request.url.path in http_tei.PATHS:
             server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
         return response
 
@@ -251,7 +261,7 @@ STARTING_RETRY_AFTER_S = 5
 # A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
-API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models")) | http_tei.PATHS
 
 
 def starting(request: Request, server: Hub) -> JSONResponse | None:
@@ -292,9 +302,17 @@ def _prompt_field(server: Hub, description: str):
     return (str | None, Field(None, description=description, json_schema_extra={"enum": [*names, None]}))
 
 
+def _dimensions_field(server: Hub, description: str):
+    """dimensions as the schema says it: 1 to the model's dimensions. Over that is refused with 400
+    naming the limit (encodings.output_dimensions), as an unknown prompt_name is."""
+    top = {"maximum": server.model_dimension} if server.model_dimension else {}
+    return (int | None, Field(None, ge=1, description=description, json_schema_extra=top))
+
+
 def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
         server, EmbeddingsRequest.model_fields["prompt_name"].description),
+        dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
         input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
 
     async def embeddings(body, request: Request):
@@ -311,16 +329,9 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
             result = await svc.infer_ids([inp] if isinstance(inp[0], int) else inp, _caller(request))
         else:
             result = await svc.embed_texts(_texts(inp), _caller(request), prompt_name=body.prompt_name)
-        rows = result.rows
-        if body.dimensions is not None:
-            if body.dimensions > rows.shape[1]:
-                raise InvalidInput(f"dimensions={body.dimensions} exceeds the model's {rows.shape[1]}")
-            rows = _l2(rows[:, : body.dimensions])
-        data = [
-            Embedding(index=i, embedding=base64.b64encode(row.astype("<f4").tobytes()).decode()
-                      if body.encoding_format == "base64" else row.tolist())
-            for i, row in enumerate(rows)
-        ]
+        rows = _cut(result.rows, body.dimensions, server.head, normalized=bool(server.head and server.head.normalize))
+        data = [Embedding(index=i, embedding=row)
+                for i, row in enumerate(encodings.encoded(rows, body.encoding_format, server.settings.quantize_range))]
         return EmbeddingsResponse(data=data, model=server.served_name,
                                   usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
 
@@ -331,19 +342,32 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
     tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
-        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description))
+        prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
+        dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
         svc = service()
         rows = (await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate,
                                       prompt_name=body.prompt_name)).rows
-        return (_l2(rows) if body.normalize and not normalized else rows).tolist()
+        rows = _l2(rows) if body.normalize and not normalized else rows
+        rows = _cut(rows, body.dimensions, server.head, normalized=normalized or body.normalize)
+        return encodings.encoded(rows, body.encoding, server.settings.quantize_range)
 
     embed.__annotations__.update(body=tei_request, request=Request)
-    router.post("/embed", response_model=list[list[float]], responses=ERRORS)(embed)
-    # TEI serves the model's task on / too: huggingface_hub's InferenceClient(model=URL) posts there.
-    router.post("/", response_model=list[list[float]], responses=ERRORS, summary="Embed (TEI's /)")(embed)
+    answer = Union[list[list[int]], list[list[float]], list[str]]  # quantized, float, base64
+    router.post("/embed", response_model=answer, responses=ERRORS)(embed)
+    # TEI's other routes, and / (its route for the model's task: huggingface_hub's
+    # InferenceClient(model=URL) posts there), which takes /embed's and /similarity's payloads.
+    http_tei.install(router, server, service, embed, tei_request, _caller,
+                     lambda description: _prompt_field(server, description), ERRORS)
+
+
+def _cut(rows: np.ndarray, dimensions: int | None, head, normalized: bool) -> np.ndarray:
+    """The first `dimensions` (default: the model's declared truncate_dim), re-normalized where
+    the vectors were normalized; over the model's dimensions: 400 naming the field."""
+    dims = encodings.output_dimensions(dimensions, head.truncate_dim if head else None, rows.shape[1])
+    return encodings.truncated(rows, dims, normalized)
 
 
 def _classify_routes(router: APIRouter, server: Hub, service) -> None:

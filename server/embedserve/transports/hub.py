@@ -10,6 +10,7 @@ from typing import Protocol
 
 from embedserve.admission.gate import Caller
 from embedserve.batching.shaping import Result
+from embedserve.batching.tokenization import TextTokenizer
 from embedserve.config import Settings
 from embedserve.metrics import Metrics
 from embedserve.model.declared import Head
@@ -18,6 +19,8 @@ from embedserve.model.declared import Head
 class Service(Protocol):
     draining: bool  # refusing new requests (SIGTERM)
     in_flight: int  # admitted requests not yet answered
+    head: Head | None  # how the model is served (None: the simulated device's tests)
+    tokenizer: TextTokenizer  # the one the service embeds with (/tokenize, /decode)
 
     def require_task(self, task: str) -> None:
         """Refuse (WrongTask) a call for another task than the one served."""
@@ -42,6 +45,7 @@ class Hub(Protocol):
     task: str  # embed or classify
     labels: list[str]  # a classifier's, in output order
     head: Head | None  # how the model is served (prompts, normalize), once known
+    model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask
     started_at: float  # monotonic
 
     @property

@@ -40,6 +40,25 @@ def test_prompts_and_their_default(tmp_path):
         head.prompt("x")
 
 
+def test_a_declared_truncate_dim_is_the_served_default(tmp_path):
+    """sentence-transformers takes truncate_dim in its constructor and saves nothing of it; a
+    model's authors state it in config_sentence_transformers.json, and we serve it by default."""
+    d = read(write(tmp_path, {"modules.json": MODULES, "config_sentence_transformers.json": {"truncate_dim": 64}}))
+    head, _ = resolve(d, "", None, 512, 512, 512)
+    assert head.truncate_dim == 64 and head.dimension(384) == 64 and head.describe()["truncate_dim"] == 64
+    head.check_dimension(64)
+    with pytest.raises(DeclarationError, match="truncate_dim 64 exceeds the model's 32 dimensions"):
+        head.check_dimension(32)
+    plain, _ = resolve(read(tmp_path / "nothing-here"), "", None, 512, 512, 512)
+    assert plain.truncate_dim is None and plain.dimension(384) == 384
+
+
+@pytest.mark.parametrize("value", [0, -8, "64", 1.5, True])
+def test_a_truncate_dim_that_is_not_a_positive_integer_fails_start_up(tmp_path, value):
+    with pytest.raises(DeclarationError, match="truncate_dim"):
+        read(write(tmp_path, {"modules.json": MODULES, "config_sentence_transformers.json": {"truncate_dim": value}}))
+
+
 @pytest.mark.parametrize("module, message", [
     ({"path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}, "does not run: sentence_transformers.models.LayerNorm"),
     ({"path": "2_Router", "type": "sentence_transformers.base.modules.router.Router"}, "does not run"),

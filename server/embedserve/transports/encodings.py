@@ -1,0 +1,96 @@
+"""Vectors as a request asks for them: the first N dimensions (Matryoshka), then an encoding:
+float32, float32 as base64, or quantized as sentence-transformers' `quantize_embeddings` does it.
+Pure numpy, one place for gRPC and HTTP alike.
+
+Quantization uses fixed ranges, never ones calibrated on the request: [-r, r] for every dimension,
+r = QUANTIZE_RANGE. A vector then quantizes the same whatever else its request holds and on
+whichever pod answers, so an index built from many requests is coherent. The result equals
+`quantize_embeddings(vectors, precision, ranges=np.array([[-r] * d, [r] * d]))` byte for byte.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from embedserve.errors import InvalidInput
+
+FLOAT, BASE64 = "float", "base64"
+QUANTIZED = ("int8", "uint8", "binary", "ubinary")
+ENCODINGS = (FLOAT, BASE64, *QUANTIZED)
+LEVELS = 255  # steps between a range's ends: 256 levels of a byte
+
+
+def check_dimensions(asked: int | None) -> None:
+    """What can be refused before any work: a negative count (gRPC's int32; HTTP's schema
+    refuses 0 and below itself)."""
+    if asked is not None and asked < 0:
+        raise InvalidInput(f"dimensions={asked}: must be positive (0: the model's default)")
+
+
+def output_dimensions(asked: int | None, declared: int | None, model_dim: int) -> int:
+    """How many leading dimensions to send: `asked` (None or 0: the model's declared
+    truncate_dim, else all of them). More than the model computes is the caller's error, named."""
+    check_dimensions(asked)
+    if not asked:
+        return min(declared, model_dim) if declared else model_dim
+    if asked > model_dim:
+        raise InvalidInput(f"dimensions={asked} exceeds the model's {model_dim} dimensions")
+    return asked
+
+
+def truncated(rows: np.ndarray, dimensions: int, renormalize: bool) -> np.ndarray:
+    """The first `dimensions` of each row; L2-normalized again when the full rows were (a cut unit
+    vector is shorter than 1: as sentence-transformers' encode(truncate_dim=, normalize_embeddings=True),
+    not as its truncate_dim alone, which leaves the cut vector as it is)."""
+    if dimensions >= rows.shape[1]:
+        return rows
+    cut = rows[:, :dimensions]
+    if not renormalize:
+        return cut
+    norms = np.linalg.norm(cut, axis=1, keepdims=True)
+    return (cut / np.where(norms == 0, 1, norms)).astype(np.float32, copy=False)
+
+
+def quantize(rows: np.ndarray, encoding: str, r: float) -> np.ndarray:
+    """float32 rows → `encoding`'s rows: int8/uint8 [n, d] (d's every component over [-r, r] in 256
+    levels, clipped outside), binary/ubinary [n, ceil(d / 8)] (1 where > 0, 8 bits to a byte,
+    binary's bytes offset by -128). The arithmetic is sentence-transformers' own, in float32, so
+    the bytes are the same."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if encoding in ("int8", "uint8"):
+        d = rows.shape[1]
+        ranges = np.array([[-r] * d, [r] * d]).astype(np.float32)
+        starts = ranges[0, :]
+        steps = (ranges[1, :] - starts) / LEVELS
+        levels = np.clip(np.floor((rows - starts) / steps), 0, LEVELS)
+        return levels.astype(np.uint8) if encoding == "uint8" else (levels - 128).astype(np.int8)
+    if encoding in ("binary", "ubinary"):
+        bits = np.packbits(rows > 0, axis=-1)
+        return bits if encoding == "ubinary" else (bits.astype(np.int16) - 128).astype(np.int8)
+    raise InvalidInput(f"encoding {encoding!r}: expected one of {', '.join(QUANTIZED)}")
+
+
+def dtype_of(encoding: str) -> np.dtype:
+    """The numpy dtype a quantized encoding's bytes are read as."""
+    return np.dtype(np.int8 if encoding in ("int8", "binary") else np.uint8)
+
+
+def row_bytes(encoding: str, dimensions: int) -> int:
+    """Bytes per row of a quantized encoding: one per dimension, or one per 8 (bits)."""
+    return (dimensions + 7) // 8 if encoding in ("binary", "ubinary") else dimensions
+
+
+def base64_rows(rows: np.ndarray) -> list[str]:
+    """Each row's float32 little-endian bytes in base64 (OpenAI's encoding_format=base64)."""
+    return [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in rows]
+
+
+def encoded(rows: np.ndarray, encoding: str, r: float) -> list:
+    """Rows as JSON carries them: lists of floats, base64 strings, or lists of ints (quantized)."""
+    if encoding == FLOAT:
+        return rows.tolist()
+    if encoding == BASE64:
+        return base64_rows(rows)
+    return quantize(rows, encoding, r).tolist()

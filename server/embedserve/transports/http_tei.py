@@ -1,0 +1,185 @@
+"""text-embeddings-inference's routes beside /embed, in its shapes (router/src/http/types.rs):
+/tokenize and /decode from the served tokenizer, /similarity, and the root route POST / of an
+embedding server, which takes TEI's embed payload and its similarity payload alike (what
+huggingface_hub's InferenceClient(base_url=...) posts for feature_extraction and
+sentence_similarity).
+
+/tokenize shows what the model reads: the same tokenizer the server embeds with (a front end's
+own copy, FRONTENDS > 1: no round trip to the model process), the same prompt, the same cut at
+max_length. Installed by http_api.install_routes on an embedding server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Callable, Literal, Union
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, StringConstraints, create_model
+
+from embedserve.batching.shaping import INLINE_CHARS
+from embedserve.batching.tokenization import validate_texts
+from embedserve.errors import InvalidInput
+from embedserve.transports import encodings
+from embedserve.transports.hub import Hub
+
+PATHS = frozenset(("/tokenize", "/decode", "/similarity"))
+
+# As http_api's (which installs this module, so cannot be imported from here): non-blank texts,
+# 1..MAX_ITEMS of them, a list stopping at its first bad item.
+MAX_ITEMS = 2048
+MAX_IDS = 65536  # ids in one /decode row: bounds the schema's work, far over any model's length
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
+
+
+def id_row(vocab_size: int):
+    """A list of token ids. The schema states the vocabulary's bound; the tokenizer checks it
+    (400 naming the list), as the prompt names are stated and checked."""
+    return Annotated[list[Annotated[int, Field(ge=0, json_schema_extra={"maximum": vocab_size - 1})]],
+                     Field(max_length=MAX_IDS, fail_fast=True)]
+
+
+IdRow = id_row(2**31)  # the documented default; each server's own bound: install()
+
+
+class TokenizeRequest(BaseModel):
+    inputs: Union[Text, Texts]
+    add_special_tokens: bool = True
+    prompt_name: str | None = Field(None, description="One of the model's declared prompts, put before each "
+                                    "text (default: its default prompt, if it declares one), as /embed puts it.")
+    truncate: bool | None = Field(None, description="Extension: cut at the model's max length as /embed does "
+                                  "(default: the server's TRUNCATE); false shows every token.")
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = Field(description="Character offset into the prompted text (TEI: UTF-8 bytes); "
+                              "null for a special token.")
+    stop: int | None
+
+
+class DecodeRequest(BaseModel):
+    ids: Union[IdRow, Annotated[list[IdRow], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]]
+    skip_special_tokens: bool = True
+
+
+class SimilarityInput(BaseModel):
+    source_sentence: Text
+    sentences: Texts
+
+
+PROMPT_DOC = "One of the model's declared prompts, put before each text (default: its default prompt, if it declares one)."
+
+
+class SimilarityParameters(BaseModel):
+    truncate: bool | None = None
+    truncation_direction: Literal["Right", "right"] = "Right"
+    prompt_name: str | None = Field(None, description=PROMPT_DOC)
+
+
+class SimilarityRequest(BaseModel):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+    # Extensions, as on /embed: TEI reads these from `parameters` only.
+    truncate: bool | None = None
+    prompt_name: str | None = Field(None, description=PROMPT_DOC + " Extension: TEI takes it in `parameters`.")
+
+
+def cosines(rows: np.ndarray) -> list[float]:
+    """Cosine similarity of row 0 with each later row (a zero vector: 0)."""
+    rows = rows.astype(np.float64)
+    norms = np.linalg.norm(rows, axis=1)
+    norms[norms == 0] = 1
+    unit = rows / norms[:, None]
+    return (unit[1:] @ unit[0]).tolist()
+
+
+def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
+            caller: Callable[[Request], object], prompt_field: Callable, errors: dict) -> None:
+    """The routes, on an embedding server's router. `embed` is /embed's handler and `embed_request`
+    its body's class (POST / takes that shape too); `service` the served service (NotReady before);
+    `prompt_field(description)` a prompt_name field whose schema names the model's prompts."""
+
+    def prompted(model: type) -> type:
+        return create_model(model.__name__, __base__=model,
+                            prompt_name=prompt_field(model.model_fields["prompt_name"].description))
+
+    tokenize_request, parameters = prompted(TokenizeRequest), prompted(SimilarityParameters)
+    row = id_row(service().tokenizer.vocab_size)
+    decode_request = create_model("DecodeRequest", __base__=DecodeRequest, ids=(
+        Union[row, Annotated[list[row], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]], ...))
+    similarity_request = create_model("SimilarityRequest", __base__=prompted(SimilarityRequest),
+                                      parameters=(parameters | None, None))
+
+    async def tokenize(body):
+        """TEI's /tokenize: per input, its tokens as the model reads them."""
+        svc = service()
+        texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
+                               server.settings.max_texts_per_request)
+        args = (texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
+        # Long inputs on a thread (the Rust tokenizer releases the GIL), as embedding does: up to
+        # MAX_TEXTS_PER_REQUEST texts of several thousand characters would hold the event loop.
+        tokens = (svc.tokenizer.tokens(*args) if sum(map(len, texts)) <= INLINE_CHARS
+                  else await asyncio.to_thread(svc.tokenizer.tokens, *args))
+        return [[SimpleToken(id=i, text=t, special=s, start=a, stop=b) for i, t, s, a, b in row] for row in tokens]
+
+    tokenize.__annotations__.update(body=tokenize_request)
+    router.post("/tokenize", response_model=list[list[SimpleToken]], responses=errors)(tokenize)
+
+    async def decode(body):
+        """TEI's /decode: token ids back to text, one string per list of ids."""
+        rows = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+        if len(rows) > server.settings.max_texts_per_request:
+            raise InvalidInput(f"{len(rows)} id lists exceed MAX_TEXTS_PER_REQUEST={server.settings.max_texts_per_request}")
+        return service().tokenizer.decode(rows, body.skip_special_tokens)
+
+    decode.__annotations__.update(body=decode_request)
+    router.post("/decode", response_model=list[str], responses=errors)(decode)
+
+    async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
+        texts = [inputs.source_sentence, *inputs.sentences]
+        svc = service()
+        rows = (await svc.embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
+        # Over the vectors served by default: a declared truncate_dim's first dimensions.
+        dims = encodings.output_dimensions(None, svc.head.truncate_dim if svc.head else None, rows.shape[1])
+        return cosines(rows[:, :dims])
+
+    async def similarity(body, request: Request):
+        """TEI's /similarity: the cosine similarity of source_sentence with each of sentences."""
+        p = body.parameters or SimilarityParameters()
+        return await similar(body.inputs, _first(p.truncate, body.truncate), _first(p.prompt_name, body.prompt_name), request)
+
+    similarity.__annotations__.update(body=similarity_request, request=Request)
+    router.post("/similarity", response_model=list[float], responses=errors)(similarity)
+
+    # POST /: TEI's embed payload or its similarity payload, told apart by `inputs`.
+    root_request = create_model("TeiRootRequest", __base__=embed_request,
+                                inputs=(Union[Text, Texts, SimilarityInput], ...),
+                                parameters=(parameters | None, None))
+
+    async def root(body, request: Request):
+        """TEI's root route of an embedding server: `inputs` a text or texts → /embed's answer;
+        `inputs` {source_sentence, sentences} → /similarity's."""
+        if isinstance(body.inputs, SimilarityInput):
+            p = body.parameters or SimilarityParameters()
+            return await similar(body.inputs, _first(p.truncate, body.truncate),
+                                 _first(p.prompt_name, body.prompt_name), request)
+        return await embed(body, request)
+
+    root.__annotations__.update(body=root_request, request=Request)
+    answer = Union[list[list[int]], list[list[float]], list[float], list[str]]
+    router.post("/", response_model=answer, responses=errors, summary="Embed or similarity (TEI's /)")(root)
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _prompt(svc, name: str | None) -> str:
+    try:
+        return svc.head.prompt(name) if svc.head else ""
+    except KeyError as e:
+        raise InvalidInput(e.args[0]) from None
