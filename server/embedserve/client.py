@@ -95,6 +95,14 @@ def decode_embeddings(response: pb.EmbedResponse) -> np.ndarray:
     return np.frombuffer(response.embeddings, dtype="<f4").reshape(tuple(response.shape))
 
 
+def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np.ndarray]]:
+    """EmbedSparseResponse (CSR) → per text (vocabulary ids int32, ascending; weights float32)."""
+    indices = np.frombuffer(response.indices, dtype="<i4")
+    values = np.frombuffer(response.values, dtype="<f4")
+    bounds = list(response.offsets)
+    return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries included (None: no deadline);
     `max_attempts` optionally bounds the tries too (None: as many as the deadline allows)."""
@@ -117,6 +125,11 @@ class Client:
 
     async def embed(self, texts: list[str]) -> np.ndarray:
         return decode_embeddings(await self._call(self.stub.Embed, pb.EmbedRequest(texts=texts)))
+
+    async def embed_sparse(self, texts: list[str], prompt_name: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
+        """A sparse (SPLADE) server: per text, its non-zero vocabulary ids and their weights."""
+        request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name)
+        return decode_sparse(await self._call(self.stub.EmbedSparse, request))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype="<i4")

@@ -16,6 +16,7 @@ from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
+from embedserve.model.splade import splade_pool
 from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
@@ -64,19 +65,20 @@ def _declined(settings: Settings, reason: str) -> str:
 
 
 class Encoder:
-    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify);
+    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify; a
+    masked LM's SPLADE weights, task sparse: dense [rows, vocabulary], sparsified by the service);
     `run(batch)` → float32 [rows, dim] numpy."""
 
     def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
                  task: str = "embed", head: Head | None = None):
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         self.placement = placement
         self.settings = settings
         self.task = task
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
-        loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
+        loader = {"classify": AutoModelForSequenceClassification, "sparse": AutoModelForMaskedLM}.get(task, AutoModel)
 
         def load(**extra):
             model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code,
@@ -89,9 +91,12 @@ class Encoder:
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
         self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
-        # Output width: the embedding dimension (after any Dense layers), or one logit per label.
+        self.splade = head.splade if task == "sparse" else None
+        # Output width: the embedding dimension (after any Dense layers), one logit per label, or
+        # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
-        self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
+        self.dim = (int(self.model.config.num_labels) if task == "classify" else
+                    int(self.model.get_output_embeddings().out_features) if self.splade else self.pooler.output_dim(hidden))
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
@@ -168,6 +173,8 @@ class Encoder:
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.task == "classify":
             return self.model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.splade is not None:
+            return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.pooler(hidden, ids, mask)
 
@@ -196,9 +203,12 @@ class Encoder:
         }
 
 
-def task_of(config, requested: str) -> str:
-    """TASK auto → classify for *ForSequenceClassification checkpoints, else embed."""
+def task_of(config, requested: str, sparse: bool = False) -> str:
+    """TASK auto → sparse for a declared SparseEncoder, classify for *ForSequenceClassification
+    checkpoints, else embed."""
     if requested != "auto":
         return requested
+    if sparse:
+        return "sparse"
     architectures = getattr(config, "architectures", None) or []
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"

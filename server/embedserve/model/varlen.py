@@ -36,7 +36,7 @@ def unsupported(config, task: str, device_type: str, dtype: torch.dtype,
                 capability: tuple[int, int] | None = None) -> str | None:
     """Why this model cannot run packed rows on this device (None: it can). Pure."""
     if task != "embed":
-        return "packed rows serve embeddings; a classifier's head reads padded rows"
+        return f"packed rows serve embeddings; a {task} head reads padded rows"
     kind = getattr(config, "model_type", "")
     if kind not in POSITION_OFFSET:
         return (f"model type {kind!r} is not one whose attention this server replaces "

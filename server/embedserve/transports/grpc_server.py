@@ -62,20 +62,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
         )
 
+    async def EmbedSparse(self, request, context):
+        def run(s):
+            if request.dimensions or request.encoding != pb.FLOAT:
+                raise InvalidInput("dimensions and encoding do not apply to EmbedSparse (sparse rows over the vocabulary)")
+            return s.embed_sparse(request.texts, caller(context), request.truncate if request.HasField("truncate") else None,
+                                  prompt_name=request.prompt_name or None)
+
+        return await self._call("EmbedSparse", context, run, task="sparse", respond=sparse_response)
+
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
-    async def _call(self, rpc: str, context, run):
+    async def _call(self, rpc: str, context, run, task: str = "embed", respond=None):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             service = self._service()
             if service is None:
                 raise NotReady("server is warming up")
-            service.require_task("embed")
+            service.require_task(task)
             out = (await run(service)).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
+            if respond is not None:
+                return respond(out)
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))
@@ -95,6 +106,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         finally:
             self._observe(rpc, code.name, time.perf_counter() - t0)
+
+
+def sparse_response(rows) -> pb.EmbedSparseResponse:
+    """SparseRows (embedserve.batching.sparse) → EmbedSparseResponse: the same CSR arrays, as bytes."""
+    return pb.EmbedSparseResponse(indices=rows.indices.astype("<i4", copy=False).tobytes(),
+                                  values=rows.values.astype("<f4", copy=False).tobytes(),
+                                  offsets=rows.offsets.tolist(), dimension=rows.dim)
 
 
 # The most often a client may ping. One second is gRPC core's own floor for a client's pings, so
