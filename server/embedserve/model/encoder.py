@@ -55,13 +55,13 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
     return Placement(device, dtype, compile_, static, graphs and static, "packed" if packed else "padded")
 
 
-def _declined(settings: Settings, reason: str) -> str:
+def _declined(settings: Settings, reason: str) -> tuple[str, str]:
     """Packed rows cannot serve this model here: padded rows under ATTENTION=auto (said in the
-    log and in /health), a start-up error under ATTENTION=packed."""
+    log and in /health), a start-up error under ATTENTION=packed. → ("padded", reason)."""
     if settings.attention == "packed":
         raise ConfigError(f"ATTENTION=packed: {reason}")
     log.warning("attention: padded rows (%s)", reason)
-    return "padded"
+    return "padded", reason
 
 
 class Encoder:
@@ -85,7 +85,8 @@ class Encoder:
                                            **extra)
             return model.to(placement.device).eval()
 
-        self.attention = self._attention(model_dir, settings, placement, task)
+        # declined: why packed rows, asked for, do not serve this model (shown in /health).
+        self.attention, self.declined = self._attention(model_dir, settings, placement, task)
         self.model = load(**({"attn_implementation": varlen.NAME} if self.attention == "packed" else {}))
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
@@ -98,7 +99,7 @@ class Encoder:
         self.dim = (int(self.model.config.num_labels) if task == "classify" else
                     int(self.model.get_output_embeddings().out_features) if self.splade else self.pooler.output_dim(hidden))
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
-            self.attention = _declined(settings, reason)
+            self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
@@ -110,11 +111,12 @@ class Encoder:
             self._forward = CudaGraphs(self._forward, placement.device)
 
     @staticmethod
-    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> str:
+    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> tuple[str, str | None]:
         """The attention layout this model runs: the placement's, unless the kernels cannot serve
-        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed)."""
+        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed).
+        → (layout, why packed rows were declined, or None)."""
         if placement.attention != "packed":
-            return "padded"
+            return "padded", None
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=settings.trust_remote_code)
@@ -130,7 +132,7 @@ class Encoder:
         varlen.register()
         log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
                  "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
-        return "packed"
+        return "packed", None
 
     def _check_packed(self) -> str | None:
         """The loaded model on a few packed rows (a padding tail and empty rows as served)

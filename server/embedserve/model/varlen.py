@@ -30,14 +30,22 @@ POSITION_OFFSET = {
     "camembert": lambda config: config.pad_token_id + 1,
 }
 HALF = (torch.float16, torch.bfloat16)
+# Decoders served as embedders (Qwen3-Embedding, e5-mistral, gte-Qwen): causal attention, which the
+# packed path does not run (its kernels and its start-up check are bidirectional): padded rows.
+DECODER_TYPES = ("qwen2", "qwen3", "mistral", "llama", "gemma", "gemma2", "gemma3_text", "phi3")
 
 
 def unsupported(config, task: str, device_type: str, dtype: torch.dtype,
                 capability: tuple[int, int] | None = None) -> str | None:
     """Why this model cannot run packed rows on this device (None: it can). Pure."""
     if task != "embed":
-        return f"packed rows serve embeddings; a {task} head reads padded rows"
+        head = {"classify": "a classifier's head", "sparse": "SPLADE's masked-LM head"}.get(task, f"a {task} head")
+        return f"packed rows serve embeddings; {head} reads padded rows"
     kind = getattr(config, "model_type", "")
+    architectures = getattr(config, "architectures", None) or []
+    if kind in DECODER_TYPES or any(a.endswith("ForCausalLM") for a in architectures):
+        return (f"model type {kind!r} is a decoder (causal attention); packed rows run bidirectional encoders "
+                f"({', '.join(POSITION_OFFSET)}) only")
     if kind not in POSITION_OFFSET:
         return (f"model type {kind!r} is not one whose attention this server replaces "
                 f"(packed rows: {', '.join(POSITION_OFFSET)})")

@@ -63,6 +63,10 @@ def test_the_position_offset_follows_the_model():
         ("bert", {}, "embed", "cuda", torch.bfloat16, (9, 0), None),
         ("bert", {}, "embed", "cuda", torch.float32, (7, 5), None),  # fp32: the memory-efficient kernel
         ("bert", {}, "classify", "cpu", torch.float32, None, "classifier"),
+        ("bert", {}, "sparse", "cuda", torch.bfloat16, (9, 0), "SPLADE's masked-LM head reads padded rows"),
+        ("qwen3", {}, "embed", "cuda", torch.bfloat16, (9, 0), "model type 'qwen3' is a decoder (causal attention)"),
+        ("mistral", {}, "embed", "cuda", torch.bfloat16, (9, 0), "model type 'mistral' is a decoder"),
+        ("qwen2", {}, "embed", "cuda", torch.bfloat16, (9, 0), "model type 'qwen2' is a decoder"),
         ("distilbert", {}, "embed", "cpu", torch.float32, None, "model type 'distilbert'"),
         ("bert", {"is_decoder": True}, "embed", "cpu", torch.float32, None, "decoder"),
         ("bert", {}, "embed", "cuda", torch.float16, (7, 5), "compute capability 8.0"),
