@@ -35,3 +35,36 @@ def test_splade_rows_match_sentence_transformers(tmp_path, model_dir, kind):
     assert np.abs(got - want).max() <= 1e-4
     nonzeros = (got != 0).sum(axis=1)
     assert (nonzeros == 7).all() if kind.get("max_active_dims") else (nonzeros < encoder.dim // 4).all()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_splade_replayed_from_cuda_graphs_computes_what_the_eager_cpu_model_does(tmp_path, device):
+    """SPLADE pooling has no host synchronisation: captured in a CUDA graph per static shape (float32,
+    so the non-zeros can be compared exactly), replayed on new rows with a dummy row of padding,
+    it gives the eager CPU model's rows. On CPU: the static-shape path without graphs."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from embedserve.model.declared import Head, Splade
+    from embedserve.model.encoder import choose_placement
+
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(tmp_path)
+    head = Head((), False, (), 64, False, {}, None, Splade("max", "relu", 20))
+    settings = Settings.from_env({"DTYPE": "float32", "ATTENTION": "padded", "STATIC_SHAPES": "true"})
+    placement = choose_placement(settings, device == "cuda", True)
+    assert placement.cuda_graphs == (device == "cuda")
+    served = Encoder(str(tmp_path), settings, placement, [], "sparse", head)
+    reference = Encoder(str(tmp_path), Settings(), Placement(torch.device("cpu"), torch.float32, False, False), [],
+                        "sparse", head)
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the first run captures, the second replays on other rows
+        lengths = torch.tensor([5, 31, 12, 0])
+        mask = (torch.arange(32) < lengths[:, None]).long()
+        batch = Batch(torch.randint(5, 300, (4, 32), generator=rng) * mask, mask, 3, int(lengths.sum()), [])
+        got, want = served.run(batch), reference.run(Batch(batch.input_ids[:3], mask[:3], 3, batch.real_tokens, []))
+        assert got.shape == (3, 300) and np.array_equal(got != 0, want != 0) and (got != 0).sum(axis=1).max() == 20
+        assert np.abs(got - want).max() <= 1e-4

@@ -194,3 +194,40 @@ def test_the_model_check_catches_attention_across_rows(tmp_path):
     assert good.attention == "packed" and good._check_packed() is None
     good.model.set_attn_implementation("sdpa")  # the loaded model now ignores the row bounds
     assert "packed rows differ from padded rows" in good._check_packed()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
+
+
+def decoder_rows(vocab: int) -> Batch:
+    """Right-padded rows of very different lengths, then two dummy rows of padding only (as a
+    captured batch size adds): the real rows' vectors must not see them."""
+    lengths = [3, 40, 1, 17]
+    ids = torch.randint(5, vocab, (6, 48), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(48) < torch.tensor(lengths + [0, 0])[:, None]).long()
+    return Batch(ids * mask + 1 * (1 - mask), mask, 4, sum(lengths), [])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_a_decoder_asked_for_packed_rows_runs_padded_ones_and_says_why(tmp_path, device, model_type):
+    """ATTENTION=auto on a GPU asks for packed rows; a decoder (causal attention) declines them
+    and runs padded rows, on CUDA in bf16 replayed from CUDA graphs, with last-token pooling:
+    each real row's vector is what the float32 eager model computes on that row alone."""
+    path = tiny(tmp_path, model_type, num_key_value_heads=2)
+    settings = Settings.from_env({"ATTENTION": "auto"})
+    placement = (choose_placement(settings, True, True) if device == "cuda" else
+                 Placement(torch.device("cpu"), torch.float32, False, False, False, "packed"))
+    assert placement.attention == "packed"
+    head = Head(("lasttoken",), True, (), 64, False, {}, None)
+    served = Encoder(path, settings, placement, [], "embed", head)
+    assert served.attention == "padded" and f"model type '{model_type}' is a decoder" in served.declined
+    reference = Encoder(path, Settings.from_env({"ATTENTION": "padded"}),
+                        Placement(torch.device("cpu"), torch.float32, False, False), [], "embed", head)
+    batch = decoder_rows(500)
+    got = served.run(batch)[:4]
+    for i in range(4):
+        n = int(batch.attention_mask[i].sum())
+        alone = reference.run(Batch(batch.input_ids[i : i + 1, :n], batch.attention_mask[i : i + 1, :n], 1, n, []))[0]
+        tolerance = 3e-2 if placement.dtype in varlen.HALF else 1e-5  # unit vectors: bf16's rounding
+        assert np.abs(got[i] - alone).max() <= tolerance, (i, np.abs(got[i] - alone).max())
