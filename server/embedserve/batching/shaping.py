@@ -16,7 +16,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
-from embedserve.batching.sparse import SparseRows, to_csr
+from embedserve.batching.sparse import SparseRows, sparsify
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a
@@ -199,7 +199,9 @@ class PreTokenized(InFlight):
         """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
         batching), each text's row as SparseRows (embedserve.batching.sparse says where and why)."""
         result = await self.embed_texts(texts, caller, truncate, prompt_name)
-        return result if isinstance(result.rows, SparseRows) else Result(to_csr(result.rows), result.tokens)
+        if isinstance(result.rows, SparseRows):  # a front end: sparsified in the model process
+            return result
+        return Result(await sparsify(result.rows, getattr(self, "executor", None)), result.tokens)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:

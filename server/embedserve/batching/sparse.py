@@ -16,9 +16,16 @@ within a row) and `values` (float32), as gRPC's EmbedSparseResponse carries them
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from concurrent.futures import Executor
 
 import numpy as np
+
+# Dense weights sparsified on the event loop; a larger request goes to a thread (numpy's nonzero
+# lets the loop run meanwhile): measured on this 2-core VM, 8 rows of BERT's vocabulary took
+# ~9 ms, 512 rows ~270 ms, during which the loop saw gaps of at most ~5 ms from the thread.
+INLINE_VALUES = 4 * 30522
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,13 @@ class SparseRows:
         indices = np.frombuffer(buf, dtype="<i4", count=nnz, offset=at)
         values = np.frombuffer(buf, dtype="<f4", count=nnz, offset=at + 4 * nnz)
         return cls(indices, values, offsets, dim)
+
+
+async def sparsify(dense: np.ndarray, executor: Executor | None = None) -> SparseRows:
+    """to_csr, off the event loop when the request is large (INLINE_VALUES)."""
+    if dense.size <= INLINE_VALUES:
+        return to_csr(dense)
+    return await asyncio.get_running_loop().run_in_executor(executor, to_csr, dense)
 
 
 def to_csr(dense: np.ndarray) -> SparseRows:
