@@ -270,8 +270,9 @@ def starting(request: Request, server: Hub) -> JSONResponse | None:
 
 
 def install_routes(app: FastAPI, server: Hub) -> None:
-    """The API for the loaded model's task (known once it has loaded): embedding routes or the
-    classification route, so the OpenAPI document says exactly what this server does."""
+    """The API for the loaded model's task (known once it has loaded): embedding routes, the
+    classification route or the sparse ones (transports/http_sparse.py), so the OpenAPI document
+    says exactly what this server does."""
     router = APIRouter()
 
     def service():
