@@ -58,5 +58,5 @@ def prepare(s: Settings) -> Prepared:
     exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(
-            f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {'+'.join(head.pooling)}")
+            f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {head.describe()['pooling']}")
     return Prepared(model_dir, task, labels, head, usable_buckets(s.buckets, head.max_length), tokenizer, exclude)

@@ -97,7 +97,7 @@ class Encoder:
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
         self.dim = (int(self.model.config.num_labels) if task == "classify" else
-                    int(self.model.get_output_embeddings().out_features) if self.splade else self.pooler.output_dim(hidden))
+                    int(self.model.config.vocab_size) if self.splade else self.pooler.output_dim(hidden))
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
