@@ -20,7 +20,7 @@ from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.app import attention_field
 from embedserve.client import decode_embeddings
-from embedserve.config import ConfigError, Settings
+from embedserve.config import Settings
 from embedserve.model.batches import Batch
 from embedserve.model.encoder import Encoder, Placement
 from embedserve.prepare import prepare
@@ -68,14 +68,38 @@ def test_decoder_vectors_equal_sentence_transformers_whatever_they_are_batched_w
         assert np.abs(got - alone).max() <= 1e-5
 
 
-def test_a_decoder_declines_packed_rows_saying_why(decoder):
-    asked = Placement(torch.device("cpu"), torch.float32, False, False, False, "packed")  # as auto on a GPU
+def test_a_decoder_runs_packed_rows_equal_to_sentence_transformers(decoder):
+    """Packed rows (ATTENTION=auto on a GPU asks for them; here the reference attention on CPU):
+    causal attention within each row, positions from each row's start, the last token of each
+    segment."""
+    from sentence_transformers import SentenceTransformer
+
+    asked = Placement(torch.device("cpu"), torch.float32, False, False, False, "packed")
     m = prepare(Settings(model_path=decoder))
     served = Encoder(decoder, Settings.from_env({"ATTENTION": "auto"}), asked, [], m.task, m.head)
-    assert served.attention == "padded" and "is a decoder (causal attention)" in served.declined
-    assert attention_field(served.attention, served.declined).startswith("padded (model type ")
-    with pytest.raises(ConfigError, match="ATTENTION=packed: model type '.*' is a decoder"):
-        Encoder(decoder, Settings.from_env({"ATTENTION": "packed"}), asked, [], m.task, m.head)
+    assert served.attention == "packed" and served.declined is None
+    prompt = m.head.prompt("query")
+    ids, lengths = m.tokenizer.encode(TEXTS, prompt=prompt)
+    batch = packed(ids, lengths)
+    want = SentenceTransformer(decoder, device="cpu").encode(TEXTS, prompt_name="query")
+    assert np.abs(served.run(batch)[: len(TEXTS)] - want).max() <= TOL
+
+
+def packed(ids: np.ndarray, lengths: np.ndarray):
+    """Token rows → one packed stream, as the batcher lays it out (model.batches.layout)."""
+    from embedserve.model.batches import PackedBatch, PackSpec, layout
+
+    spec = PackSpec(max_len=int(lengths.max()), max_rows=len(lengths), ladder=None)
+    cu, positions, segments, size = layout(lengths, spec)
+    stream = np.concatenate([row[:n] for row, n in zip(ids, lengths)]).astype(np.int64)
+    return PackedBatch(torch.from_numpy(stream), torch.from_numpy(positions).long(), torch.from_numpy(segments).long(),
+                       torch.from_numpy(cu), spec.max_len, len(lengths), int(lengths.sum()), [])
+
+
+def test_attention_field_says_why_packed_rows_were_declined():
+    assert attention_field("padded", "model type 'llama' is a decoder this server does not pack") == \
+        "padded (model type 'llama' is a decoder this server does not pack)"
+    assert attention_field("packed", None) == "packed"
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +132,21 @@ def test_a_served_decoder_equals_sentence_transformers_over_grpc_and_http(qwen3_
         assert np.abs(np.array(json.loads(r.read())) - got).max() <= TOL
 
 
-def test_attention_packed_refuses_to_start_a_decoder_naming_why(tmp_path):
-    path = build_decoder(tmp_path, "qwen3")
-    server = ServerProcess({"MODEL_PATH": path, "ATTENTION": "packed"})
+def test_attention_packed_serves_a_decoder_and_refuses_one_it_does_not_pack(tmp_path):
+    """ATTENTION=packed on CPU (the reference attention): a Qwen3 embedder is served from packed
+    rows, equal to sentence-transformers; a Llama one (not checked here) stops the start, naming why."""
+    from sentence_transformers import SentenceTransformer
+
+    path = build_decoder(tmp_path / "qwen3", "qwen3")
+    server = ServerProcess({"MODEL_PATH": path, "ATTENTION": "packed", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    try:
+        assert server.health()[1]["attention"] == "packed"
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
+        got = decode_embeddings(stub.Embed(pb.EmbedRequest(texts=TEXTS, prompt_name="query")))
+        assert np.abs(got - SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")).max() <= TOL
+    finally:
+        server.stop()
+    refused = ServerProcess({"MODEL_PATH": build_decoder(tmp_path / "llama", "llama"), "ATTENTION": "packed"})
     with pytest.raises(RuntimeError, match="exited"):
-        server.wait_ready(timeout=120)
-    assert "ATTENTION=packed: model type 'qwen3' is a decoder (causal attention)" in server.log()
+        refused.wait_ready(timeout=120)
+    assert "ATTENTION=packed: model type 'llama' is a decoder this server does not pack" in refused.log()

@@ -122,11 +122,12 @@ class Encoder:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=settings.trust_remote_code)
         on_gpu = placement.device.type == "cuda"
         capability = torch.cuda.get_device_capability(placement.device) if on_gpu else None
-        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability)
+        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability,
+                                    settings.buckets[-1])
         if reason is None and on_gpu:
             heads = int(config.num_attention_heads)
-            reason = varlen.self_check(placement.device, placement.dtype, heads, int(config.hidden_size) // heads,
-                                       placement.cuda_graphs)
+            reason = varlen.self_check(placement.device, placement.dtype, heads, varlen.head_size(config),
+                                       placement.cuda_graphs, causal=varlen.is_causal(config))
         if reason is not None:
             return _declined(settings, reason)
         varlen.register()

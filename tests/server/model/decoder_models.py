@@ -30,12 +30,12 @@ def build_tokenizer(out: Path, padding_side: str = "left"):
 
 
 def build_decoder(out: Path, arch: str = "qwen3", padding_side: str = "left") -> str:
-    """A 2-layer decoder of `arch` (qwen3, qwen2, mistral) with a small hidden size, fixed seed,
+    """A 2-layer decoder of `arch` (qwen3, qwen2, mistral, llama) with a small hidden size, fixed seed,
     saved as a SentenceTransformer with last-token pooling, Normalize and PROMPTS."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import AutoModel, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModel, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     raw = out / "raw"
     tokenizer = build_tokenizer(raw, padding_side)
@@ -43,7 +43,7 @@ def build_decoder(out: Path, arch: str = "qwen3", padding_side: str = "left") ->
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   pad_token_id=0, eos_token_id=0, bos_token_id=0)
     config = {"qwen3": lambda: Qwen3Config(head_dim=16, **common), "qwen2": lambda: Qwen2Config(**common),
-              "mistral": lambda: MistralConfig(**common)}[arch]()
+              "mistral": lambda: MistralConfig(**common), "llama": lambda: LlamaConfig(**common)}[arch]()
     torch.manual_seed(0)
     AutoModel.from_config(config).save_pretrained(raw)
     transformer = Transformer(str(raw), max_seq_length=64)
