@@ -45,6 +45,12 @@ def policy_from(settings: Settings, window_s: float) -> admission.Policy:
     )
 
 
+def attention_field(layout: str, declined: str | None) -> str:
+    """/health's attention: the layout served, and why packed rows were not, where they were asked
+    for (ATTENTION=auto on a GPU) and cannot serve this model (e.g. a decoder)."""
+    return f"{layout} ({declined})" if declined else layout
+
+
 class Server:
     """The model's process: estimator, admission, engine and device. With `listen` (one process,
     FRONTENDS=1) it also serves gRPC and HTTP: the transports come up first (reporting
@@ -170,7 +176,8 @@ class Server:
             **(self.head.describe() if self.head else {}),
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",
-            "attention": self.engine.attention if self.engine and self.engine.warmup else "",
+            "attention": attention_field(self.engine.attention, getattr(self.engine.worker.runner, "declined", None))
+            if self.engine and self.engine.warmup else "",
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }

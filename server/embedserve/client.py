@@ -114,6 +114,14 @@ def _encoding(name: str) -> int:
         raise ValueError(f"encoding {name!r}: expected one of {', '.join(k.lower() for k in pb.Encoding.keys())}") from None
 
 
+def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np.ndarray]]:
+    """EmbedSparseResponse (CSR) → per text (vocabulary ids int32, ascending; weights float32)."""
+    indices = np.frombuffer(response.indices, dtype="<i4")
+    values = np.frombuffer(response.values, dtype="<f4")
+    bounds = list(response.offsets)
+    return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries included (None: no deadline);
     `max_attempts` optionally bounds the tries too (None: as many as the deadline allows)."""
@@ -140,6 +148,11 @@ class Client:
         uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)])."""
         request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name)
         return decode_embeddings(await self._call(self.stub.Embed, request))
+
+    async def embed_sparse(self, texts: list[str], prompt_name: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
+        """A sparse (SPLADE) server: per text, its non-zero vocabulary ids and their weights."""
+        request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name)
+        return decode_sparse(await self._call(self.stub.EmbedSparse, request))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
                     encoding: str = "float") -> np.ndarray:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     model_dir: str
-    task: str  # embed | classify
+    task: str  # embed | classify | sparse
     labels: list[str]  # classify: the label of each logit
     head: Head
     buckets: tuple[int, ...]
@@ -45,10 +45,11 @@ def prepare(s: Settings) -> Prepared:
     model_dir = str(resolve("" if sim else s.model_path, s.model_cache_dir, s.trust_remote_code))
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     hf_tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
-    task = "embed" if sim else task_of(config, s.task)
+    said = declared.read(model_dir)
+    task = "embed" if sim else task_of(config, s.task, sparse=said.splade is not None)
     labels = [config.id2label[i] for i in range(config.num_labels)] if task == "classify" else []
     head, notes = declared.resolve(
-        declared.read(model_dir), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
+        declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
         getattr(config, "max_position_embeddings", None), s.buckets[-1])
     for note in notes:
         log.info("%s", note)
@@ -57,5 +58,5 @@ def prepare(s: Settings) -> Prepared:
     exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(
-            f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {'+'.join(head.pooling)}")
+            f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {head.describe()['pooling']}")
     return Prepared(model_dir, task, labels, head, usable_buckets(s.buckets, head.max_length), tokenizer, exclude)

@@ -16,6 +16,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
+from embedserve.batching.sparse import SparseRows, sparsify
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a
@@ -33,7 +34,8 @@ ID_ROW_BOUND = 16
 
 
 class Result(NamedTuple):
-    rows: np.ndarray  # [n, dim] float32: embeddings, or logits when the task is classify
+    rows: np.ndarray | SparseRows  # [n, dim] float32: embeddings, or logits when the task is classify;
+    # SparseRows from embed_sparse
     tokens: int  # real tokens computed (usage)
 
 
@@ -127,7 +129,8 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
 
 def require_task(served: str, task: str) -> None:
     if task != served:
-        other = "POST /classify" if served == "classify" else "Embed or /v1/embeddings"
+        other = {"classify": "POST /classify", "sparse": "EmbedSparse or POST /embed_sparse"}.get(
+            served, "Embed or /v1/embeddings")
         raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {other}")
 
 
@@ -190,4 +193,17 @@ class PreTokenized(InFlight):
             return await self._rows(ids, lengths, content_key(np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(lengths).tobytes(), *ids.shape), caller)
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+        raise NotImplementedError
+
+    async def embed_sparse(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                           prompt_name: str | None = None) -> Result:
+        """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
+        batching), each text's row as SparseRows (embedserve.batching.sparse says where and why)."""
+        result = await self.embed_texts(texts, caller, truncate, prompt_name)
+        if isinstance(result.rows, SparseRows):  # a front end: sparsified in the model process
+            return result
+        return Result(await sparsify(result.rows, getattr(self, "executor", None)), result.tokens)
+
+    async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                          prompt_name: str | None = None) -> Result:
         raise NotImplementedError

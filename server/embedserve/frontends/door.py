@@ -12,6 +12,7 @@ from embedserve import metrics
 from embedserve.frontends import ipc
 from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
+from embedserve.batching.sparse import sparsify
 
 
 class ModelDoor:
@@ -38,6 +39,7 @@ class ModelDoor:
         head = dataclasses.asdict(s.head) if s.head else None
         if head:
             head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
+            head.pop("splade", None)
         return {"task": s.task, "labels": s.labels, "head": head, "tokenizer": s.service.tokenizer.spec,
                 "simulated": s.service.head is None, "model_dimension": s.model_dimension}, b""
 
@@ -52,6 +54,9 @@ class ModelDoor:
             result = await service.rows(ids, lengths, header["key"], caller)
         except KNOWN as e:
             return to_wire(e), b""
+        if self.server.task == "sparse":  # CSR before IPC (embedserve.batching.sparse)
+            csr = await sparsify(result.rows, service.executor)
+            return {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}, csr.to_bytes()
         out = np.ascontiguousarray(result.rows, dtype="<f4")
         return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
 

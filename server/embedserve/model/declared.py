@@ -25,6 +25,13 @@ _LEGACY_POOLING = {  # sentence-transformers < 6 saved one boolean per mode, in 
 }
 # Modules that change nothing at inference.
 _NO_OPS = {"Dropout"}
+# A SparseEncoder's modules this server runs: a masked-LM transformer, then SPLADE pooling. The
+# rest of sentence-transformers' sparse family is named in the refusal: a SparseAutoEncoder (CSR
+# over a dense encoder), a SparseStaticEmbedding (inference-free, a learned weight per token) and
+# the Router that pairs one with an encoder for queries and documents.
+_SPARSE_UNSERVED = {"SparseAutoEncoder", "SparseStaticEmbedding", "Router", "Asym", "CSRSparsity"}
+SPLADE_STRATEGIES = ("max", "sum")
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 
 
 class DeclarationError(ValueError):
@@ -49,6 +56,17 @@ class Declared:
     # SentenceTransformer(..., truncate_dim=) and does not save it; a model's authors state it as
     # `truncate_dim` in config_sentence_transformers.json, beside the prompts.
     truncate_dim: int | None = None
+    splade: "Splade | None" = None  # a SparseEncoder (MLM transformer + SpladePooling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Splade:
+    """SpladePooling as a SparseEncoder declares it: log1p(activation(MLM logits)), masked by
+    attention, pooled over tokens; then the top `max_active_dims` per row when it saves one."""
+
+    strategy: str = "max"  # max | sum over tokens
+    activation: str = "relu"  # relu | log1p_relu (a second log1p)
+    max_active_dims: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +82,7 @@ class Head:
     prompts: dict[str, str]
     default_prompt_name: str | None
     truncate_dim: int | None = None  # dimensions served by default (None: all)
+    splade: Splade | None = None  # task sparse: how the MLM logits are pooled
 
     def prompt(self, name: str | None) -> str:
         """The text put before each input: `name`'s prompt, else the default one, else none.
@@ -85,7 +104,9 @@ class Head:
             raise DeclarationError(f"truncate_dim {self.truncate_dim} exceeds the model's {model_dim} dimensions")
 
     def describe(self) -> dict:
-        return {"pooling": "+".join(self.pooling), "normalize": self.normalize, "max_length": self.max_length,
+        splade = self.splade
+        return {"pooling": f"splade_{splade.strategy}" if splade else "+".join(self.pooling),
+                "normalize": self.normalize, "max_length": self.max_length,
                 "dense_layers": len(self.dense), "prompts": sorted(self.prompts),
                 "default_prompt_name": self.default_prompt_name or "", "truncate_dim": self.truncate_dim or 0}
 
@@ -105,12 +126,45 @@ def _pooling_modes(config: dict) -> tuple[str, ...]:
     return modes
 
 
+def _splade(modules: list[dict], root: Path, st: dict) -> Splade | None:
+    """A SparseEncoder's declaration (None: not one). Refuses, by name, the sparse modules this
+    server does not run, and a SPLADE pooling it does not know."""
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    if st.get("model_type") != "SparseEncoder" and "SpladePooling" not in kinds and "MLMTransformer" not in kinds:
+        return None
+    unserved = [m["type"] for m, k in zip(modules, kinds) if k in _SPARSE_UNSERVED]
+    if unserved:
+        raise DeclarationError(f"a SparseEncoder with {', '.join(unserved)}: this server serves SPLADE "
+                               "(an MLM transformer and SpladePooling) only")
+    first = _json(root / modules[0].get("path", "") / "sentence_bert_config.json") or {}
+    mlm = kinds[0] == "MLMTransformer" or (kinds[0] == "Transformer" and first.get("transformer_task") == "fill-mask")
+    if not mlm or "SpladePooling" not in kinds:
+        raise DeclarationError(f"a SparseEncoder of modules {', '.join(kinds)}: this server serves SPLADE "
+                               "(an MLM transformer and SpladePooling) only")
+    pooling = modules[kinds.index("SpladePooling")]
+    config = _json(root / pooling.get("path", "") / "config.json") or {}
+    strategy, activation = config.get("pooling_strategy", "max"), config.get("activation_function", "relu")
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise DeclarationError(f"SpladePooling {strategy}/{activation}: this server pools "
+                               f"{'/'.join(SPLADE_STRATEGIES)} with {'/'.join(SPLADE_ACTIVATIONS)}")
+    extra = [k for k in kinds[1:] if k not in ("SpladePooling", *_NO_OPS)]
+    if extra:
+        raise DeclarationError(f"a SparseEncoder with {', '.join(extra)} after its pooling: not served")
+    top = st.get("max_active_dims")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
+        raise DeclarationError(f"max_active_dims {top!r} is not a positive integer")
+    return Splade(strategy, activation, top)
+
+
 def read(model_dir: str | Path) -> Declared:
     """The model directory's sentence-transformers declaration (a plain checkpoint: the defaults)."""
     root = Path(model_dir)
     modules = _json(root / "modules.json")
     if not modules:
         return Declared()
+    st = _json(root / "config_sentence_transformers.json") or {}
+    if (splade := _splade(modules, root, st)) is not None:
+        return dataclasses.replace(_prompted(root, st), splade=splade, pooling=())
     pooling, include_prompt, dense, normalize = ("mean",), True, [], False
     unsupported = []
     for i, module in enumerate(modules):
@@ -132,8 +186,14 @@ def read(model_dir: str | Path) -> Declared:
     if not include_prompt:
         raise DeclarationError("1_Pooling declares include_prompt: false (prompt tokens left out of pooling); "
                                "this server pools every token of a prompted text")
+    return dataclasses.replace(_prompted(root, st), pooling=pooling, include_prompt=include_prompt,
+                               dense=tuple(dense), normalize=normalize)
+
+
+def _prompted(root: Path, st: dict) -> Declared:
+    """What every sentence-transformers model declares beside its modules: max_seq_length, lower
+    case, prompts."""
     bert = _json(root / "sentence_bert_config.json") or {}
-    st = _json(root / "config_sentence_transformers.json") or {}
     prompts = {k: v for k, v in (st.get("prompts") or {}).items() if v is not None}
     default = st.get("default_prompt_name")
     if default is not None and default not in prompts:
@@ -142,8 +202,20 @@ def read(model_dir: str | Path) -> Declared:
     if truncate_dim is not None and (not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1):
         raise DeclarationError(f"config_sentence_transformers.json declares truncate_dim {truncate_dim!r}; "
                                "expected a positive integer")
-    return Declared(True, pooling, include_prompt, tuple(dense), normalize, bert.get("max_seq_length"),
-                    bool(bert.get("do_lower_case", False)), prompts, default, truncate_dim)
+    return Declared(True, max_seq_length=bert.get("max_seq_length"), do_lower_case=bool(bert.get("do_lower_case", False)),
+                    prompts=prompts, default_prompt_name=default, truncate_dim=truncate_dim)
+
+
+def for_task(declared: Declared, task: str) -> Declared:
+    """The declaration as the served task reads it: TASK=sparse on a plain masked-LM checkpoint
+    pools as SparseEncoder's defaults do (max, relu); a SparseEncoder serves no other task."""
+    if task == "sparse" and declared.splade is None:
+        if declared.sentence_transformers:
+            raise DeclarationError("TASK=sparse: this model declares sentence-transformers modules, not a SparseEncoder")
+        return dataclasses.replace(declared, splade=Splade(), pooling=())
+    if task != "sparse" and declared.splade is not None:
+        raise DeclarationError(f"TASK={task}: this model is a SparseEncoder (SPLADE), served as TASK=sparse")
+    return declared
 
 
 def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_max_length: int | None,
@@ -155,6 +227,8 @@ def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_
     → (head, log lines)."""
     notes = []
     modes = declared.pooling
+    if declared.splade is not None and (pooling or normalize):
+        raise DeclarationError("POOLING and NORMALIZE do not apply to a SparseEncoder (SPLADE pooling, never normalized)")
     if pooling:
         wanted = tuple(ALIASES.get(m, m) for m in pooling.split("+"))
         if wanted != modes:
@@ -169,9 +243,9 @@ def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_
     if model_max > largest_bucket:
         notes.append(f"the model reads {model_max} tokens per text; the largest bucket ({largest_bucket}) "
                      "cuts texts shorter: add a bucket to serve them whole")
-    if not declared.sentence_transformers:
+    if not declared.sentence_transformers and declared.splade is None:
         notes.append("no sentence-transformers modules.json: mean pooling, no normalization "
                      "(as SentenceTransformer serves a plain checkpoint)")
     head = Head(modes, norm, declared.dense, min(model_max, largest_bucket), declared.do_lower_case,
-                dict(declared.prompts), declared.default_prompt_name, declared.truncate_dim)
+                dict(declared.prompts), declared.default_prompt_name, declared.truncate_dim, declared.splade)
     return head, notes

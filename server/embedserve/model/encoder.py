@@ -16,6 +16,7 @@ from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
+from embedserve.model.splade import splade_pool
 from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
@@ -54,46 +55,51 @@ def choose_placement(settings: Settings, cuda_available: bool, bf16_supported: b
     return Placement(device, dtype, compile_, static, graphs and static, "packed" if packed else "padded")
 
 
-def _declined(settings: Settings, reason: str) -> str:
+def _declined(settings: Settings, reason: str) -> tuple[str, str]:
     """Packed rows cannot serve this model here: padded rows under ATTENTION=auto (said in the
-    log and in /health), a start-up error under ATTENTION=packed."""
+    log and in /health), a start-up error under ATTENTION=packed. → ("padded", reason)."""
     if settings.attention == "packed":
         raise ConfigError(f"ATTENTION=packed: {reason}")
     log.warning("attention: padded rows (%s)", reason)
-    return "padded"
+    return "padded", reason
 
 
 class Encoder:
-    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify);
+    """An AutoModel encoder plus pooling (or a sequence classifier's logits, task classify; a
+    masked LM's SPLADE weights, task sparse: dense [rows, vocabulary], sparsified by the service);
     `run(batch)` → float32 [rows, dim] numpy."""
 
     def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
                  task: str = "embed", head: Head | None = None):
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         self.placement = placement
         self.settings = settings
         self.task = task
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
-        loader = AutoModelForSequenceClassification if task == "classify" else AutoModel
+        loader = {"classify": AutoModelForSequenceClassification, "sparse": AutoModelForMaskedLM}.get(task, AutoModel)
 
         def load(**extra):
             model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code,
                                            **extra)
             return model.to(placement.device).eval()
 
-        self.attention = self._attention(model_dir, settings, placement, task)
+        # declined: why packed rows, asked for, do not serve this model (shown in /health).
+        self.attention, self.declined = self._attention(model_dir, settings, placement, task)
         self.model = load(**({"attn_implementation": varlen.NAME} if self.attention == "packed" else {}))
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
         self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
-        # Output width: the embedding dimension (after any Dense layers), or one logit per label.
+        self.splade = head.splade if task == "sparse" else None
+        # Output width: the embedding dimension (after any Dense layers), one logit per label, or
+        # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
-        self.dim = int(self.model.config.num_labels) if task == "classify" else self.pooler.output_dim(hidden)
+        self.dim = (int(self.model.config.num_labels) if task == "classify" else
+                    int(self.model.config.vocab_size) if self.splade else self.pooler.output_dim(hidden))
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
-            self.attention = _declined(settings, reason)
+            self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
@@ -105,27 +111,29 @@ class Encoder:
             self._forward = CudaGraphs(self._forward, placement.device)
 
     @staticmethod
-    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> str:
+    def _attention(model_dir: str, settings: Settings, placement: Placement, task: str) -> tuple[str, str | None]:
         """The attention layout this model runs: the placement's, unless the kernels cannot serve
-        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed)."""
+        this model (then padded under ATTENTION=auto, a start-up error under ATTENTION=packed).
+        → (layout, why packed rows were declined, or None)."""
         if placement.attention != "packed":
-            return "padded"
+            return "padded", None
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=settings.trust_remote_code)
         on_gpu = placement.device.type == "cuda"
         capability = torch.cuda.get_device_capability(placement.device) if on_gpu else None
-        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability)
+        reason = varlen.unsupported(config, task, placement.device.type, placement.dtype, capability,
+                                    settings.buckets[-1])
         if reason is None and on_gpu:
             heads = int(config.num_attention_heads)
-            reason = varlen.self_check(placement.device, placement.dtype, heads, int(config.hidden_size) // heads,
-                                       placement.cuda_graphs)
+            reason = varlen.self_check(placement.device, placement.dtype, heads, varlen.head_size(config),
+                                       placement.cuda_graphs, causal=varlen.is_causal(config))
         if reason is not None:
             return _declined(settings, reason)
         varlen.register()
         log.info("attention: packed rows (%s)", "reference attention on CPU" if not on_gpu else
                  "varlen_attn, FlashAttention-2" if placement.dtype in varlen.HALF else "memory-efficient varlen kernel")
-        return "packed"
+        return "packed", None
 
     def _check_packed(self) -> str | None:
         """The loaded model on a few packed rows (a padding tail and empty rows as served)
@@ -168,6 +176,8 @@ class Encoder:
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.task == "classify":
             return self.model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.splade is not None:
+            return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.pooler(hidden, ids, mask)
 
@@ -196,9 +206,12 @@ class Encoder:
         }
 
 
-def task_of(config, requested: str) -> str:
-    """TASK auto → classify for *ForSequenceClassification checkpoints, else embed."""
+def task_of(config, requested: str, sparse: bool = False) -> str:
+    """TASK auto → sparse for a declared SparseEncoder, classify for *ForSequenceClassification
+    checkpoints, else embed."""
     if requested != "auto":
         return requested
+    if sparse:
+        return "sparse"
     architectures = getattr(config, "architectures", None) or []
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"

@@ -58,33 +58,43 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._call(
             "Embed", context,
             lambda s: s.embed_texts(request.texts, caller(context), truncate, prompt_name=request.prompt_name or None),
-            request,
+            lambda s: self._embedding(request, s),
         )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
             lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
-            request,
+            lambda s: self._embedding(request, s),
         )
+
+    async def EmbedSparse(self, request, context):
+        def run(s):
+            if request.dimensions or request.encoding != pb.FLOAT:
+                raise InvalidInput("dimensions and encoding do not apply to EmbedSparse (sparse rows over the vocabulary)")
+            return s.embed_sparse(request.texts, caller(context), request.truncate if request.HasField("truncate") else None,
+                                  prompt_name=request.prompt_name or None)
+
+        return await self._call("EmbedSparse", context, run, lambda s: sparse_response, task="sparse")
 
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
-    async def _call(self, rpc: str, context, run, request):
+    async def _call(self, rpc: str, context, run, respond, task: str = "embed"):
+        """`run(service)` → the rows; `respond(service)` checks what the request asks of them
+        before any work, and → how they become the response."""
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             service = self._service()
             if service is None:
                 raise NotReady("server is warming up")
-            service.require_task("embed")
-            encoding = _encoding(request.encoding)  # refused before any work, as a negative dimensions
-            encodings.check_dimensions(request.dimensions)
-            response = self._response((await run(service)).rows, service.head, request.dimensions, encoding)
+            service.require_task(task)
+            finish = respond(service)
+            out = (await run(service)).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
-            return response
+            return finish(out)
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))
             if isinstance(e, Overloaded):
@@ -104,6 +114,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             self._observe(rpc, code.name, time.perf_counter() - t0)
 
+    def _embedding(self, request, service) -> Callable:
+        """Embed's and Infer's rows → response; the encoding and dimensions refused before any work."""
+        encoding = _encoding(request.encoding)
+        encodings.check_dimensions(request.dimensions)
+        return lambda out: self._response(out, service.head, request.dimensions, encoding)
 
     def _response(self, out, head, dimensions: int, encoding: str) -> pb.EmbedResponse:
         """The rows cut to `dimensions` (re-normalized where the model normalizes), as float32 in
@@ -122,6 +137,13 @@ def _encoding(value: int) -> str:
         names = ", ".join(pb.Encoding.keys())
         raise InvalidInput(f"encoding={value} is not an Encoding ({names})")
     return pb.Encoding.Name(value).lower()
+
+
+def sparse_response(rows) -> pb.EmbedSparseResponse:
+    """SparseRows (embedserve.batching.sparse) → EmbedSparseResponse: the same CSR arrays, as bytes."""
+    return pb.EmbedSparseResponse(indices=rows.indices.astype("<i4", copy=False).tobytes(),
+                                  values=rows.values.astype("<f4", copy=False).tobytes(),
+                                  offsets=rows.offsets.tolist(), dimension=rows.dim)
 
 
 # The most often a client may ping. One second is gRPC core's own floor for a client's pings, so

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, http_tei
+from embedserve.transports import encodings, http_sparse, http_tei
 from embedserve.transports.hub import Hub
 from embedserve.batching.shaping import ID_ROW_BOUND
 
@@ -123,6 +123,10 @@ class TeiEmbedRequest(BaseModel):
         "quantized as sentence-transformers' quantize_embeddings over [-QUANTIZE_RANGE, QUANTIZE_RANGE] (lists of ints).")
 
 
+PROMPT_DOC = ("One of the model's declared prompts, put before each text (default: its default prompt, if "
+              "it declares one).")
+
+
 class ClassifyRequest(BaseModel):
     inputs: Union[Text, Texts]
     all_scores: bool = Field(False, description="Also return every label's probability.")
@@ -201,7 +205,7 @@ def register(app: FastAPI, server: Hub) -> None:
     async def observe(request: Request, call_next):
         t0 = time.perf_counter()
         response = starting(request, server) or await call_next(request)
-        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/") or request.url.path in http_tei.PATHS:
+        if request.url.path in OBSERVED_PATHS:
             server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
         return response
 
@@ -261,7 +265,8 @@ STARTING_RETRY_AFTER_S = 5
 # A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
-API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models")) | http_tei.PATHS
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse")) | http_tei.PATHS
+OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 
 
 def starting(request: Request, server: Hub) -> JSONResponse | None:
@@ -274,8 +279,9 @@ def starting(request: Request, server: Hub) -> JSONResponse | None:
 
 
 def install_routes(app: FastAPI, server: Hub) -> None:
-    """The API for the loaded model's task (known once it has loaded): embedding routes or the
-    classification route, so the OpenAPI document says exactly what this server does."""
+    """The API for the loaded model's task (known once it has loaded): embedding routes, the
+    classification route or the sparse ones (transports/http_sparse.py), so the OpenAPI document
+    says exactly what this server does."""
     router = APIRouter()
 
     def service():
@@ -289,6 +295,8 @@ def install_routes(app: FastAPI, server: Hub) -> None:
 
     if server.task == "classify":
         _classify_routes(router, server, service)
+    elif server.task == "sparse":
+        http_sparse.install(router, server, service, _caller, Union[Text, Texts], _prompt_field(server, PROMPT_DOC), ERRORS)
     else:
         _embed_routes(router, server, service)
     app.include_router(router)

@@ -28,6 +28,10 @@ class Service(Protocol):
     async def embed_texts(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result: ...
 
+    async def embed_sparse(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
+                           prompt_name: str | None = None) -> Result:
+        """Task sparse: rows as embedserve.batching.sparse.SparseRows."""
+
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = ...) -> Result: ...
 
     async def infer_ids(self, rows: list[list[int]], caller: Caller = ...) -> Result: ...
@@ -42,7 +46,7 @@ class Hub(Protocol):
     metrics: Metrics
     draining: bool  # SIGTERM received: answers close their connections
     served_name: str  # the model's id in the OpenAI API
-    task: str  # embed or classify
+    task: str  # embed, classify or sparse
     labels: list[str]  # a classifier's, in output order
     head: Head | None  # how the model is served (prompts, normalize), once known
     model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask

@@ -91,3 +91,59 @@ def test_max_length_is_the_declared_one_capped_by_positions_and_the_largest_buck
     assert resolve(Declared(True), "", None, 10**30, 514, 512)[0].max_length == 512  # tokenizer's "no limit"
     head, notes = resolve(Declared(True, max_seq_length=8192), "", None, 8192, 8192, 512)
     assert head.max_length == 512 and any("largest bucket (512) cuts" in n for n in notes)
+
+
+SPARSE = [{"idx": 0, "name": "0", "path": "",
+           "type": "sentence_transformers.sparse_encoder.modules.mlm_transformer.MLMTransformer"},
+          {"idx": 1, "name": "1", "path": "1_SpladePooling",
+           "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}]
+
+
+def test_a_sparse_encoder_is_read_as_splade_with_its_top_k_and_prompts(tmp_path):
+    from embedserve.model.declared import Splade, for_task
+    from embedserve.model.encoder import task_of
+
+    d = read(write(tmp_path, {"modules.json": SPARSE, "1_SpladePooling/config.json": {
+        "pooling_strategy": "sum", "activation_function": "log1p_relu", "word_embedding_dimension": 30522},
+        "config_sentence_transformers.json": {"model_type": "SparseEncoder", "max_active_dims": 64,
+                                              "prompts": {"query": "q: "}}}))
+    assert d.splade == Splade("sum", "log1p_relu", 64) and d.prompts == {"query": "q: "}
+    assert task_of(object(), "auto", sparse=True) == "sparse"
+    head, _ = resolve(for_task(d, "sparse"), "", None, 512, 512, 512)
+    assert head.splade == d.splade and head.describe()["pooling"] == "splade_sum"
+    with pytest.raises(DeclarationError, match="TASK=embed: this model is a SparseEncoder"):
+        for_task(d, "embed")
+    with pytest.raises(DeclarationError, match="POOLING and NORMALIZE do not apply"):
+        resolve(d, "mean", None, 512, 512, 512)
+
+
+def test_the_transformer_module_with_fill_mask_is_an_mlm_and_task_sparse_serves_a_plain_checkpoint(tmp_path):
+    from embedserve.model.declared import Splade, for_task
+
+    modules = [{**SPARSE[0], "type": "sentence_transformers.base.modules.transformer.Transformer"}, SPARSE[1]]
+    d = read(write(tmp_path / "a", {"modules.json": modules, "sentence_bert_config.json": {"transformer_task": "fill-mask"},
+                                    "1_SpladePooling/config.json": {}}))
+    assert d.splade == Splade("max", "relu", None)
+    assert for_task(Declared(), "sparse").splade == Splade()  # SparseEncoder's defaults
+
+
+@pytest.mark.parametrize("modules, config, message", [
+    ([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+      {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+      {"idx": 2, "name": "2", "path": "2_CSR", "type": "sentence_transformers.sparse_encoder.modules.SparseAutoEncoder"}],
+     {"model_type": "SparseEncoder"}, "SparseAutoEncoder"),
+    ([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.modules.SparseStaticEmbedding"}],
+     {"model_type": "SparseEncoder"}, "SparseStaticEmbedding"),
+    ([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.router.Router"}],
+     {"model_type": "SparseEncoder"}, "Router"),
+    (SPARSE, {"model_type": "SparseEncoder", "max_active_dims": 0}, "max_active_dims 0"),
+])
+def test_sparse_encoders_it_cannot_serve_fail_start_up_naming_what(tmp_path, modules, config, message):
+    files = {"modules.json": modules, "config_sentence_transformers.json": config, "1_SpladePooling/config.json": {}}
+    with pytest.raises(DeclarationError, match=message):
+        read(write(tmp_path, files))
+
+
+def test_an_unknown_splade_pooling_is_refused(tmp_path):
+    with pytest.raises(DeclarationError, match="SpladePooling mean/relu"):
+        read(write(tmp_path, {"modules.json": SPARSE, "1_SpladePooling/config.json": {"pooling_strategy": "mean"}}))

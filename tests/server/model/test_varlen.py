@@ -21,6 +21,8 @@ def tiny(tmp_path, model_type: str, **extra) -> str:
     from transformers import AutoConfig, AutoModel
 
     torch.manual_seed(0)
+    if model_type in varlen.CAUSAL:  # grouped-query attention, as these decoders have
+        extra = {"num_key_value_heads": 2, **extra}
     config = AutoConfig.for_model(model_type, vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=80, pad_token_id=1, **extra)
     path = tmp_path / model_type
@@ -63,6 +65,12 @@ def test_the_position_offset_follows_the_model():
         ("bert", {}, "embed", "cuda", torch.bfloat16, (9, 0), None),
         ("bert", {}, "embed", "cuda", torch.float32, (7, 5), None),  # fp32: the memory-efficient kernel
         ("bert", {}, "classify", "cpu", torch.float32, None, "classifier"),
+        ("bert", {}, "sparse", "cuda", torch.bfloat16, (9, 0), "SPLADE's masked-LM head reads padded rows"),
+        ("qwen3", {}, "embed", "cuda", torch.bfloat16, (9, 0), None),  # decoders: causal varlen attention
+        ("mistral", {}, "embed", "cuda", torch.bfloat16, (9, 0), None),
+        ("qwen2", {}, "embed", "cuda", torch.bfloat16, (9, 0), None),
+        ("llama", {}, "embed", "cuda", torch.bfloat16, (9, 0), "model type 'llama' is a decoder this server does not pack"),
+        ("mistral", {"sliding_window": 256}, "embed", "cuda", torch.bfloat16, (9, 0), "sliding attention window (256"),
         ("distilbert", {}, "embed", "cpu", torch.float32, None, "model type 'distilbert'"),
         ("bert", {"is_decoder": True}, "embed", "cpu", torch.float32, None, "decoder"),
         ("bert", {}, "embed", "cuda", torch.float16, (7, 5), "compute capability 8.0"),
@@ -130,6 +138,21 @@ def test_the_start_up_self_check_passes_the_reference_and_catches_a_kernel_that_
     assert "fails here (RuntimeError: no kernel image" in varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=broken)
 
 
+def test_the_causal_self_check_passes_a_causal_kernel_and_catches_one_that_looks_ahead():
+    """A decoder's check: the kernel must attend, within each row, to the tokens up to each one."""
+    cpu = torch.device("cpu")
+
+    def causal(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
+        return varlen.reference_attention(q, k, v, cu_q, scale, causal)
+
+    def bidirectional(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
+        return varlen.reference_attention(q, k, v, cu_q, scale)
+
+    assert varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=causal, causal=True) is None
+    assert "differs from the reference" in varlen.self_check(cpu, torch.float32, 4, 16, False, kernel=bidirectional,
+                                                            causal=True)
+
+
 def test_a_kernel_that_returns_nan_fails_the_self_check():
     def nan(q, *_):
         return torch.full_like(q, float("nan"))
@@ -190,3 +213,35 @@ def test_the_model_check_catches_attention_across_rows(tmp_path):
     assert good.attention == "packed" and good._check_packed() is None
     good.model.set_attn_implementation("sdpa")  # the loaded model now ignores the row bounds
     assert "packed rows differ from padded rows" in good._check_packed()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_a_decoder_runs_packed_rows_with_causal_attention(tmp_path, device, model_type):
+    """ATTENTION=auto on a GPU packs a decoder's rows (causal varlen attention, after the causal
+    self-check), in bf16 replayed from CUDA graphs at the ladder's sizes; on CPU the reference
+    attention. With last-token pooling each real row's vector is what the float32 eager model
+    computes on that row alone, padded: attention stays within the row and looks only back."""
+    path = tiny(tmp_path, model_type)
+    settings = Settings.from_env({"ATTENTION": "auto"})
+    placement = (choose_placement(settings, True, True) if device == "cuda" else
+                 Placement(torch.device("cpu"), torch.float32, False, False, False, "packed"))
+    head = Head(("lasttoken",), True, (), 64, False, {}, None)
+    served = Encoder(path, settings, placement, [], "embed", head)
+    assert served.attention == "packed" and served.declined is None
+    reference = Encoder(path, Settings.from_env({"ATTENTION": "padded"}),
+                        Placement(torch.device("cpu"), torch.float32, False, False), [], "embed", head)
+    spec = PackSpec(max_len=64, max_rows=8, ladder=(128, 160) if placement.cuda_graphs else None)
+    rng = np.random.default_rng(0)
+    for tokens in (150, 120):  # on CUDA: one capture, then a replay on other rows
+        batch = random_packed(tokens, spec, 500, rng, shortest=1)
+        got = served.run(batch)[: batch.rows]
+        cu = batch.cu_seqlens.tolist()
+        for i in range(batch.rows):
+            ids = batch.input_ids[cu[i] : cu[i + 1]].unsqueeze(0)
+            alone = reference.run(Batch(ids, torch.ones_like(ids), 1, ids.shape[1], []))[0]
+            tolerance = 3e-2 if placement.dtype in varlen.HALF else 1e-5  # unit vectors: bf16's rounding
+            assert np.abs(got[i] - alone).max() <= tolerance, (i, np.abs(got[i] - alone).max())
