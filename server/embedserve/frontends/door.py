@@ -38,7 +38,8 @@ class ModelDoor:
         head = dataclasses.asdict(s.head) if s.head else None
         if head:
             head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
-        return {"task": s.task, "labels": s.labels, "head": head, "tokenizer": s.service.tokenizer.spec,
+        return {"task": s.task, "labels": s.labels, "activation": s.activation, "head": head,
+                "tokenizer": s.service.tokenizer.spec,
                 "simulated": s.service.head is None}, b""
 
     async def rows(self, header: dict, payload) -> ipc.Message:

@@ -91,6 +91,12 @@ def _pooling_modes(config: dict) -> tuple[str, ...]:
     return modes
 
 
+def st_config(model_dir: str | Path) -> dict:
+    """config_sentence_transformers.json ({} when absent): its model_type says a CrossEncoder."""
+    found = _json(Path(model_dir) / "config_sentence_transformers.json")
+    return found if isinstance(found, dict) else {}
+
+
 def read(model_dir: str | Path) -> Declared:
     """The model directory's sentence-transformers declaration (a plain checkpoint: the defaults)."""
     root = Path(model_dir)

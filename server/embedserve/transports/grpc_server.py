@@ -62,20 +62,30 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
         )
 
+    async def Rerank(self, request, context):
+        truncate = request.truncate if request.HasField("truncate") else None
+        return await self._call(
+            "Rerank", context,
+            lambda s: s.rerank(request.query, request.texts, caller(context), truncate, request.raw_scores),
+            task="rerank", reply=lambda out: pb.RerankResponse(scores=out.tolist()),
+        )
+
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
-    async def _call(self, rpc: str, context, run):
+    async def _call(self, rpc: str, context, run, task: str = "embed", reply=None):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             service = self._service()
             if service is None:
                 raise NotReady("server is warming up")
-            service.require_task("embed")
+            service.require_task(task)
             out = (await run(service)).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
+            if reply is not None:
+                return reply(out)
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))

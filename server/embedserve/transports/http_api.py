@@ -1,4 +1,5 @@
-"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed, and /classify.
+"""HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed, and /classify
+(a reranker's routes: http_rerank).
 Same service, same admission as gRPC; errors as JSON bodies with the right status codes."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
+from embedserve.transports import http_rerank
 from embedserve.transports.hub import Hub
 from embedserve.batching.shaping import ID_ROW_BOUND
 
@@ -191,7 +193,7 @@ def register(app: FastAPI, server: Hub) -> None:
     async def observe(request: Request, call_next):
         t0 = time.perf_counter()
         response = starting(request, server) or await call_next(request)
-        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/"):
+        if request.url.path in ("/v1/embeddings", "/embed", "/classify", "/", "/rerank", "/v1/rerank"):
             server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
         return response
 
@@ -251,7 +253,7 @@ STARTING_RETRY_AFTER_S = 5
 # A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
-API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models"))
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/rerank", "/v1/rerank"))
 
 
 def starting(request: Request, server: Hub) -> JSONResponse | None:
@@ -279,8 +281,9 @@ def install_routes(app: FastAPI, server: Hub) -> None:
 
     if server.task == "classify":
         _classify_routes(router, server, service)
-    else:
+    elif server.task != "rerank":
         _embed_routes(router, server, service)
+    http_rerank.install(router, server, service, _caller, ERRORS, _error)  # rerank's routes, or their refusals
     app.include_router(router)
     app.openapi_schema = None  # regenerate with the new routes
 

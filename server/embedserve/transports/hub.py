@@ -29,6 +29,10 @@ class Service(Protocol):
 
     async def infer_ids(self, rows: list[list[int]], caller: Caller = ...) -> Result: ...
 
+    async def rerank(self, query: str, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
+                     raw_scores: bool = False) -> Result:
+        """One score per text (rows [n]), in text order."""
+
     async def drained(self) -> None:
         """Returns once no admitted request is left unanswered."""
 
@@ -39,7 +43,7 @@ class Hub(Protocol):
     metrics: Metrics
     draining: bool  # SIGTERM received: answers close their connections
     served_name: str  # the model's id in the OpenAI API
-    task: str  # embed or classify
+    task: str  # embed, classify or rerank
     labels: list[str]  # a classifier's, in output order
     head: Head | None  # how the model is served (prompts, normalize), once known
     started_at: float  # monotonic
