@@ -60,7 +60,10 @@ class TextTokenizer:
         # Tokens the model adds to every text ([CLS] and [SEP] for BERT): a text's token count
         # is its characters' share plus these.
         self.specials = len(self._cutting.encode("").ids)
-        self.pair_specials = len(self._cutting.encode("", "").ids)  # [CLS] [SEP] [SEP] for BERT
+        try:  # [CLS] [SEP] [SEP] for BERT; a post-processor with no pair template refuses pairs
+            self.pair_specials = len(self._cutting.encode("", "").ids)
+        except Exception:  # noqa: BLE001 - such a model never reranks (rerank needs a pair encoding)
+            self.pair_specials = 2 * self.specials
         self.pad_id, self.vocab_size = pad_id, vocab_size
         self.spec = {"tokenizer_json": tokenizer_json, "pad_id": pad_id, "vocab_size": vocab_size,
                      "max_length": max_length, "lower_case": lower_case}
