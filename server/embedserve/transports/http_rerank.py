@@ -13,18 +13,25 @@ import uuid
 from typing import Annotated, Callable, Literal, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from embedserve.errors import InvalidInput
 from embedserve.transports.hub import Hub
 
-MAX_ITEMS = 2048  # a hard ceiling on list lengths in the schema (MAX_TEXTS_PER_REQUEST applies below it: 400)
+# What the service accepts, said in the schema (as http_api's): a non-blank query and texts, 1 to
+# MAX_TEXTS_PER_REQUEST of them (each server's own bound: `install`; MAX_ITEMS here), a list
+# stopping at its first bad item.
+MAX_ITEMS = 2048
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+
+
+def _items(kind, most: int):
+    return Annotated[list[kind], Field(min_length=1, max_length=most, fail_fast=True)]
 
 
 class TeiRerankRequest(BaseModel):
-    query: str = Field(description="The query each text is scored against.")
-    texts: Annotated[list[str], Field(max_length=MAX_ITEMS)] = Field(description="The texts to score (1 to "
-                                                                      "MAX_TEXTS_PER_REQUEST).")
+    query: Text = Field(description="The query each text is scored against.")
+    texts: _items(Text, MAX_ITEMS) = Field(description="The texts to score (1 to MAX_TEXTS_PER_REQUEST).")
     raw_scores: bool = Field(False, description="The model's logits, without its activation (CrossEncoder's "
                              "default: sigmoid for one label).")
     return_text: bool = Field(False, description="Return each text with its score.")
@@ -41,17 +48,17 @@ class Rank(BaseModel):
 
 
 class Document(BaseModel):
-    text: str
+    text: Text
 
 
 class RerankRequest(BaseModel):
     """Cohere's and Jina's /v1/rerank."""
 
     model: str | None = Field(None, description="The served model's id (GET /v1/models); optional.")
-    query: str
-    documents: Annotated[list[Union[str, Document]], Field(max_length=MAX_ITEMS)] = Field(
-        description="Strings, or objects with a `text` field (Cohere).")
-    top_n: int | None = Field(None, description="Return the best N (default: all; above the count: all).")
+    query: Text
+    documents: _items(Union[Text, Document], MAX_ITEMS) = Field(description="Strings, or objects with a `text` "
+                                                                "field (Cohere).")
+    top_n: int | None = Field(None, ge=1, description="Return the best N (default: all; above the count: all).")
     return_documents: bool = Field(False, description="Return each document's text with its score.")
     truncate: bool | None = Field(None, description="Extension: cut over-long pairs (default: the server's TRUNCATE).")
 
@@ -109,18 +116,23 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         return
     for path in ("/embed", "/v1/embeddings"):
         refuse(path, "embed")
+    most = min(MAX_ITEMS, server.settings.max_texts_per_request)
+    tei_request = create_model("TeiRerankRequest", __base__=TeiRerankRequest, texts=(
+        _items(Text, most), Field(description=TeiRerankRequest.model_fields["texts"].description)))
+    v1_request = create_model("RerankRequest", __base__=RerankRequest, documents=(
+        _items(Union[Text, Document], most), Field(description=RerankRequest.model_fields["documents"].description)))
 
-    async def rerank(body: TeiRerankRequest, request: Request):
+    async def rerank(body, request: Request):
         """TEI's rerank: each text's score against the query, best first."""
         out = await service().rerank(body.query, body.texts, caller(request), body.truncate, body.raw_scores)
         return [Rank(index=i, score=s, text=body.texts[i] if body.return_text else None) for i, s in ranked(out.rows)]
 
+    rerank.__annotations__.update(body=tei_request, request=Request)  # classes made here, not names
     for path, summary in (("/rerank", "Rerank"), ("/", "Rerank (TEI's /)")):
         router.post(path, response_model=list[Rank], response_model_exclude_none=True, responses=errors,
                     summary=summary)(rerank)
 
-    @router.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=errors)
-    async def v1_rerank(body: RerankRequest, request: Request):
+    async def v1_rerank(body, request: Request):
         """Cohere/Jina-compatible rerank: results best first, cut at top_n."""
         svc = service()
         if body.model is not None and body.model != server.served_name:
@@ -138,3 +150,7 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
                                 else None) for i, s in best]
         return RerankResponse(id=uuid.uuid4().hex, results=results, model=server.served_name,
                               usage=RerankUsage(total_tokens=out.tokens))
+
+    v1_rerank.__annotations__.update(body=v1_request, request=Request)
+    router.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True,
+                responses=errors)(v1_rerank)

@@ -23,7 +23,7 @@ def test_documents_as_strings_or_cohere_objects():
 @pytest.mark.parametrize("documents, message", [
     ([], "documents is empty"),
     (["a"] * 5, "5 documents exceed MAX_TEXTS_PER_REQUEST=4"),
-    (["a", Document(text=" ")], r"documents\[1\] is empty"),
+    (["a", Document.model_construct(text=" ")], r"documents\[1\] is empty"),  # the schema refuses it first
 ])
 def test_documents_checks_name_the_field(documents, message):
     with pytest.raises(InvalidInput, match=message):
