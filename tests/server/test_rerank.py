@@ -309,3 +309,23 @@ def test_openapi_schemathesis_finds_no_server_errors(reranker):
             case.call_and_validate()  # raises on a 5xx, an undocumented status or a schema violation
 
         run()
+
+
+def test_task_rerank_on_a_model_of_several_labels_is_a_start_up_error(tmp_path, model_dir):
+    """TASK=rerank forces rerank, but one score per pair needs one label: a classifier of three
+    labels does not start, and its log says why."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=3)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    server = ServerProcess({**SERVER_ENV, "MODEL_PATH": str(tmp_path), "TASK": "rerank"})
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            server.wait_ready(timeout=120)
+        assert "TASK=rerank needs a *ForSequenceClassification checkpoint of one label" in server.log()
+        assert "it has 3 labels" in server.log()
+    finally:
+        server.stop()
