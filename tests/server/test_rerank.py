@@ -8,7 +8,8 @@ away from type 0 so scores computed without token types would be wrong, and the 
 max length 32 so the test pairs are cut (longest first). Three directories: saved through
 CrossEncoder (config_sentence_transformers.json says CrossEncoder; sigmoid), a plain checkpoint
 (detected by TEI's rule; sigmoid, CrossEncoder's default), and one saved with torch.nn.Identity as
-its activation (the activation is read, not assumed).
+its activation and a default prompt (the activation is read, not assumed; the prompt goes before
+each query, as CrossEncoder puts it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ TEXTS = [
     "lunar distance",
     "the distance between the earth and the moon changes over the month, from 363,000 to 405,000 km",
 ]
+PROMPT = "query: "  # the identity model's declared default prompt, before each query
 SERVER_ENV = {"MAX_DRAIN_TIME_MS": "600000", "BATCH_CAPS": "16:4,32:4", "MAX_TEXTS_PER_REQUEST": "12"}
 
 
@@ -65,7 +67,8 @@ def models(tmp_path_factory, model_dir):
     model.save_pretrained(dirs["plain"])
     tok.save_pretrained(dirs["plain"])
     CrossEncoder(str(dirs["plain"]), device="cpu").save(str(dirs["cross_encoder"]))
-    CrossEncoder(str(dirs["plain"]), device="cpu", activation_fn=torch.nn.Identity()).save(str(dirs["identity"]))
+    CrossEncoder(str(dirs["plain"]), device="cpu", activation_fn=torch.nn.Identity(), prompts={"query": PROMPT},
+                 default_prompt_name="query").save(str(dirs["identity"]))
     return {name: str(d) for name, d in dirs.items()}
 
 
@@ -241,12 +244,17 @@ def test_pairs_are_rows_counted_in_real_tokens(reranker, models):
 
 def test_frontends_rerank_with_the_declared_activation(models):
     """FRONTENDS=2: the front ends tokenize the pairs and apply the activation the model process
-    told them (here torch.nn.Identity, as declared: not the sigmoid default); the offered tokens
-    (admitted on the real rows there) rose by exactly the pairs' tokens."""
+    told them (here torch.nn.Identity, as declared: not the sigmoid default), its declared prompt
+    before the query; the offered tokens (admitted on the real rows there) rose by exactly the
+    pairs' tokens."""
     server = ServerProcess({**SERVER_ENV, "MODEL_PATH": models["identity"], "FRONTENDS": "2"}).wait_ready()
     try:
         want = judge(models["identity"], QUERY, TEXTS)
         assert want.min() < 0 or want.max() > 1  # not a sigmoid's
+        from sentence_transformers import CrossEncoder
+
+        unprompted = CrossEncoder(models["identity"], device="cpu").predict([(QUERY, t) for t in TEXTS], prompt="")
+        assert np.abs(unprompted - want).max() > 1e-3  # the prompt makes a difference
         offered = counter(server.http, "embedfleet_offered_tokens_total")
         for _ in range(3):  # over both front ends, likely
             code, body = post(server.http + "/rerank", {"query": QUERY, "texts": TEXTS})
@@ -255,7 +263,7 @@ def test_frontends_rerank_with_the_declared_activation(models):
             assert np.abs(got - want).max() <= 1e-4
         assert [r["index"] for r in body] == list(np.argsort(-want, kind="stable"))
         assert counter(server.http, "embedfleet_offered_tokens_total") - offered == 3 * sum(
-            pair_tokens(models["identity"], QUERY, TEXTS))
+            pair_tokens(models["identity"], PROMPT + QUERY, TEXTS))
         code, body = post(server.http + "/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 2})
         assert code == 200 and [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable"))[:2]
         assert server.health()[1]["task"] == "rerank"

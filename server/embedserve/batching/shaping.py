@@ -79,12 +79,14 @@ def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | Non
     return Texts(texts, truncate, prompt, content_key(truncate, prompt, *texts))
 
 
-def pairs_request(query, texts, limits: Limits, truncate: bool | None) -> Texts:
-    """A Rerank request, checked: the query and the texts it is paired with."""
+def pairs_request(query, texts, limits: Limits, truncate: bool | None, head: Head | None = None) -> Texts:
+    """A Rerank request, checked: the query and the texts it is paired with. A cross-encoder's
+    default prompt goes before the query (the first text of each pair), as CrossEncoder puts it."""
     truncate = limits.truncate if truncate is None else truncate
     if not isinstance(query, str) or not query or query.isspace():
         raise InvalidInput("query is empty or whitespace only")
     texts = validate_texts(texts, limits.max_texts)
+    query = (head.prompt(None) if head else "") + query
     return Texts(texts, truncate, "", content_key("rerank", truncate, query, *texts), query)
 
 
@@ -197,6 +199,7 @@ class PreTokenized(InFlight):
     tokenizer: TextTokenizer
     limits: Limits
     activation: str = ""  # rerank: the cross-encoder's (embedserve.model.activation)
+    head: Head | None = None  # prompts (None: the simulated device's tests, no prompts)
 
     async def rerank(self, query: str, texts, caller: Caller = Caller(), truncate: bool | None = None,
                      raw_scores: bool = False) -> Result:
@@ -204,7 +207,7 @@ class PreTokenized(InFlight):
         activation unless `raw_scores`. The pairs are rows like any others (admitted in real tokens,
         bucketed, batched, possibly over several batches)."""
         with self._tracked():
-            out = await self._texts(pairs_request(query, texts, self.limits, truncate), caller)
+            out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
         logits = out.rows[:, 0]
         return Result(logits if raw_scores else activation.apply(self.activation, logits), out.tokens)
 

@@ -77,3 +77,14 @@ def test_pairs_request_key_and_truncate():
     assert r.key != pairs_request("p", ["a", "b"], limits, None).key  # the query is in the content
     assert not pairs_request("q", ["a"], limits, False).truncate
     assert np.int64(r.key) >= 0
+
+
+def test_a_declared_default_prompt_goes_before_the_query():
+    """As CrossEncoder puts a prompt: before the first text of each pair only."""
+    from embedserve.model.declared import Head
+
+    head = Head(("mean",), False, (), 32, False, {"query": "query: "}, "query")
+    r = pairs_request("q", ["a"], Limits(4, 32, True), None, head)
+    assert r.query == "query: q" and r.texts == ["a"] and r.prompt == ""
+    no_default = Head(("mean",), False, (), 32, False, {"query": "query: "}, None)
+    assert pairs_request("q", ["a"], Limits(4, 32, True), None, no_default).query == "q"
