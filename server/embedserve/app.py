@@ -66,6 +66,7 @@ class Server:
         self.model_name = settings.model_path
         self.served_name = served_model_name(settings)
         self.task = "embed"
+        self.activation = ""  # rerank: the cross-encoder's activation, applied to its logits
         self.labels: list[str] = []
         self.head: Head | None = None  # what the model declares, with the environment's overrides
         self.model_dir = ""
@@ -95,6 +96,7 @@ class Server:
         sim_rate = simulated.parse(s.model_path)
         m = await in_daemon_thread(prepare, s, name="prepare")  # download, config, tokenizer, declaration
         self.task, self.labels, self.head, self.model_dir = m.task, m.labels, m.head, m.model_dir
+        self.activation = m.activation
         cuda = torch.cuda.is_available() and not sim_rate
         self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
         if sim_rate:
@@ -110,7 +112,7 @@ class Server:
         def load():
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
-            return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head)
+            return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)
 
         self.engine = Engine(
             plan, load, self.estimator,
@@ -127,6 +129,7 @@ class Server:
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
             executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
+            activation=self.activation,
         )
 
     def _batch_ran(self, batch, busy_s: float) -> None:
@@ -173,6 +176,7 @@ class Server:
             "model_dimension": self.engine.dim if self.engine else 0,  # the most `dimensions` may ask
             "quantize_range": self.settings.quantize_range,
             "uptime_seconds": time.monotonic() - self.started_at,
+            "task": self.task if self.model_dir else "",  # known once the model's files are read
             **(self.head.describe() if self.head else {}),
             "model": self.model_name,
             "device": str(self.placement.device) if self.placement else "",

@@ -162,6 +162,14 @@ class Client:
                                   dimensions=dimensions, encoding=_encoding(encoding))
         return decode_embeddings(await self._call(self.stub.Infer, request))
 
+    async def rerank(self, query: str, texts: list[str], truncate: bool | None = None,
+                     raw_scores: bool = False) -> np.ndarray:
+        """A reranking server's score of each text against the query: float32 [len(texts)], in the
+        order of texts (not sorted). `truncate` None: the server's TRUNCATE. Retried as `embed` is."""
+        request = pb.RerankRequest(query=query, texts=texts, truncate=truncate, raw_scores=raw_scores)
+        response = await self._call(self.stub.Rerank, request)
+        return np.asarray(response.scores, dtype=np.float32)
+
     async def health(self) -> pb.HealthCheckResponse:
         return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s)
 

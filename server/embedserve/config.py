@@ -141,8 +141,9 @@ class Settings:
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
-    """TASK: auto, embed, classify or sparse (auto: sparse for a sentence-transformers
-    SparseEncoder, classify for a *ForSequenceClassification checkpoint, else embed)."""
+    """TASK: auto, embed, classify, rerank or sparse (auto: sparse for a sentence-transformers
+    SparseEncoder; rerank for a CrossEncoder, or a *ForSequenceClassification checkpoint of one
+    label; classify for one of several labels; else embed)."""
     trust_remote_code: bool = False
     """TRUST_REMOTE_CODE: let model repos run their own code."""
     tokenization_workers: int = 2
@@ -214,7 +215,7 @@ class Settings:
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
-            task=s.choice("TASK", d.task, ("auto", "embed", "classify", "sparse")),
+            task=s.choice("TASK", d.task, ("auto", "embed", "classify", "rerank", "sparse")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
             watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple, positive=True),

@@ -30,6 +30,7 @@ class Observed(Protocol):
     placement: "Placement | None"
     head: "Head | None"
     model_name: str
+    task: str  # embed | classify | rerank
 
 
 disable_created_metrics()  # *_created series double the exposition for no dashboard's use
@@ -51,7 +52,7 @@ def signal(server: Observed) -> dict:
     info = {}
     if engine and engine.dim:
         head = server.head.describe() if server.head else {}
-        info = {"model": server.model_name, "device": str(placement.device),
+        info = {"model": server.model_name, "task": server.task, "device": str(placement.device),
                 "dtype": str(placement.dtype).removeprefix("torch."), "dimension": str(server.head.dimension(engine.dim) if server.head else engine.dim),
                 "attention": engine.attention,
                 **{k: ",".join(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)

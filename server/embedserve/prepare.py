@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from embedserve.model import declared
+from embedserve.model import activation, declared
 from embedserve.model import simulated
 from embedserve.config import Settings
 from embedserve.model.declared import Head
@@ -22,12 +22,14 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     model_dir: str
-    task: str  # embed | classify | sparse
+    task: str  # embed | classify | rerank | sparse
     labels: list[str]  # classify: the label of each logit
     head: Head
     buckets: tuple[int, ...]
     tokenizer: TextTokenizer
     exclude_ids: list[int]
+    activation: str = ""  # rerank: the cross-encoder's activation (embedserve.model.activation)
+    sep_id: int | None = None  # rerank: the separator between a pair's texts (token types)
 
 
 def usable_buckets(buckets: tuple[int, ...], max_length: int) -> tuple[int, ...]:
@@ -46,7 +48,17 @@ def prepare(s: Settings) -> Prepared:
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     hf_tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     said = declared.read(model_dir)
-    task = "embed" if sim else task_of(config, s.task, sparse=said.splade is not None)
+    st_config = declared.st_config(model_dir)
+    task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
+                                       sparse=said.splade is not None)
+    act = ""
+    if task == "rerank":
+        try:
+            act, act_notes = activation.resolve(st_config, config.to_dict(), int(config.num_labels))
+        except activation.ActivationError as e:
+            raise declared.DeclarationError(str(e)) from None
+        for note in act_notes:
+            log.info("%s", note)
     labels = [config.id2label[i] for i in range(config.num_labels)] if task == "classify" else []
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
@@ -59,4 +71,5 @@ def prepare(s: Settings) -> Prepared:
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(
             f"EXCLUDE_TOKENS leaves tokens out of mean pooling; this model pools by {head.describe()['pooling']}")
-    return Prepared(model_dir, task, labels, head, usable_buckets(s.buckets, head.max_length), tokenizer, exclude)
+    return Prepared(model_dir, task, labels, head, usable_buckets(s.buckets, head.max_length), tokenizer, exclude,
+                    act, hf_tok.sep_token_id)

@@ -16,7 +16,8 @@ from embedserve.errors import NotReady
 from embedserve.admission.estimator import Estimator
 from embedserve.admission.gate import Caller, Gate, Observer
 from embedserve.batching.intake import Intake
-from embedserve.batching.shaping import INLINE_CHARS, Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.batching.shaping import (INLINE_CHARS, Limits, PreTokenized, Result, Texts, chars, cut, require_task,
+                                         texts_request, tokenize)
 from embedserve.batching.tokenization import TextTokenizer
 
 # The latest rejection keeps /health "overloaded" this long.
@@ -44,13 +45,14 @@ class EmbeddingService(PreTokenized):
         draw: Callable[[], float] = admission.uniform,
         task: str = "embed",
         head: Head | None = None,
+        activation: str = "",
     ):
         super().__init__()
         self.engine, self.tokenizer, self.estimator = engine, tokenizer, estimator
         self.policy, self.limits, self.executor = policy, limits, executor
         self.gate = Gate(estimator, policy, observer or _NoObserver(), draw)
         self.intake = Intake(tokenizer, engine, estimator)
-        self.task = task
+        self.task, self.activation = task, activation
         self.head = head  # prompts (None: the simulated device's tests, no prompts)
         self.started_at = time.monotonic()
 
@@ -73,18 +75,21 @@ class EmbeddingService(PreTokenized):
         """Texts → one output row per text, in order. `truncate` overrides TRUNCATE;
         `prompt_name` picks one of the model's declared prompts (default: its default prompt)."""
         with self._tracked():
-            return await self._embed_texts(texts, caller, truncate, prompt_name)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name), caller)
 
-    async def _embed_texts(self, texts, caller: Caller, truncate: bool | None, prompt_name: str | None) -> Result:
+    async def _texts(self, r: Texts, caller: Caller) -> Result:
+        """Texts, or a Rerank request's pairs (rerank: shaping.PreTokenized), → rows."""
         t0 = self.estimator.clock()
-        r = texts_request(texts, self.limits, self.head, truncate, prompt_name)
         # Admission is decided on an estimate (characters / learned characters-per-token), so a
-        # refused request costs no tokenization. The prompt's tokens are the request's too.
+        # refused request costs no tokenization. The prompt's tokens are the request's too, and
+        # a pair's query is in each of its rows.
         per_text_cap, max_chars = self.limits.max_length, self.tokenizer.max_chars
-        cpt, specials = self.estimator.chars_per_token, self.tokenizer.specials
-        estimate = sum(min(per_text_cap, (len(r.prompt) + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
+        cpt = self.estimator.chars_per_token
+        before = len(r.prompt) if r.query is None else min(len(r.query), max_chars)
+        specials = self.tokenizer.specials if r.query is None else self.tokenizer.pair_specials
+        estimate = sum(min(per_text_cap, (before + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
         await self.gate.admit(r.key, estimate, caller)
-        if sum(map(len, r.texts)) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
+        if chars(r) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
             request = self.intake.put(r, round(estimate))
             return Result(await self._wait(request, t0), request.tokens)
         # The estimate stays in the backlog until the real rows replace it, so requests admitted
@@ -95,7 +100,7 @@ class EmbeddingService(PreTokenized):
             request = self.engine.submit(ids, lengths)
         finally:
             self.estimator.dequeued(round(estimate))
-        self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths))
+        self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths, r.query))
         return Result(await self._wait(request, t0), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:

@@ -64,21 +64,21 @@ class Intake:
                     log.exception("queuing a request's rows failed")
                     request.fail(ModelFailure(f"the server could not queue this request: {e!r}"))
                     continue
-                c, t = self.tokenizer.sample(r.texts, r.prompt, rows[1])
+                c, t = self.tokenizer.sample(r.texts, r.prompt, rows[1], r.query)
                 chars, tokens = chars + c, tokens + t
         finally:  # the estimates leave the backlog whatever happened (the rows are in it now)
             self.estimator.dequeued(sum(w[2] for w in waiting))
         self.estimator.learn_chars_per_token(chars, tokens)
 
     def _encoded(self, requests: list[Texts]) -> list:
-        batch = [(r.texts, r.truncate, r.prompt) for r in requests]
+        batch = [(r.texts, r.truncate, r.prompt, r.query) for r in requests]
         try:
             return self.tokenizer.encode_each(batch)
         except Exception:  # texts the tokenizer cannot read broke the whole call: each alone
             log.warning("tokenizing %d requests together failed; tokenizing each alone", len(batch), exc_info=True)
             return [self._alone(one) for one in batch]
 
-    def _alone(self, one: tuple[list[str], bool, str]):
+    def _alone(self, one: tuple):
         try:
             return self.tokenizer.encode(*one)
         except InvalidInput as e:

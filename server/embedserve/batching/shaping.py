@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from embedserve.model import activation
 from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
@@ -34,8 +35,8 @@ ID_ROW_BOUND = 16
 
 
 class Result(NamedTuple):
-    rows: np.ndarray | SparseRows  # [n, dim] float32: embeddings, or logits when the task is classify;
-    # SparseRows from embed_sparse
+    rows: np.ndarray | SparseRows  # [n, dim] float32: embeddings, or logits when the task is classify
+    # or rerank ([n, 1]); rerank's scores: [n]; SparseRows from embed_sparse
     tokens: int  # real tokens computed (usage)
 
 
@@ -48,12 +49,14 @@ class Limits:
 
 class Texts(NamedTuple):
     """An Embed request, checked: its texts, how to cut them, its prompt, and its content's key
-    (a retry finds the room booked for it by that). A tuple: one per request, on the event loop."""
+    (a retry finds the room booked for it by that). A tuple: one per request, on the event loop.
+    A Rerank request is one too, with its query: its rows are the (query, text) pairs."""
 
     texts: list[str]
     truncate: bool
     prompt: str
     key: int
+    query: str | None = None
 
 
 def content_key(*parts) -> int:
@@ -77,11 +80,27 @@ def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | Non
     return Texts(texts, truncate, prompt, content_key(truncate, prompt, *texts))
 
 
+def pairs_request(query, texts, limits: Limits, truncate: bool | None, head: Head | None = None) -> Texts:
+    """A Rerank request, checked: the query and the texts it is paired with. A cross-encoder's
+    default prompt goes before the query (the first text of each pair), as CrossEncoder puts it."""
+    truncate = limits.truncate if truncate is None else truncate
+    if not isinstance(query, str) or not query or query.isspace():
+        raise InvalidInput("query is empty or whitespace only")
+    texts = validate_texts(texts, limits.max_texts)
+    query = (head.prompt(None) if head else "") + query
+    return Texts(texts, truncate, "", content_key("rerank", truncate, query, *texts), query)
+
+
+def chars(r: Texts) -> int:
+    """A request's characters, a pair's query counted once per text (each pair is a row)."""
+    return sum(map(len, r.texts)) + len(r.query or "") * len(r.texts)
+
+
 async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts) -> tuple[np.ndarray, np.ndarray]:
-    if sum(map(len, r.texts)) <= INLINE_CHARS:  # a thread hop costs more than the work
-        return tokenizer.encode(r.texts, r.truncate, r.prompt)
+    if chars(r) <= INLINE_CHARS:  # a thread hop costs more than the work
+        return tokenizer.encode(r.texts, r.truncate, r.prompt, r.query)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt)
+    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt, r.query)
 
 
 def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,11 +146,14 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
     return ids[:, :top], np.minimum(lengths, top)
 
 
+# What to call instead, by the task a server does.
+_USE = {"classify": "POST /classify", "rerank": "Rerank, POST /rerank or /v1/rerank", "embed": "Embed or /v1/embeddings",
+        "sparse": "EmbedSparse or POST /embed_sparse"}
+
+
 def require_task(served: str, task: str) -> None:
     if task != served:
-        other = {"classify": "POST /classify", "sparse": "EmbedSparse or POST /embed_sparse"}.get(
-            served, "Embed or /v1/embeddings")
-        raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {other}")
+        raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {_USE.get(served, served)}")
 
 
 class InFlight:
@@ -178,7 +200,18 @@ class PreTokenized(InFlight):
 
     tokenizer: TextTokenizer
     limits: Limits
-    head: Head | None  # prompts, normalize, truncate_dim (None: the simulated device's tests)
+    activation: str = ""  # rerank: the cross-encoder's (embedserve.model.activation)
+    head: Head | None = None  # prompts, normalize, truncate_dim (None: the simulated device's tests)
+
+    async def rerank(self, query: str, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                     raw_scores: bool = False) -> Result:
+        """(query, text) pairs → one score per text, in order: the model's logit, through its
+        activation unless `raw_scores`. The pairs are rows like any others (admitted in real tokens,
+        bucketed, batched, possibly over several batches)."""
+        with self._tracked():
+            out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
+        logits = out.rows[:, 0]
+        return Result(logits if raw_scores else activation.apply(self.activation, logits), out.tokens)
 
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = Caller()) -> Result:
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
@@ -206,4 +239,8 @@ class PreTokenized(InFlight):
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:
+        raise NotImplementedError
+
+    async def _texts(self, r: Texts, caller: Caller) -> Result:
+        """A checked request of texts (or pairs) → its rows, computed (inside `_tracked`)."""
         raise NotImplementedError

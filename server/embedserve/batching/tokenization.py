@@ -1,6 +1,8 @@
 """Texts → right-padded int32 token ids and lengths, with the model's fast tokenizer, prepared as
 sentence-transformers prepares them: the prompt put before each text, lower-cased when the model
-declares do_lower_case, cut at its max_seq_length.
+declares do_lower_case, cut at its max_seq_length. A rerank request's (query, text) pairs are
+encoded as pairs (the tokenizer's pair template: [CLS] query [SEP] text [SEP] for BERT), cut
+longest first at the same length, as CrossEncoder has its tokenizer cut them.
 
 Short requests are encoded on the event loop (in the model's process many at once,
 `encode_each`: embedserve.batching.intake), longer ones on the tokenizer threads (the Rust tokenizer
@@ -60,6 +62,10 @@ class TextTokenizer:
         # Tokens the model adds to every text ([CLS] and [SEP] for BERT): a text's token count
         # is its characters' share plus these.
         self.specials = len(self._cutting.encode("").ids)
+        try:  # [CLS] [SEP] [SEP] for BERT; a post-processor with no pair template refuses pairs
+            self.pair_specials = len(self._cutting.encode("", "").ids)
+        except Exception:  # noqa: BLE001 - such a model never reranks (rerank needs a pair encoding)
+            self.pair_specials = 2 * self.specials
         self.pad_id, self.vocab_size = pad_id, vocab_size
         self.spec = {"tokenizer_json": tokenizer_json, "pad_id": pad_id, "vocab_size": vocab_size,
                      "max_length": max_length, "lower_case": lower_case}
@@ -70,32 +76,44 @@ class TextTokenizer:
         return cls(hf_tokenizer.backend_tokenizer.to_str(), int(pad if pad is not None else 0), len(hf_tokenizer),
                    max_length, truncate, lower_case)
 
-    def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "") -> tuple[np.ndarray, np.ndarray]:
+    def encode_pairs(self, query: str, texts: list[str], truncate: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(query, text) pairs → what `encode` returns, one row per text: the Rust tokenizer's pair
+        encoding, cut longest first at max_length (CrossEncoder's `truncation="longest_first"`),
+        or refused when truncation is off."""
+        return self.encode(texts, truncate, "", query)
+
+    def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "",
+               query: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """→ ids [n, longest] int32 (pad id after each row), lengths [n], the prompt's tokens
         included. Over-long texts are cut (truncate, default TRUNCATE) or refused, and texts the
         tokenizer cannot read (a lone surrogate: JSON may carry one) are an InvalidInput too."""
         try:
-            (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt)])
+            (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt, query)])
         except (TypeError, ValueError) as e:  # the Rust tokenizer's refusal of a str it cannot read
             raise unreadable(e) from None
         if isinstance(result, InvalidInput):
             raise result
         return result
 
-    def encode_each(self, requests: list[tuple[list[str], bool, str]]) -> list[tuple[np.ndarray, np.ndarray] | InvalidInput]:
-        """Many requests' (texts, truncate, prompt) in one call of the Rust tokenizer per
+    def encode_each(self, requests: list[tuple]) -> list[tuple[np.ndarray, np.ndarray] | InvalidInput]:
+        """Many requests' (texts, truncate, prompt[, query]) in one call of the Rust tokenizer per
         truncation setting: → per request, what `encode` returns (views of one array), or the
         InvalidInput it would raise. One text at a time, a tokenizer between requests runs with
         its tables out of the CPU's caches: ~40 us for a short query inside a busy server,
-        ~12 us in a loop."""
+        ~12 us in a loop. A request with a query (not None) is rerank's: its texts are encoded as
+        (query, text) pairs, in the same call as the others' single texts."""
         out: list = [None] * len(requests)
         for truncate in (True, False):
             texts, owners = [], []
-            for i, (request_texts, cut, prompt) in enumerate(requests):
+            for i, (request_texts, cut, prompt, *query) in enumerate(requests):
                 if bool(cut) is not truncate:
                     continue
                 try:
-                    texts += self._prepared(request_texts, truncate, prompt)
+                    prepared = self._prepared(request_texts, truncate, prompt)
+                    if query and query[0] is not None:
+                        (q,) = self._prepared([query[0]], truncate, "", "query")
+                        prepared = [(q, t) for t in prepared]
+                    texts += prepared
                 except InvalidInput as e:
                     out[i] = e
                     continue
@@ -113,7 +131,9 @@ class TextTokenizer:
                 if too_long is None:
                     out[i] = ids[start : start + n, : max(mine)], lengths[start : start + n]
                 else:
-                    out[i] = InvalidInput(f"texts[{too_long}] is longer than {self.max_length} tokens (the model's "
+                    what = f"texts[{too_long}]" if len(requests[i]) < 4 or requests[i][3] is None else \
+                        f"the pair (query, texts[{too_long}])"
+                    out[i] = InvalidInput(f"{what} is longer than {self.max_length} tokens (the model's "
                                           "max_seq_length, capped by the largest bucket) and truncation is off")
                 start += n
         return out
@@ -151,28 +171,32 @@ class TextTokenizer:
                 raise InvalidInput(f"ids[{i}] holds {bad}, outside the vocabulary [0, {self.vocab_size})")
         return self._cutting.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
-    def sample(self, texts: list[str], prompt: str, lengths: np.ndarray) -> tuple[float, int]:
+    def sample(self, texts: list[str], prompt: str, lengths: np.ndarray, query: str | None = None) -> tuple[float, int]:
         """What characters per token is learned on (Estimator.learn_chars_per_token), from a
         tokenized request: its texts' characters and tokens (the prompt's included, the specials
         not), text by text. A text cut at max_length is left out: its tokens are its first part's,
         its characters the whole. Each text's characters are held to what CHARS_PER_TOKEN_RANGE
         allows for its tokens: 4,096 spaces read as one token count as 16 characters, for one
-        token (summed over a request or several before being held, that text outweighed the rest)."""
+        token (summed over a request or several before being held, that text outweighed the rest).
+        A pair's characters are its query's and its text's, its specials the pair template's."""
         low, high = CHARS_PER_TOKEN_RANGE
         chars, tokens = 0.0, 0
+        before = len(prompt) + (0 if query is None else min(len(query), self.max_chars))
+        specials = self.specials if query is None else self.pair_specials
         for text, n in zip(texts, lengths.tolist()):
-            own = n - self.specials
+            own = n - specials
             if own > 0 and n < self.max_length:
-                chars += min(max(len(prompt) + min(len(text), self.max_chars), low * own), high * own)
+                chars += min(max(before + min(len(text), self.max_chars), low * own), high * own)
                 tokens += own
         return chars, tokens
 
-    def _prepared(self, texts: list[str], truncate: bool, prompt: str) -> list[str]:
+    def _prepared(self, texts: list[str], truncate: bool, prompt: str, field: str = "texts") -> list[str]:
         """The texts the Rust tokenizer reads: cut at max_chars (or refused), the prompt before each."""
         for i, t in enumerate(texts):
             if len(t) > self.max_chars:
                 if not truncate:
-                    raise InvalidInput(f"texts[{i}] has {len(t)} characters, more than {self.max_chars} "
+                    name = f"{field}[{i}]" if field == "texts" else field
+                    raise InvalidInput(f"{name} has {len(t)} characters, more than {self.max_chars} "
                                        f"({self.max_length} tokens × {CHARS_PER_TOKEN_BOUND}), and truncation is off")
                 texts = [s[: self.max_chars] for s in texts]
                 break

@@ -40,8 +40,9 @@ class ModelDoor:
         if head:
             head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
             head.pop("splade", None)
-        return {"task": s.task, "labels": s.labels, "head": head, "tokenizer": s.service.tokenizer.spec,
-                "simulated": s.service.head is None, "model_dimension": s.model_dimension}, b""
+        return {"task": s.task, "labels": s.labels, "activation": s.activation, "head": head,
+                "tokenizer": s.service.tokenizer.spec, "simulated": s.service.head is None,
+                "model_dimension": s.model_dimension}, b""
 
     async def rows(self, header: dict, payload) -> ipc.Message:
         ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])

@@ -23,7 +23,7 @@ from embedserve.errors import NotReady, from_wire
 from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics
-from embedserve.batching.shaping import Limits, PreTokenized, Result, cut, require_task, texts_request, tokenize
+from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
 from embedserve.batching.sparse import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
 from embedserve.transports.listeners import Transports
@@ -38,10 +38,10 @@ class RemoteService(PreTokenized):
     """What the transports call, as EmbeddingService: the rows go to the model process."""
 
     def __init__(self, link: ipc.Link, tokenizer: TextTokenizer, limits: Limits, head: Head | None, task: str,
-                 executor):
+                 executor, activation: str = ""):
         super().__init__()
         self.link, self.tokenizer, self.limits, self.head, self.task = link, tokenizer, limits, head, task
-        self.executor = executor
+        self.executor, self.activation = executor, activation
 
     def require_task(self, task: str) -> None:
         require_task(self.task, task)
@@ -49,9 +49,11 @@ class RemoteService(PreTokenized):
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:
         with self._tracked():
-            r = texts_request(texts, self.limits, self.head, truncate, prompt_name)
-            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
-            return await self._rows(ids, lengths, r.key, caller)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name), caller)
+
+    async def _texts(self, r: Texts, caller: Caller) -> Result:
+        ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+        return await self._rows(ids, lengths, r.key, caller)
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         ids, lengths = cut(ids, lengths, self.limits)
@@ -80,7 +82,7 @@ class Frontend:
         self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.service: RemoteService | None = None
         self.served_name, self.model_name = served_model_name(settings), settings.model_path
-        self.task, self.labels, self.head = "embed", [], None
+        self.task, self.labels, self.head, self.activation = "embed", [], None, ""
         self.model_dimension = 0  # dimensions the model computes: from the model process
         self.started_at = time.monotonic()
         self.draining = False
@@ -115,8 +117,9 @@ class Frontend:
         tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
         self.task, self.labels, self.head = hello["task"], hello["labels"], head
         self.model_dimension = hello["model_dimension"]
+        self.activation = hello.get("activation", "")
         self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
-                                     None if hello["simulated"] else head, self.task, self._executor)
+                                     None if hello["simulated"] else head, self.task, self._executor, self.activation)
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
         if self.late:
             # Its siblings serve the ports meanwhile, and the kernel spreads new connections over

@@ -156,6 +156,12 @@ def _splade(modules: list[dict], root: Path, st: dict) -> Splade | None:
     return Splade(strategy, activation, top)
 
 
+def st_config(model_dir: str | Path) -> dict:
+    """config_sentence_transformers.json ({} when absent): its model_type says a CrossEncoder."""
+    found = _json(Path(model_dir) / "config_sentence_transformers.json")
+    return found if isinstance(found, dict) else {}
+
+
 def read(model_dir: str | Path) -> Declared:
     """The model directory's sentence-transformers declaration (a plain checkpoint: the defaults)."""
     root = Path(model_dir)

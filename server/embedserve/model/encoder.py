@@ -20,6 +20,8 @@ from embedserve.model.splade import splade_pool
 from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
+# Tasks whose model is a sequence classifier: its logits are the output (no pooling).
+SCORING = ("classify", "rerank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ class Encoder:
     `run(batch)` → float32 [rows, dim] numpy."""
 
     def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
-                 task: str = "embed", head: Head | None = None):
+                 task: str = "embed", head: Head | None = None, sep_id: int | None = None):
         from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         self.placement = placement
@@ -78,7 +80,8 @@ class Encoder:
         self.task = task
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
-        loader = {"classify": AutoModelForSequenceClassification, "sparse": AutoModelForMaskedLM}.get(task, AutoModel)
+        loader = (AutoModelForSequenceClassification if task in SCORING else
+                  AutoModelForMaskedLM if task == "sparse" else AutoModel)
 
         def load(**extra):
             model = loader.from_pretrained(model_dir, dtype=placement.dtype, trust_remote_code=settings.trust_remote_code,
@@ -96,8 +99,11 @@ class Encoder:
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
-        self.dim = (int(self.model.config.num_labels) if task == "classify" else
+        self.dim = (int(self.model.config.num_labels) if task in SCORING else
                     int(self.model.config.vocab_size) if self.splade else self.pooler.output_dim(hidden))
+        # A cross-encoder (rerank) of token types reads its pairs' second segments as type 1.
+        types = int(getattr(self.model.config, "type_vocab_size", 1) or 1)
+        self.sep_id = sep_id if task == "rerank" and types > 1 and sep_id is not None else None
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
@@ -174,8 +180,9 @@ class Encoder:
         return self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.task == "classify":
-            return self.model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.task in SCORING:
+            types = {} if self.sep_id is None else {"token_type_ids": token_types(ids, mask, self.sep_id)}
+            return self.model(input_ids=ids, attention_mask=mask, **types).logits.float()
         if self.splade is not None:
             return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -206,12 +213,39 @@ class Encoder:
         }
 
 
-def task_of(config, requested: str, sparse: bool = False) -> str:
-    """TASK auto → sparse for a declared SparseEncoder, classify for *ForSequenceClassification
-    checkpoints, else embed."""
+def token_types(ids: torch.Tensor, mask: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """Right-padded pair rows ([CLS] query [SEP] text [SEP] pad...) → their token_type_ids, as
+    the tokenizer's pair encoding gives them: 1 for every token after a row's first separator,
+    0 up to and including it and on padding. Derived here so the rows stay ids and lengths
+    through the queues, batches and IPC. Pure tensor ops on the device, no host sync (it runs
+    inside a captured CUDA graph). The one case it differs from the tokenizer: a query holding the
+    separator itself as literal text ("[SEP]", which the tokenizer reads as the special token)
+    makes the rest of that query type 1 here, where the tokenizer keeps the whole query type 0."""
+    sep = (ids == sep_id).to(torch.int32)
+    before = sep.cumsum(dim=1) - sep  # separators strictly before each position
+    return ((before > 0) & mask.bool()).to(ids.dtype)
+
+
+def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False) -> str:
+    """TASK auto → what the checkpoint is: a declared SparseEncoder (`sparse`) is sparse; a
+    *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
+    sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
+    classifies; anything else embeds. TASK=rerank
+    on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
+    labels = int(getattr(config, "num_labels", 0) or 0)
+    architectures = getattr(config, "architectures", None) or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+    if cross_encoder and not classifier and requested in ("auto", "rerank"):
+        raise ConfigError(f"the model is declared a CrossEncoder but its architecture is {architectures or 'unknown'}; "
+                          "this server reranks with *ForSequenceClassification checkpoints only")
+    if requested == "rerank" and (labels != 1 or not classifier):
+        why = f"it has {labels} labels" if labels != 1 else f"its architecture is {architectures or 'unknown'}"
+        raise ConfigError(f"TASK=rerank needs a *ForSequenceClassification checkpoint of one label (one score "
+                          f"per pair); {why}: serve it with TASK=classify or TASK=embed")
     if requested != "auto":
         return requested
     if sparse:
         return "sparse"
-    architectures = getattr(config, "architectures", None) or []
-    return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
+    if classifier:
+        return "rerank" if labels == 1 else "classify"
+    return "embed"

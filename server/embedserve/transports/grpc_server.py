@@ -77,6 +77,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         return await self._call("EmbedSparse", context, run, lambda s: sparse_response, task="sparse")
 
+    async def Rerank(self, request, context):
+        truncate = request.truncate if request.HasField("truncate") else None
+        return await self._call(
+            "Rerank", context,
+            lambda s: s.rerank(request.query, request.texts, caller(context), truncate, request.raw_scores),
+            lambda s: lambda out: pb.RerankResponse(scores=out.tolist()), task="rerank",
+        )
+
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})

@@ -1,6 +1,7 @@
 """HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed (its other
-routes: http_tei.py), and /classify. Same service, same admission as gRPC; errors as JSON bodies
-with the right status codes."""
+routes: http_tei.py), and /classify; a reranker's routes are in http_rerank.py, a sparse encoder's
+in http_sparse.py. Same service, same admission as gRPC; errors as JSON bodies with the right
+status codes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, http_sparse, http_tei
+from embedserve.transports import encodings, http_rerank, http_sparse, http_tei
 from embedserve.transports.hub import Hub
 from embedserve.batching.shaping import ID_ROW_BOUND
 
@@ -265,7 +266,8 @@ STARTING_RETRY_AFTER_S = 5
 # A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
-API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse")) | http_tei.PATHS
+API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
+                       "/v1/rerank")) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 
 
@@ -297,8 +299,9 @@ def install_routes(app: FastAPI, server: Hub) -> None:
         _classify_routes(router, server, service)
     elif server.task == "sparse":
         http_sparse.install(router, server, service, _caller, Union[Text, Texts], _prompt_field(server, PROMPT_DOC), ERRORS)
-    else:
+    elif server.task != "rerank":
         _embed_routes(router, server, service)
+    http_rerank.install(router, server, service, _caller, ERRORS, _error)  # rerank's routes, or their refusals
     app.include_router(router)
     app.openapi_schema = None  # regenerate with the new routes
 

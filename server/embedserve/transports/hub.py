@@ -36,6 +36,10 @@ class Service(Protocol):
 
     async def infer_ids(self, rows: list[list[int]], caller: Caller = ...) -> Result: ...
 
+    async def rerank(self, query: str, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
+                     raw_scores: bool = False) -> Result:
+        """One score per text (rows [n]), in text order."""
+
     async def drained(self) -> None:
         """Returns once no admitted request is left unanswered."""
 
@@ -46,7 +50,7 @@ class Hub(Protocol):
     metrics: Metrics
     draining: bool  # SIGTERM received: answers close their connections
     served_name: str  # the model's id in the OpenAI API
-    task: str  # embed, classify or sparse
+    task: str  # embed, classify, rerank or sparse
     labels: list[str]  # a classifier's, in output order
     head: Head | None  # how the model is served (prompts, normalize), once known
     model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask

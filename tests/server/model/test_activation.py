@@ -1,0 +1,69 @@
+"""The cross-encoder's activation: found as sentence-transformers' CrossEncoder finds it, and
+computed as torch computes it."""
+
+import numpy as np
+import pytest
+import torch
+
+from embedserve.model import activation
+
+CE = {"model_type": "CrossEncoder"}
+
+
+@pytest.mark.parametrize("st_config, hf_config, labels, expected", [
+    ({}, {}, 1, "Sigmoid"),  # a plain checkpoint of one label: CrossEncoder's default
+    ({}, {}, 3, "Identity"),
+    ({**CE, "activation_fn": "torch.nn.modules.linear.Identity"}, {}, 1, "Identity"),  # what CrossEncoder.save writes
+    ({**CE, "activation_fn": "torch.nn.modules.activation.Tanh"}, {}, 1, "Tanh"),
+    # config_sentence_transformers.json first, then config.json's, then the legacy key
+    ({**CE, "activation_fn": "torch.nn.Tanh"}, {"sentence_transformers": {"activation_fn": "torch.nn.Identity"}}, 1, "Tanh"),
+    ({}, {"sentence_transformers": {"activation_fn": "torch.nn.Identity"}}, 1, "Identity"),
+    ({}, {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}, 1, "Tanh"),
+    # a file that does not declare a CrossEncoder is not read for it
+    ({"activation_fn": "torch.nn.Identity"}, {}, 1, "Sigmoid"),
+    # code outside torch is skipped (as sentence-transformers without trust_remote_code), for the next one
+    ({**CE, "activation_fn": "my_repo.Activation"}, {"sentence_transformers": {"activation_fn": "torch.nn.Identity"}}, 1,
+     "Identity"),
+    ({**CE, "activation_fn": "my_repo.Activation"}, {}, 1, "Sigmoid"),
+])
+def test_resolve_follows_cross_encoder(st_config, hf_config, labels, expected):
+    name, notes = activation.resolve(st_config, hf_config, labels)
+    assert name == expected
+    assert notes and expected in notes[-1]
+    if "my_repo" in str(st_config):
+        assert any("my_repo.Activation" in n and "not a torch.nn class" in n for n in notes)
+
+
+def test_a_torch_activation_this_server_cannot_compute_is_refused():
+    with pytest.raises(activation.ActivationError, match="torch.nn.GELU"):
+        activation.resolve({**CE, "activation_fn": "torch.nn.GELU"}, {}, 1)
+
+
+def test_resolve_agrees_with_cross_encoder_on_saved_models(tmp_path, model_dir):
+    """CrossEncoder's own choice, for models it saved itself."""
+    import json
+
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=1)
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "plain")
+    tok.save_pretrained(tmp_path / "plain")
+    for name, fn in (("sigmoid", None), ("identity", torch.nn.Identity()), ("tanh", torch.nn.Tanh())):
+        CrossEncoder(str(tmp_path / "plain"), device="cpu", activation_fn=fn).save(str(tmp_path / name))
+        loaded = CrossEncoder(str(tmp_path / name), device="cpu")
+        st = json.loads((tmp_path / name / "config_sentence_transformers.json").read_text())
+        hf = json.loads((tmp_path / name / "config.json").read_text())
+        assert activation.resolve(st, hf, 1)[0] == type(loaded.activation_fn).__name__
+
+
+@pytest.mark.parametrize("name", sorted(activation.ACTIVATIONS))
+def test_apply_matches_torch(name):
+    logits = np.random.default_rng(0).normal(scale=30, size=(64, 3)).astype(np.float32)
+    logits[0, :] = [-1e4, 1e4, 0]  # no overflow at the extremes
+    want = getattr(torch.nn, name)(**({"dim": -1} if name == "Softmax" else {}))(torch.from_numpy(logits)).numpy()
+    got = activation.apply(name, logits)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
