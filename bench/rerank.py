@@ -170,9 +170,12 @@ def run(model_dir: str, calls, sizes, concurrency: int, device: str, dtype: str,
     print("(a) offline, length-sorted pairs:", flush=True)
     a = offline(model_dir, calls, sizes, device, dtype)
     print("(b) served: starting embedserve on the same model ...", flush=True)
+    # The server computes in the offline half's dtype (DTYPE=auto would differ from it on a GPU
+    # without bf16), unless --server-env says otherwise.
     server = ServerProcess({"MODEL_PATH": model_dir, "BATCH_CAPS": "", "MAX_DRAIN_TIME_MS": "600000",
-                            **server_env}).wait_ready(600)
+                            "DTYPE": dtype, **server_env})
     try:
+        server.wait_ready(600)
         b = asyncio.run(served(calls, server.target, concurrency))
     except Unimplemented as e:
         b = {"unavailable": str(e)}

@@ -258,11 +258,13 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
         # The served task changes only with the pods' model or TASK: written when it does, not
         # held back like the measurements (and a fleet at rest writes nothing).
         task = status.served_task([s.task for s in scraped], previous.get("task"))
-        mismatch = status.task_mismatch(spec.get("task"), task, generation, before, now)
+        mismatch = status.task_mismatch(specs.task(spec), task, generation, before, now)
         conditions = status.merge_conditions(before, [limited, metrics, *([mismatch] if mismatch else [])])
-        changed = (previous.get("desiredReplicas") != decision.desired or conditions != before
-                   or task != previous.get("task"))
+        if mismatch is None:  # no served task known: no verdict on it
+            conditions = [c for c in conditions if c.get("type") != status.TASK_MISMATCH]
+        # The task is not among what makes the measurements due: it is written on its own.
+        changed = previous.get("desiredReplicas") != decision.desired or conditions != before
         return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions,
-                **({"task": task} if task else {})}
+                "task": task}
 
     await reconcile.update_status(cluster, namespace, name, compute, body)

@@ -19,6 +19,7 @@ service. It is reported instead (Degraded, reason NotOwned)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import dataclasses
 import decimal
 import hashlib
@@ -31,6 +32,8 @@ from embedop import crd, render, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
+
+log = logging.getLogger(__name__)
 
 CONFLICT_RETRIES = 5
 LEGACY_FINALIZER = f"{crd.GROUP}/finalizer"
@@ -373,6 +376,12 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
     await update_status(cluster, owner.namespace, owner.name, compute, body)
 
 
+# Status fields the API server dropped from a write (pruned: the installed CRD predates them).
+# Sent again, each write would differ from what is stored, and the operator would write every
+# step; so they are sent no more in this process (a restart after the CRD's upgrade sends them).
+UNSTORED: set[str] = set()
+
+
 async def update_status(cluster: Cluster, namespace: str, name: str, compute: Callable[[dict], dict],
                         body: dict | None = None) -> None:
     """Write `compute(service)` to its status when it differs from what is there (a None value:
@@ -383,10 +392,16 @@ async def update_status(cluster: Cluster, namespace: str, name: str, compute: Ca
     async def attempt(fresh_read: bool):
         fresh = (None if fresh_read else pending.pop() if pending else None) or await cluster.get(
             crd.KIND, namespace, name, fresh=fresh_read)
-        if _alive(fresh) and status.differs(new := compute(fresh), fresh.get("status") or {}, subset):
+        new = {k: v for k, v in compute(fresh).items() if k not in UNSTORED} if _alive(fresh) else {}
+        if new and status.differs(new, fresh.get("status") or {}, subset):
             try:
-                await cluster.patch_status(namespace, name, new, fresh["metadata"]["resourceVersion"])
+                stored = await cluster.patch_status(namespace, name, new, fresh["metadata"]["resourceVersion"])
             except NotFound:  # deleted since it was read: nothing left to report on
-                pass
+                return
+            dropped = {k for k, v in new.items() if v is not None and k not in ((stored or {}).get("status") or {})}
+            if dropped - UNSTORED:
+                log.warning("the API server dropped status fields %s: the installed CRD is older than this "
+                            "operator (apply crds/ or upgrade the chart); not sending them again", sorted(dropped))
+                UNSTORED.update(dropped)
 
     await retry_conflicts(attempt)

@@ -53,6 +53,14 @@ def _zero(v) -> bool:
     return str(v) in ("0", "0%")
 
 
+def task(spec: dict) -> str | None:
+    """The task the pods are told to serve: spec.task, else a TASK in spec.env (how it was set
+    before spec.task existed), else None (the server infers it)."""
+    if spec.get("task"):
+        return spec["task"]
+    return next((e.get("value") for e in spec.get("env", []) if e["name"] == "TASK" and e.get("value")), None)
+
+
 def problems(spec: dict, name: str | None = None) -> list[str]:
     """Reasons a schema-valid spec (of the service `name`) still cannot work (the CRD's CEL rules
     are repeated here, so a server without them, or an emulator, gets the same answer). Empty when
@@ -81,6 +89,10 @@ def problems(spec: dict, name: str | None = None) -> list[str]:
         out.append("env: value and valueFrom are exclusive")
     if reserved := sorted({e["name"] for e in spec.get("env", [])} & set(render.RESERVED_ENV)):
         out.append(f"env: {', '.join(reserved)}: {crd.RESERVED_ENV_RULE}")
+    if spec.get("task") and any(e["name"] == "TASK" for e in spec.get("env", [])):
+        # An env entry would override the rendered TASK, and status would compare the pods with
+        # a task they were never given.
+        out.append("env: TASK and spec.task both set: remove TASK from env (spec.task renders it)")
     if spec["resources"]["gpu"] > 1:
         out.append(f"resources.gpu: {crd.GPU_RULE}")
     if "image" in spec and not spec["image"].strip():

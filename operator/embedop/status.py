@@ -123,16 +123,21 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
 
 
 def served_task(tasks: list[str | None], previous: str | None) -> str | None:
-    """status.task from the scraped pods' task labels: the one they agree on; `previous` when none
-    says (a server without the label) or they disagree (a rollout from one task to another)."""
+    """status.task from the scraped pods' task labels (None: a pod whose server exports none, an
+    image older than the label): the one the labelled pods agree on; `previous` while they
+    disagree (a rollout from one task to another) or no pod was scraped; None when pods were
+    scraped and none says (a rollback to such an image: an old value would go stale)."""
     said = {t for t in tasks if t}
-    return said.pop() if len(said) == 1 else previous
+    if len(said) == 1:
+        return said.pop()
+    return previous if said or not tasks else None
 
 
 def task_mismatch(wanted: str | None, served: str | None, generation: int | None, previous: list[dict],
                   now: str) -> dict | None:
-    """The TaskMismatch condition: True when spec.task (`wanted`) is set and the pods serve another
-    task. None (the condition left as it is) while the served task is unknown."""
+    """The TaskMismatch condition: True when the task the pods are told (`wanted`: spec.task, or
+    TASK in spec.env) is set and they serve another. None (no condition) while the served task is
+    unknown."""
     if served is None:
         return None
     if wanted and wanted != served:
@@ -140,5 +145,5 @@ def task_mismatch(wanted: str | None, served: str | None, generation: int | None
                          f"spec.task is {wanted} but the pods serve {served}: a rollout to {wanted} is under way, "
                          f"or the new pods cannot start with TASK={wanted} (see their logs)", generation, previous, now)
     return condition(TASK_MISMATCH, False, "AsSpecified" if wanted else "Inferred",
-                     f"the pods serve {served}" + ("" if wanted else " (inferred by the server: spec.task unset)"),
+                     f"the pods serve {served}" + ("" if wanted else " (inferred by the server: no spec.task or TASK)"),
                      generation, previous, now)

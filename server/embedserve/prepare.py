@@ -59,6 +59,11 @@ def prepare(s: Settings) -> Prepared:
             raise declared.DeclarationError(str(e)) from None
         for note in act_notes:
             log.info("%s", note)
+    architectures = getattr(config, "architectures", None) or []
+    if task == "sparse" and not any(a.endswith("ForMaskedLM") for a in architectures):
+        # AutoModelForMaskedLM would load any encoder, with a random MLM head and only a warning.
+        raise declared.DeclarationError(f"TASK=sparse needs a masked-LM checkpoint (*ForMaskedLM: SPLADE pools its "
+                                        f"vocabulary logits); this model's architecture is {architectures or 'unknown'}")
     labels = [config.id2label[i] for i in range(config.num_labels)] if task == "classify" else []
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),

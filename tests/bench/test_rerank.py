@@ -49,10 +49,8 @@ def test_served_rerank_vs_offline(model_dir, tmp_path, frontends):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["offline"]["pairs"] == 20 and r["offline"]["pairs_per_s"] > 0
-    if "UNIMPLEMENTED" in r["served"].get("unavailable", ""):
-        pytest.skip("the server answers UNIMPLEMENTED for Rerank (its side of issue 28 is not merged here): "
-                    "only the offline half ran")
     b = r["served"]
-    assert b["pairs_per_s"] > 0 and r["ratio"] == pytest.approx(b["pairs_per_s"] / r["offline"]["pairs_per_s"])
+    assert "unavailable" not in b, b
+    assert b["pairs_per_s"] > 0 and r["ratio"] > 0
     assert b["max_abs_diff_vs_offline"] < 1e-4, b
     assert "ratio served/offline" in proc.stdout

@@ -48,6 +48,9 @@ calls: list[dict] = []
 # Admission policies (as Kyverno or Gatekeeper webhooks): each takes an object being created or
 # changed by the operator (not through a subresource) and returns a refusal message or None.
 policies: list = []
+# Status fields the installed CRD's schema lacks (an older CRD than the operator): the API server
+# prunes them from every write, silently, as it prunes unknown fields of a structural schema.
+unknown_status: set[str] = set()
 
 
 # Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
@@ -122,7 +125,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       strict): an invalid object is refused with 422 and the validator's message;
     - admission webhooks (`policies`): a refusal is a 403 with the webhook's message, for writes
       to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
-    - what the API server stores, not what was sent: an env entry's empty value is dropped;
+    - what the API server stores, not what was sent: an env entry's empty value is dropped, and
+      status fields an older CRD lacks (`unknown_status`) are pruned;
     - label selectors on lists and watches (a watched object that stops matching is DELETED to
       that watch), 429 answers that carry Retry-After, and a watch ended by a 410 ERROR event
       inside its stream (`expire_watches`), as when its resourceVersion has been compacted away;
@@ -212,6 +216,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             for policy in policies:
                 if refusal := policy(merged):
                     raise api_error(403, "Forbidden", f'admission webhook "validate.kyverno.svc" denied the request: {refusal}')
+        if request.subresource == "status" and isinstance(data, dict) and isinstance(data.get("status"), dict):
+            data["status"] = {k: v for k, v in data["status"].items() if k not in unknown_status}
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_versions))
             if isinstance(data, dict):

@@ -106,13 +106,7 @@ def test_pooling_overrides_reach_the_server_only_when_set():
 def test_spec_task_is_the_servers_task(task):
     env = env_of(render.deployment(OWNER, specs.defaulted({"model": "m", "task": task}), "img", 1, 45))
     assert env["TASK"] == task
-    try:
-        server = Settings.from_env(env)
-    except ConfigError as e:  # rerank and sparse arrive with the server's side of issue 28
-        if "TASK" in str(e) and task in ("rerank", "sparse"):
-            pytest.skip(f"this server's TASK does not accept {task} yet: {e}")
-        raise
-    assert server.task == task
+    assert Settings.from_env(env).task == task  # every task the CRD offers, the server takes
 
 
 def test_no_task_lets_the_server_infer_it():

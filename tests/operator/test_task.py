@@ -13,11 +13,12 @@ import pytest
 from lightkube import AsyncClient, KubeConfig
 
 from bench.operator_load import exposition, serve_metrics
-from embedop import autoscale, autoscaler, render, spec as specs, status
+from embedop import autoscale, autoscaler, reconcile, render, spec as specs, status
 from embedop.cache import Cluster
 from embedop.kube import Kube
 from tests.conftest import free_port
 from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator import emulator as emulator_module
 from tests.operator.emulator import new_service, service_path
 
 NS = "default"
@@ -27,7 +28,7 @@ NOW = "2026-12-01T00:00:00Z"
 @pytest.mark.parametrize("tasks, previous, served", [
     (["rerank", "rerank"], None, "rerank"),
     (["rerank", None], "embed", "rerank"),  # a pod without the label says nothing
-    ([None, None], "embed", "embed"),  # none says: as it was
+    ([None, None], "embed", None),  # scraped, none says (an older image): unknown, not stale
     ([None], None, None),
     ([], "sparse", "sparse"),  # nothing scraped
     (["embed", "rerank"], "embed", "embed"),  # a rollout between two: as it was until it ends
@@ -47,8 +48,20 @@ def test_task_mismatch(wanted, served, state, reason):
     assert served in c["message"] and (wanted is None or wanted in c["message"])
 
 
-def test_an_unknown_served_task_leaves_the_condition_as_it_is():
+def test_an_unknown_served_task_gives_no_condition():
     assert status.task_mismatch("rerank", None, 4, [], NOW) is None
+
+
+@pytest.mark.parametrize("spec, wanted, problem", [
+    ({"task": "rerank"}, "rerank", False),
+    ({"env": [{"name": "TASK", "value": "classify"}]}, "classify", False),  # set before spec.task existed
+    ({"task": "rerank", "env": [{"name": "TASK", "value": "embed"}]}, "rerank", True),  # the env would win
+    ({}, None, False),
+])
+def test_the_task_the_pods_are_told(spec, wanted, problem):
+    full = specs.defaulted({"model": "m", **spec})
+    assert specs.task(full) == wanted
+    assert any("TASK" in p for p in specs.problems(full)) == problem
 
 
 @pytest.fixture
@@ -82,13 +95,32 @@ async def test_status_task_is_written_when_it_changes_and_only_then(emulator, cl
     first = await write("embed")
     assert first["status"]["task"] == "embed" and mismatch(first)["status"] == "True"
     assert "spec.task is rerank but the pods serve embed" in mismatch(first)["message"]
-    # At rest (same task, or a pod without the label), nothing is written.
-    for task in ("embed", None):
-        assert (await write(task))["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    # At rest (the same task), nothing is written.
+    assert (await write("embed"))["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
     agreed = await write("rerank")
     assert agreed["status"]["task"] == "rerank" and mismatch(agreed)["status"] == "False"
     assert mismatch(agreed)["reason"] == "AsSpecified"
-    assert (await write(None))["status"]["task"] == "rerank"  # a pod without the label: kept
+    # Pods whose servers export no task (rolled back to an older image): no task, no verdict.
+    unknown = await write(None)
+    assert "task" not in unknown["status"]
+    assert all(c["type"] != "TaskMismatch" for c in unknown["status"]["conditions"])
+    assert (await write(None))["metadata"]["resourceVersion"] == unknown["metadata"]["resourceVersion"]
+
+
+async def test_a_status_field_an_older_crd_prunes_is_not_sent_again(emulator, cluster, monkeypatch):
+    """An operator upgraded before its CRD: the API server prunes status.task from every write. Sent
+    again, each write would differ from what is stored: a write every autoscaler step."""
+    monkeypatch.setattr(emulator_module, "unknown_status", {"task"})
+    monkeypatch.setattr(reconcile, "UNSTORED", set())
+    emulator.request("POST", service_path(NS), new_service("old-crd", {"model": "m"}))
+    spec = specs.defaulted({"model": "m"})
+    versions = []
+    for _ in range(4):
+        await autoscaler._write_status(cluster, NS, "old-crd", spec, steady(), [sample("embed")], 1, due=False)
+        versions.append(emulator.get(service_path(NS, "old-crd"))["metadata"]["resourceVersion"])
+    assert "task" not in emulator.get(service_path(NS, "old-crd"))["status"]
+    assert len(set(versions)) == 1, f"status written again and again: {versions}"
+    assert reconcile.UNSTORED == {"task"}
 
 
 def task_of(emulator, name: str) -> tuple[str | None, dict]:

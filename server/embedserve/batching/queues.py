@@ -15,6 +15,7 @@ import torch
 
 from embedserve.batching.decisions import BucketView
 from embedserve.model.batches import Batch
+from embedserve.model.sparse_rows import SparseRows
 
 
 class PendingRequest:
@@ -24,7 +25,7 @@ class PendingRequest:
 
     def __init__(self, rows: int, dim: int, future: asyncio.Future):
         self.rows, self.dim = rows, dim
-        self.out: np.ndarray | None = None  # allocated at a first delivery of only some rows
+        self.out: np.ndarray | list | None = None  # allocated at a first delivery of only some rows (sparse: the pieces)
         self.remaining = rows
         self.future = future
         self.chunks: list[Chunk] = []  # its rows' chunks, as queued (BucketQueues.add)
@@ -43,6 +44,12 @@ class PendingRequest:
         if len(positions) == self.rows:
             self.remaining = 0
             self.future.set_result(values)
+            return
+        if isinstance(values, SparseRows):  # SPLADE: the pieces stay sparse until the last one
+            self.out = (self.out or []) + [(positions, values)]
+            self.remaining -= len(positions)
+            if self.remaining == 0:
+                self.future.set_result(SparseRows.gather(self.out, self.rows, values.dim))
             return
         if self.out is None:
             self.out = np.empty((self.rows, self.dim), dtype=np.float32)

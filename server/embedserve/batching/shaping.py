@@ -17,7 +17,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
-from embedserve.batching.sparse import SparseRows, sparsify
+from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a
@@ -210,8 +210,10 @@ class PreTokenized(InFlight):
         bucketed, batched, possibly over several batches)."""
         with self._tracked():
             out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
-        logits = out.rows[:, 0]
-        return Result(logits if raw_scores else activation.apply(self.activation, logits), out.tokens)
+        # The activation sees each pair's row ([n, 1]), as CrossEncoder applies it: a declared
+        # Softmax over the request's pairs instead would rank them against each other.
+        scores = out.rows if raw_scores else activation.apply(self.activation, out.rows)
+        return Result(scores[:, 0], out.tokens)
 
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = Caller()) -> Result:
         """Pre-tokenized rows (int32 LE bytes, right-padded) → one output row per row."""
@@ -231,11 +233,9 @@ class PreTokenized(InFlight):
     async def embed_sparse(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                            prompt_name: str | None = None) -> Result:
         """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
-        batching), each text's row as SparseRows (embedserve.batching.sparse says where and why)."""
-        result = await self.embed_texts(texts, caller, truncate, prompt_name)
-        if isinstance(result.rows, SparseRows):  # a front end: sparsified in the model process
-            return result
-        return Result(await sparsify(result.rows, getattr(self, "executor", None)), result.tokens)
+        batching), each text's row as SparseRows: made sparse per batch on the model worker
+        (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
+        return await self.embed_texts(texts, caller, truncate, prompt_name)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:

@@ -12,7 +12,6 @@ from embedserve import metrics
 from embedserve.frontends import ipc
 from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
-from embedserve.batching.sparse import sparsify
 
 
 class ModelDoor:
@@ -55,8 +54,8 @@ class ModelDoor:
             result = await service.rows(ids, lengths, header["key"], caller)
         except KNOWN as e:
             return to_wire(e), b""
-        if self.server.task == "sparse":  # CSR before IPC (embedserve.batching.sparse)
-            csr = await sparsify(result.rows, service.executor)
+        if self.server.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
+            csr = result.rows
             return {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}, csr.to_bytes()
         out = np.ascontiguousarray(result.rows, dtype="<f4")
         return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()

@@ -24,7 +24,7 @@ from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics
 from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
-from embedserve.batching.sparse import SparseRows
+from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
 from embedserve.transports.listeners import Transports
 
@@ -62,7 +62,7 @@ class RemoteService(PreTokenized):
         reply, data = await self.link.call(header, np.ascontiguousarray(ids, dtype="<i4").tobytes())
         if "error" in reply:
             raise from_wire(reply)
-        if "nnz" in reply:  # task sparse: CSR (embedserve.batching.sparse)
+        if "nnz" in reply:  # task sparse: CSR (embedserve.model.sparse_rows)
             return Result(SparseRows.from_bytes(data, reply["rows"], reply["nnz"], reply["dim"]), reply["tokens"])
         return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
 

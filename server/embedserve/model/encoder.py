@@ -16,6 +16,7 @@ from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
+from embedserve.model.sparse_rows import SparseRows, to_csr
 from embedserve.model.splade import splade_pool
 from embedserve.model.batches import Batch
 
@@ -188,7 +189,7 @@ class Encoder:
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.pooler(hidden, ids, mask)
 
-    def run(self, batch: Batch | PackedBatch) -> np.ndarray:
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows:
         dev = self.placement.device
         if isinstance(batch, PackedBatch) != (self.attention == "packed"):
             raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
@@ -202,7 +203,10 @@ class Encoder:
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
-            return self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+            out = self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+        # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
+        # holds its rows dense (embedserve.model.sparse_rows).
+        return to_csr(out) if self.splade is not None else out
 
     def memory(self) -> dict[str, int]:
         if self.placement.device.type != "cuda":

@@ -252,7 +252,9 @@ class ModelWorker:
             self.running = (batch, time.monotonic())
             try:
                 # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
-                out: np.ndarray | BaseException = np.ascontiguousarray(self.runner.run(batch), dtype=np.float32)
+                out = self.runner.run(batch)
+                if isinstance(out, np.ndarray):
+                    out = np.ascontiguousarray(out, dtype=np.float32)
             except Exception as e:  # one bad batch fails its own requests, not the server
                 log.exception("batch of %d rows failed", batch.rows)
                 out = e

@@ -22,11 +22,14 @@ ENCODINGS = (FLOAT, BASE64, *QUANTIZED)
 LEVELS = 255  # steps between a range's ends: 256 levels of a byte
 
 
-def check_dimensions(asked: int | None) -> None:
-    """What can be refused before any work: a negative count (gRPC's int32; HTTP's schema
-    refuses 0 and below itself)."""
+def check_dimensions(asked: int | None, model_dim: int = 0) -> None:
+    """What is refused before any work (no admission room, no model time spent on it): a negative
+    count (gRPC's int32; HTTP's schema refuses 0 and below itself), and more than the model
+    computes (`model_dim`, once known)."""
     if asked is not None and asked < 0:
         raise InvalidInput(f"dimensions={asked}: must be positive (0: the model's default)")
+    if asked and model_dim and asked > model_dim:
+        raise InvalidInput(f"dimensions={asked} exceeds the model's {model_dim} dimensions")
 
 
 def output_dimensions(asked: int | None, declared: int | None, model_dim: int) -> int:

@@ -47,8 +47,9 @@ _STATUS = (
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
-                 quantize_range: float = 1.0):
+                 quantize_range: float = 1.0, model_dimension: Callable[[], int] = lambda: 0):
         self._service = get_service  # None until start-up has built it
+        self._model_dimension = model_dimension  # the most `dimensions` may ask (0: not known yet)
         self._health_fields = health_fields
         self._observe = observe
         self._quantize_range = quantize_range  # QUANTIZE_RANGE
@@ -125,7 +126,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _embedding(self, request, service) -> Callable:
         """Embed's and Infer's rows → response; the encoding and dimensions refused before any work."""
         encoding = _encoding(request.encoding)
-        encodings.check_dimensions(request.dimensions)
+        encodings.check_dimensions(request.dimensions, self._model_dimension())
         return lambda out: self._response(out, service.head, request.dimensions, encoding)
 
     def _response(self, out, head, dimensions: int, encoding: str) -> pb.EmbedResponse:
@@ -148,7 +149,7 @@ def _encoding(value: int) -> str:
 
 
 def sparse_response(rows) -> pb.EmbedSparseResponse:
-    """SparseRows (embedserve.batching.sparse) → EmbedSparseResponse: the same CSR arrays, as bytes."""
+    """SparseRows (embedserve.model.sparse_rows) → EmbedSparseResponse: the same CSR arrays, as bytes."""
     return pb.EmbedSparseResponse(indices=rows.indices.astype("<i4", copy=False).tobytes(),
                                   values=rows.values.astype("<f4", copy=False).tobytes(),
                                   offsets=rows.offsets.tolist(), dimension=rows.dim)

@@ -49,7 +49,9 @@ _STATUS = (  # error → (HTTP status, OpenAI-style type)
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[int], list[float], str]  # quantized, float, base64
+    # Float first: pydantic's smart union tries members in order, and a float row failing list[int]
+    # item by item cost 2-4x the whole response's validation (a quantized row is ints either way).
+    embedding: Union[list[float], list[int], str]  # float, quantized, base64
 
 
 class Usage(BaseModel):
@@ -299,11 +301,32 @@ def install_routes(app: FastAPI, server: Hub) -> None:
         _classify_routes(router, server, service)
     elif server.task == "sparse":
         http_sparse.install(router, server, service, _caller, Union[Text, Texts], _prompt_field(server, PROMPT_DOC), ERRORS)
-    elif server.task != "rerank":
+    elif server.task == "rerank":
+        http_rerank.install(router, server, service, _caller, ERRORS, _error)
+    else:
         _embed_routes(router, server, service)
-    http_rerank.install(router, server, service, _caller, ERRORS, _error)  # rerank's routes, or their refusals
+    http_tei.install_tokenizer(router, server, service, lambda description: _prompt_field(server, description), ERRORS)
+    refusals(router, server.task, service)
     app.include_router(router)
     app.openapi_schema = None  # regenerate with the new routes
+
+
+# Each task's own paths. A server answers another task's with 400 naming what to use (WrongTask),
+# not 404: the caller reached the right service for the wrong model.
+TASK_PATHS = {"embed": ("/embed", "/v1/embeddings", "/similarity"), "classify": ("/classify",),
+              "rerank": ("/rerank", "/v1/rerank"), "sparse": ("/embed_sparse",)}
+
+
+def refusals(router: APIRouter, served: str, service) -> None:
+    def refuse(path: str, task: str) -> None:
+        async def wrong_task():
+            service().require_task(task)  # raises WrongTask: 400, naming what to use
+
+        router.post(path, include_in_schema=False)(wrong_task)
+
+    for task, paths in TASK_PATHS.items():
+        for path in paths if task != served else ():
+            refuse(path, task)
 
 
 def _prompt_field(server: Hub, description: str):
@@ -332,6 +355,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         if body.model != server.served_name:
             return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
                           f"this server serves {server.served_name!r}", "model_not_found")
+        encodings.check_dimensions(body.dimensions, server.model_dimension)  # before any work
         inp = body.input
         ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
         if ids and body.prompt_name:
@@ -359,6 +383,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
         svc = service()
+        encodings.check_dimensions(body.dimensions, server.model_dimension)  # before any work
         rows = (await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate,
                                       prompt_name=body.prompt_name)).rows
         rows = _l2(rows) if body.normalize and not normalized else rows
@@ -366,7 +391,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         return encodings.encoded(rows, body.encoding, server.settings.quantize_range)
 
     embed.__annotations__.update(body=tei_request, request=Request)
-    answer = Union[list[list[int]], list[list[float]], list[str]]  # quantized, float, base64
+    answer = Union[list[list[float]], list[list[int]], list[str]]  # float (first: see Embedding), quantized, base64
     router.post("/embed", response_model=answer, responses=ERRORS)(embed)
     # TEI's other routes, and / (its route for the model's task: huggingface_hub's
     # InferenceClient(model=URL) posts there), which takes /embed's and /similarity's payloads.

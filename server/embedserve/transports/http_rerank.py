@@ -100,22 +100,9 @@ def _documents(documents, max_texts: int) -> list[str]:
 
 def install(router: APIRouter, server: Hub, service: Callable, caller: Callable, errors: dict,
             error: Callable) -> None:
-    """A reranking server's routes (and its refusals of the embedding paths), or, for another
-    task, the rerank paths' refusals. `caller`, `errors`, `error`: http_api's request → Caller,
-    error responses for the schema, and JSON error response."""
-
-    def refuse(path: str, task: str) -> None:
-        async def wrong_task():
-            service().require_task(task)  # raises WrongTask: 400, naming what to use
-
-        router.post(path, include_in_schema=False)(wrong_task)
-
-    if server.task != "rerank":
-        for path in ("/rerank", "/v1/rerank"):
-            refuse(path, "rerank")
-        return
-    for path in ("/embed", "/v1/embeddings"):
-        refuse(path, "embed")
+    """A reranking server's routes (another task's paths answer 400: http_api.refusals).
+    `caller`, `errors`, `error`: http_api's request → Caller, error responses for the schema, and
+    JSON error response."""
     most = min(MAX_ITEMS, server.settings.max_texts_per_request)
     tei_request = create_model("TeiRerankRequest", __base__=TeiRerankRequest, texts=(
         _items(Text, most), Field(description=TeiRerankRequest.model_fields["texts"].description)))

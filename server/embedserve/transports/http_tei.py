@@ -6,7 +6,8 @@ sentence_similarity).
 
 /tokenize shows what the model reads: the same tokenizer the server embeds with (a front end's
 own copy, FRONTENDS > 1: no round trip to the model process), the same prompt, the same cut at
-max_length. Installed by http_api.install_routes on an embedding server."""
+max_length. Installed by http_api.install_routes: /tokenize and /decode on every server, the
+others on an embedding server."""
 
 from __future__ import annotations
 
@@ -97,22 +98,19 @@ def cosines(rows: np.ndarray) -> list[float]:
     return (unit[1:] @ unit[0]).tolist()
 
 
-def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
-            caller: Callable[[Request], object], prompt_field: Callable, errors: dict) -> None:
-    """The routes, on an embedding server's router. `embed` is /embed's handler and `embed_request`
-    its body's class (POST / takes that shape too); `service` the served service (NotReady before);
-    `prompt_field(description)` a prompt_name field whose schema names the model's prompts."""
+def _prompted(model: type, prompt_field: Callable) -> type:
+    return create_model(model.__name__, __base__=model,
+                        prompt_name=prompt_field(model.model_fields["prompt_name"].description))
 
-    def prompted(model: type) -> type:
-        return create_model(model.__name__, __base__=model,
-                            prompt_name=prompt_field(model.model_fields["prompt_name"].description))
 
-    tokenize_request, parameters = prompted(TokenizeRequest), prompted(SimilarityParameters)
+def install_tokenizer(router: APIRouter, server: Hub, service: Callable, prompt_field: Callable, errors: dict) -> None:
+    """/tokenize and /decode, on every server whatever its task (as TEI installs them). `service`
+    the served service (NotReady before); `prompt_field(description)` a prompt_name field whose
+    schema names the model's prompts."""
+    tokenize_request = _prompted(TokenizeRequest, prompt_field)
     row = id_row(service().tokenizer.vocab_size)
     decode_request = create_model("DecodeRequest", __base__=DecodeRequest, ids=(
         Union[row, Annotated[list[row], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]], ...))
-    similarity_request = create_model("SimilarityRequest", __base__=prompted(SimilarityRequest),
-                                      parameters=(parameters | None, None))
 
     async def tokenize(body):
         """TEI's /tokenize: per input, its tokens as the model reads them."""
@@ -138,6 +136,15 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
 
     decode.__annotations__.update(body=decode_request)
     router.post("/decode", response_model=list[str], responses=errors)(decode)
+
+
+def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
+            caller: Callable[[Request], object], prompt_field: Callable, errors: dict) -> None:
+    """/similarity and POST /, on an embedding server's router. `embed` is /embed's handler and
+    `embed_request` its body's class (POST / takes that shape too)."""
+    parameters = _prompted(SimilarityParameters, prompt_field)
+    similarity_request = create_model("SimilarityRequest", __base__=_prompted(SimilarityRequest, prompt_field),
+                                      parameters=(parameters | None, None))
 
     async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
         texts = [inputs.source_sentence, *inputs.sentences]
@@ -170,7 +177,7 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
         return await embed(body, request)
 
     root.__annotations__.update(body=root_request, request=Request)
-    answer = Union[list[list[int]], list[list[float]], list[float], list[str]]
+    answer = Union[list[list[float]], list[list[int]], list[float], list[str]]  # float first: see http_api.Embedding
     router.post("/", response_model=answer, responses=errors, summary="Embed or similarity (TEI's /)")(root)
 
 

@@ -30,7 +30,7 @@ class Service(Protocol):
 
     async def embed_sparse(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
                            prompt_name: str | None = None) -> Result:
-        """Task sparse: rows as embedserve.batching.sparse.SparseRows."""
+        """Task sparse: rows as embedserve.model.sparse_rows.SparseRows."""
 
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = ...) -> Result: ...
 

@@ -28,7 +28,7 @@ class Transports:
                         "(%.1f s): a call held for its booked room may be cut when its connection ages out",
                         s.max_connection_age_grace_s, held_s)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 s.quantize_range)
+                                                 s.quantize_range, lambda: hub.model_dimension)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, s.host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port)

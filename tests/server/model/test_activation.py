@@ -67,3 +67,25 @@ def test_apply_matches_torch(name):
     got = activation.apply(name, logits)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+async def test_rerank_applies_the_activation_to_each_pair_as_cross_encoder_does():
+    """The scores are the activation of each pair's own row ([n, 1]): a declared Softmax gives 1.0
+    per pair (CrossEncoder's answer), not a distribution over the request's documents."""
+    from embedserve.batching.shaping import Limits, PreTokenized, Result
+
+    logits = np.array([[2.0], [0.5], [-1.0]], dtype=np.float32)
+
+    class Computed(PreTokenized):  # the model's side: these logits for any three pairs
+        limits, head = Limits(8, 64, True), None
+
+        async def _texts(self, r, caller):
+            return Result(logits, 9)
+
+    for name in ("Softmax", "Sigmoid", "Identity"):
+        service = Computed()
+        service.activation = name
+        got = (await service.rerank("q", ["a", "b", "c"])).rows
+        want = getattr(torch.nn, name)(**({"dim": -1} if name == "Softmax" else {}))(torch.from_numpy(logits))[:, 0]
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    assert (await service.rerank("q", ["a", "b", "c"], raw_scores=True)).rows.tolist() == logits[:, 0].tolist()

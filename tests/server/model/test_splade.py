@@ -28,7 +28,7 @@ def test_splade_rows_match_sentence_transformers(tmp_path, model_dir, kind):
     encoder = Encoder(path, settings, Placement(torch.device("cpu"), torch.float32, False, False), [], m.task, m.head)
     ids, lengths = m.tokenizer.encode(TEXTS)
     mask = torch.from_numpy((np.arange(ids.shape[1]) < lengths[:, None]).astype(np.int64))
-    got = encoder.run(Batch(torch.from_numpy(ids.astype(np.int64)), mask, len(TEXTS), int(lengths.sum()), []))
+    got = encoder.run(Batch(torch.from_numpy(ids.astype(np.int64)), mask, len(TEXTS), int(lengths.sum()), [])).dense()
     want = SparseEncoder(path, device="cpu").encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
     assert got.shape == want.shape == (3, encoder.dim)
     assert np.array_equal(got != 0, want != 0)
@@ -65,6 +65,15 @@ def test_splade_replayed_from_cuda_graphs_computes_what_the_eager_cpu_model_does
         lengths = torch.tensor([5, 31, 12, 0])
         mask = (torch.arange(32) < lengths[:, None]).long()
         batch = Batch(torch.randint(5, 300, (4, 32), generator=rng) * mask, mask, 3, int(lengths.sum()), [])
-        got, want = served.run(batch), reference.run(Batch(batch.input_ids[:3], mask[:3], 3, batch.real_tokens, []))
+        got, want = (r.dense() for r in (served.run(batch), reference.run(Batch(batch.input_ids[:3], mask[:3], 3, batch.real_tokens, []))))
         assert got.shape == (3, 300) and np.array_equal(got != 0, want != 0) and (got != 0).sum(axis=1).max() == 20
         assert np.abs(got - want).max() <= 1e-4
+
+
+def test_task_sparse_refuses_a_checkpoint_without_a_masked_lm_head(model_dir):
+    """The packaged model is a BertModel: AutoModelForMaskedLM would load it with a random MLM head
+    (a warning only), and every vector would be noise."""
+    from embedserve.model.declared import DeclarationError
+
+    with pytest.raises(DeclarationError, match="ForMaskedLM"):
+        prepare(Settings(model_path=model_dir, task="sparse"))

@@ -92,8 +92,12 @@ def test_tei_embed(default_server):
     assert code == 400 and "longer than 256 tokens" in body["error"]["message"]
     code, _, body = post(default_server.http + "/embed", {"inputs": "word " * 700, "truncate": True})
     assert code == 200 and len(body[0]) == 384
-    code, _, body = post(default_server.http + "/classify", {"inputs": "not a classifier"})
-    assert code == 404  # an embedding model's server has no /classify (nor it in its OpenAPI document)
+    # Another task's routes: 400 naming this server's own (WrongTask), and none in its OpenAPI document.
+    for path in ("/classify", "/rerank", "/v1/rerank", "/embed_sparse"):
+        code, _, body = post(default_server.http + path, {"inputs": "not a classifier"})
+        assert code == 400 and "use Embed or /v1/embeddings" in body["error"]["message"], (path, body)
+    with urllib.request.urlopen(default_server.http + "/openapi.json", timeout=10) as r:
+        assert not {"/classify", "/rerank", "/embed_sparse"} & set(json.load(r)["paths"])
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +135,11 @@ def test_classification_matches_a_direct_forward(classifier):
         assert np.abs(np.array([row["scores"][model.config.id2label[i]] for i in range(3)]) - expected).max() <= 1e-5
     code, _, body = post(server.http + "/classify", {"inputs": "single"})
     assert code == 200 and body[0]["scores"] is None
-    code, _, body = post(server.http + "/embed", {"inputs": "x"})
-    assert code == 404
+    for path in ("/embed", "/v1/embeddings", "/rerank"):  # another task's: 400 naming /classify
+        code, _, body = post(server.http + path, {"inputs": "x"})
+        assert code == 400 and "use POST /classify" in body["error"]["message"], (path, body)
+    code, _, body = post(server.http + "/tokenize", {"inputs": "single"})  # every task's
+    assert code == 200 and body[0][0]["special"]
 
 
 def test_overload_over_http_is_429_with_retry_after():

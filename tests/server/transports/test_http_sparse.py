@@ -117,3 +117,17 @@ def test_an_embed_server_refuses_embed_sparse(default_server):
     with pytest.raises(grpc.RpcError) as e:
         stub.EmbedSparse(pb.EmbedRequest(texts=["x"]))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Embed or /v1/embeddings" in e.value.details()
+
+
+def test_the_http_answer_is_the_json_of_every_entry():
+    import json
+
+    from embedserve.model.sparse_rows import to_csr
+    from embedserve.transports.http_sparse import sparse_json
+
+    rng = np.random.default_rng(2)
+    dense = np.where(rng.random((4, 60)) < 0.2, rng.random((4, 60)), 0).astype(np.float32)
+    dense[1] = 0
+    got = json.loads(sparse_json(to_csr(dense)))
+    want = [[{"index": int(k), "value": float(dense[i, k])} for k in np.flatnonzero(dense[i])] for i in range(4)]
+    assert got == want and got[1] == []
