@@ -12,10 +12,12 @@ others on an embedding server."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Callable, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from embedserve.batching.shaping import INLINE_CHARS
@@ -98,6 +100,14 @@ def cosines(rows: np.ndarray) -> list[float]:
     return (unit[1:] @ unit[0]).tolist()
 
 
+def tokens_json(tokenizer, texts: list[str], prompt: str, add_special_tokens: bool, truncate: bool | None) -> bytes:
+    """/tokenize's answer as JSON text: a model object per token, validated and dumped again by
+    FastAPI, cost 1.2 s of the event loop and 165 MB for 512 texts of 300 tokens (a 0.6 MB body)."""
+    rows = tokenizer.tokens(texts, prompt, add_special_tokens, truncate)
+    return json.dumps([[{"id": i, "text": t, "special": s, "start": a, "stop": b} for i, t, s, a, b in row]
+                       for row in rows], ensure_ascii=False).encode()
+
+
 def _prompted(model: type, prompt_field: Callable) -> type:
     return create_model(model.__name__, __base__=model,
                         prompt_name=prompt_field(model.model_fields["prompt_name"].description))
@@ -117,15 +127,16 @@ def install_tokenizer(router: APIRouter, server: Hub, service: Callable, prompt_
         svc = service()
         texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
                                server.settings.max_texts_per_request)
-        args = (texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
+        args = (svc.tokenizer, texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
         # Long inputs on a thread (the Rust tokenizer releases the GIL), as embedding does: up to
         # MAX_TEXTS_PER_REQUEST texts of several thousand characters would hold the event loop.
-        tokens = (svc.tokenizer.tokens(*args) if sum(map(len, texts)) <= INLINE_CHARS
-                  else await asyncio.to_thread(svc.tokenizer.tokens, *args))
-        return [[SimpleToken(id=i, text=t, special=s, start=a, stop=b) for i, t, s, a, b in row] for row in tokens]
+        text = tokens_json(*args) if sum(map(len, texts)) <= INLINE_CHARS else await asyncio.to_thread(tokens_json, *args)
+        return Response(text, media_type="application/json")
 
     tokenize.__annotations__.update(body=tokenize_request)
-    router.post("/tokenize", response_model=list[list[SimpleToken]], responses=errors)(tokenize)
+    # The answer's schema is stated, not enforced: it is written as JSON text (tokens_json).
+    answer = {**errors, 200: {"model": list[list[SimpleToken]], "description": "Per input, its tokens"}}
+    router.post("/tokenize", response_model=None, responses=answer)(tokenize)
 
     async def decode(body):
         """TEI's /decode: token ids back to text, one string per list of ids."""
