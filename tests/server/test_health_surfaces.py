@@ -110,7 +110,12 @@ async def test_a_terminal_failure_turns_every_health_surface(served, fault, mess
         async def liveness():
             return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
 
-        assert await liveness() == health_pb2.HealthCheckResponse.SERVING
+        async def serving():
+            return await liveness() == health_pb2.HealthCheckResponse.SERVING
+
+        # The fixture waited for one front end's HTTP; this connection may reach the other one
+        # (SO_REUSEPORT), which may still be starting.
+        await until(serving, "grpc.health.v1 never said SERVING")
         assert (await stub.Embed(pb.EmbedRequest(texts=["fine"]), timeout=10)).shape == [1, 384]
 
         await fault(server)
