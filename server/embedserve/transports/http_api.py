@@ -15,13 +15,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, StringConstraints, create_model
+from pydantic import BaseModel, Field, create_model
 
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.transports import encodings, http_rerank, http_sparse, http_tei
 from embedserve.transports.hub import Hub
+from embedserve.transports.schema import MAX_ITEMS, Text, Texts
 from embedserve.batching.shaping import ID_ROW_BOUND
 
 
@@ -78,12 +79,6 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
-# What the service accepts, said in the schema: non-blank texts, 1..MAX_ITEMS of them. A list
-# stops at its first bad item (fail_fast): each member of a union otherwise reported every item,
-# 200,000 errors for a 1 MB body, seconds of the loop to list them.
-MAX_ITEMS = 2048  # a hard ceiling; MAX_TEXTS_PER_REQUEST (default 512) applies below it (400)
-Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
-Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
 INPUT_DOC = "A text, a list of texts, a list of token ids, or a list of token id lists."
 
 

@@ -13,16 +13,14 @@ import uuid
 from typing import Annotated, Callable, Literal, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, StringConstraints, create_model
+from pydantic import BaseModel, Field, create_model
 
 from embedserve.errors import InvalidInput
 from embedserve.transports.hub import Hub
+from embedserve.transports.schema import MAX_ITEMS, Text
 
-# What the service accepts, said in the schema (as http_api's): a non-blank query and texts, 1 to
-# MAX_TEXTS_PER_REQUEST of them (each server's own bound: `install`; MAX_ITEMS here), a list
-# stopping at its first bad item.
-MAX_ITEMS = 2048
-Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+# A non-blank query and texts (transports/schema.py), 1 to MAX_TEXTS_PER_REQUEST of them (each
+# server's own bound: `install`), a list stopping at its first bad item.
 
 
 def _items(kind, most: int):

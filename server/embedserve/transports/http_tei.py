@@ -18,22 +18,18 @@ from typing import Annotated, Callable, Literal, Union
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, StringConstraints, create_model
+from pydantic import BaseModel, Field, create_model
 
 from embedserve.batching.shaping import INLINE_CHARS
 from embedserve.batching.tokenization import validate_texts
 from embedserve.errors import InvalidInput
 from embedserve.transports import encodings
 from embedserve.transports.hub import Hub
+from embedserve.transports.schema import MAX_ITEMS, Text, Texts
 
 PATHS = frozenset(("/tokenize", "/decode", "/similarity"))
 
-# As http_api's (which installs this module, so cannot be imported from here): non-blank texts,
-# 1..MAX_ITEMS of them, a list stopping at its first bad item.
-MAX_ITEMS = 2048
 MAX_IDS = 65536  # ids in one /decode row: bounds the schema's work, far over any model's length
-Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
-Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]
 
 
 def id_row(vocab_size: int):
