@@ -90,6 +90,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.server_timeout = 300
     # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
     settings.scanning.disabled = True
+    if reconcile.operator_pods(SETTINGS).peer() is None:
+        log.info("this operator's pods are unknown (EMBEDOP_POD_LABELS, POD_NAMESPACE): a service's NetworkPolicy "
+                 "(spec.networkPolicy) opens its metrics port to spec.networkPolicy.metricsFrom only, not to it")
     kube = Kube.connect(SETTINGS.api_timeout_s)
     stores = {kind: cache.Store() for kind in (*cache.WATCHED, crd.KIND)}
     leadership = None
