@@ -313,7 +313,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             else:
                 outcome.rejected = outcome.scaled
     hpa = None
-    companions = render.companions(owner, spec, settings.metrics_port, operator_pods(settings))
+    companions = render.companions(owner, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
     for obj in map(stamped, companions):
         current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
         if not_ours(current, owner):
@@ -331,10 +331,6 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             await cluster.delete(kind, owner.namespace, owner.name)
             outcome.applied.append(f"-{kind}/{owner.name}")
     return hpa
-
-
-def operator_pods(settings: OperatorSettings) -> render_network.OperatorPods:
-    return render_network.OperatorPods(settings.pod_namespace, settings.pod_labels)
 
 
 def _unguarded(obj: dict) -> dict:

@@ -32,6 +32,11 @@ class OperatorPods:
     namespace: str
     labels: tuple[tuple[str, str], ...]
 
+    @classmethod
+    def of(cls, settings) -> "OperatorPods":
+        """From the operator's settings (config.OperatorSettings: pod_namespace, pod_labels)."""
+        return cls(settings.pod_namespace, settings.pod_labels)
+
     def peer(self) -> dict | None:
         """The peer that selects them: that namespace AND those labels (one peer with both
         selectors; as two peers they would admit every pod of the namespace, and any pod with the

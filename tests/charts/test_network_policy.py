@@ -8,7 +8,7 @@ policy's namespace; a rule without peers, everyone."""
 
 import pytest
 
-from embedop import reconcile, render, spec as specs
+from embedop import render, render_network, spec as specs
 from embedop.config import OperatorSettings
 from tests.charts.test_chart import MATRIX, render as render_chart
 
@@ -72,7 +72,7 @@ WORLD = [(SERVICE_NS, {"app": "search-frontend"}), ("elsewhere", {"app": "anythi
 def test_a_services_policy_admits_the_charts_operator_pods_to_the_metrics_port_and_nobody_else(case, release_ns):
     labels, settings = operator_pod(MATRIX[case], release_ns)
     spec = specs.defaulted({"model": "m", "networkPolicy": {"enabled": True}})
-    (policy,) = [o for o in render.companions(OWNER, spec, settings.metrics_port, reconcile.operator_pods(settings))
+    (policy,) = [o for o in render.companions(OWNER, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
                  if o["kind"] == "NetworkPolicy"]
     (metrics_rule,) = [r for r in policy["spec"]["ingress"] if r["ports"] == [{"port": settings.metrics_port, "protocol": "TCP"}]]
     (peer,) = metrics_rule["from"]

@@ -80,7 +80,7 @@ def test_probes_and_the_operators_scrape_use_the_plain_metrics_port_with_keys_an
         assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, probe
     assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9102"
     assert autoscaler.metrics_url("10.1.2.3", settings.metrics_port) == "http://10.1.2.3:9102/metrics"
-    companions = render.companions(OWNER, spec, settings.metrics_port, reconcile.operator_pods(settings))
+    companions = render.companions(OWNER, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
     for svc in (o for o in companions if o["kind"] == "Service"):
         assert {"name": "metrics", "port": 9102, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
     (policy,) = [o for o in companions if o["kind"] == "NetworkPolicy"]
