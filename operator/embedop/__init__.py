@@ -1,12 +1,14 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: fifteen modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: seventeen modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   crd        the CustomResourceDefinition, built here; its schema's defaults
   spec       a spec defaulted, and what no schema can say about it (problems)
   render     spec → the manifests of what a service owns
+  render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
+  render_network   spec.networkPolicy → the service's NetworkPolicy
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import uuid
 from typing import Mapping
@@ -26,9 +27,10 @@ class OperatorSettings:
     """EMBEDOP_API_TIMEOUT_S: timeout of each Kubernetes API call the operator makes itself (the
     leader stops starting writes this long, and at least a third of the lease, before a successor
     may take over: keep it well under EMBEDOP_LEASE_SECONDS)."""
-    metrics_port: int = 8001
-    """EMBEDOP_METRICS_PORT: the servers' HTTP port (/health, /metrics): rendered into their
-    HTTP_HEALTH_PORT, probes and Services, and scraped by the autoscaler."""
+    metrics_port: int = 8002
+    """EMBEDOP_METRICS_PORT: the servers' plain-text port of /health and /metrics only (never API
+    keys or TLS): rendered into their METRICS_PORT, the container port `metrics`, the probes, the
+    Services, the prometheus.io/port annotation and the NetworkPolicy, and scraped by the autoscaler."""
     grace_seconds: int = 45
     """EMBEDOP_GRACE_SECONDS: terminationGracePeriodSeconds of server pods (drain time)."""
     leader_election: bool = True
@@ -42,6 +44,13 @@ class OperatorSettings:
     """EMBEDOP_LEASE_SECONDS: the Lease's duration in whole seconds (at least 3): how long a
     successor waits after the leader stops renewing (a crash; a clean stop releases it at once).
     Renewed every fifth of it; the leader stops writing two thirds of it after its last renewal."""
+    pod_namespace: str = ""
+    """EMBEDOP_POD_NAMESPACE (else POD_NAMESPACE, the chart's downward API): the operator pods'
+    namespace, which a service's NetworkPolicy admits to the metrics port (with pod_labels)."""
+    pod_labels: tuple[tuple[str, str], ...] = ()
+    """EMBEDOP_POD_LABELS: `k=v,k=v`, labels every operator pod carries (the chart gives its selector
+    labels): a service's NetworkPolicy admits pods with them, in pod_namespace, to the metrics port.
+    Unset (an operator outside the cluster): the policy opens that port to spec.networkPolicy.metricsFrom only."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
 
@@ -72,6 +81,8 @@ class OperatorSettings:
             lease_namespace=env.get("EMBEDOP_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or d.lease_namespace,
             lease_name=env.get("EMBEDOP_LEASE_NAME") or d.lease_name,
             lease_seconds=lease_seconds(env.get("EMBEDOP_LEASE_SECONDS"), d.lease_seconds),
+            pod_namespace=env.get("EMBEDOP_POD_NAMESPACE") or env.get("POD_NAMESPACE") or d.pod_namespace,
+            pod_labels=label_pairs("EMBEDOP_POD_LABELS", env.get("EMBEDOP_POD_LABELS")),
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
             identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )
@@ -85,3 +96,21 @@ def lease_seconds(raw: str | None, default: int) -> int:
     if not raw.strip().isdigit() or int(raw) < 3:
         raise ValueError(f"EMBEDOP_LEASE_SECONDS={raw!r}: must be a whole number of seconds, at least 3")
     return int(raw)
+
+
+# A label's key (an optional DNS-subdomain prefix and a name) and value, as the API server checks them.
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def label_pairs(key: str, raw: str | None) -> tuple[tuple[str, str], ...]:
+    """`k=v,k=v` → ((k, v), ...), refused at start-up when not labels (a policy rendered from a typo
+    would select no pod, and the operator could not scrape a single server)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in (raw or "").split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not LABEL_KEY.match(name.strip()) or not LABEL_VALUE.match(value.strip()):
+            raise ValueError(f"{key}={raw!r}: {item!r} is not a label (k=v, comma-separated)")
+        pairs.append((name.strip(), value.strip()))
+    return tuple(pairs)

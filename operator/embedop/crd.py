@@ -17,8 +17,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_NAME = 63 - len("-headless")
 NAME_RULE = (f"at most {MAX_NAME} characters: the service's headless Service, NAME-headless, must fit a "
              "DNS label (63)")
-RESERVED_ENV_RULE = ("set by the operator (the probes, the Services and the autoscaler's scrapes use these ports); "
-                     "spec.env cannot override them")
+# Server settings spec.env may not set: the probes, the Services, the NetworkPolicy and the
+# autoscaler's scrapes use these ports (envFrom cannot either: Kubernetes lets env win over envFrom).
+RESERVED_ENV = ("GRPC_PORT", "HTTP_HEALTH_PORT", "METRICS_PORT")
+RESERVED_ENV_RULE = ("set by the operator (the probes, the Services, the NetworkPolicy and the autoscaler's scrapes "
+                     "use these ports); spec.env cannot override them")
 GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserved and left idle; "
             "scale with replicas (the autoscaler does)")
 # What a server may be told to serve (its TASK setting, besides auto: the server infers it).
@@ -89,6 +92,59 @@ def string_map(description: str) -> dict:
 def int_or_percent(description: str, default) -> dict:
     return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
             "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
+
+
+# A Secret's name (a DNS-1123 subdomain, as the API server checks every object name).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Where the server pods mount spec.auth's and spec.tls's Secrets (render_security.py).
+AUTH_DIR, TLS_DIR = "/etc/embedfleet/auth", "/etc/embedfleet/tls"
+
+
+def secret_name(description: str) -> dict:
+    return string(description, minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN)
+
+
+def peers(description: str) -> dict:
+    return kubernetes(description + " Each a Kubernetes NetworkPolicyPeer (podSelector, namespaceSelector, "
+                      "both: pods of the selected namespaces, or ipBlock).", "array")
+
+
+AUTH = obj(
+    "API keys: every API route (HTTP) and every gRPC method but grpc.health.v1 and reflection then needs "
+    "`Authorization: Bearer <key>` (401 / UNAUTHENTICATED without a valid one). The metrics port (/health, "
+    "/metrics) stays open to the kubelet and Prometheus.", {
+        "apiKeySecretRef": obj(
+            f"The Secret holding the keys, in the service's namespace: mounted read-only at {AUTH_DIR} (a "
+            "volume: the kubelet brings a changed Secret to the pods within its sync period, about a minute, "
+            "and the servers re-read it without a restart) and given as API_KEYS_FILE. The pods do not start while it is missing.", {
+                "name": secret_name("The Secret's name."),
+                "key": string("The Secret's key whose value is the keys, one per line (blank lines and lines "
+                              "starting with # ignored).", "api-keys", minLength=1, maxLength=253,
+                              pattern=r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"),
+            }, required=["name"]),
+    }, required=["apiKeySecretRef"])
+
+TLS = obj(
+    "TLS on the gRPC and HTTP API ports (TLS only, no plain text there); the metrics port stays plain. The "
+    "certificate is re-read when the Secret changes (cert-manager renewals need no restart).", {
+        "secretRef": obj(
+            f"A Secret of cert-manager's shape (tls.crt, tls.key; ca.crt with clientAuth) in the service's "
+            f"namespace, mounted read-only at {TLS_DIR} (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CLIENT_CA_FILE). The "
+            "pods do not start while it or one of those keys is missing.", {
+                "name": secret_name("The Secret's name.")}, required=["name"]),
+        "clientAuth": boolean("Require client certificates signed by the Secret's ca.crt (mutual TLS).", False),
+    }, required=["secretRef"])
+
+NETWORK_POLICY = obj(
+    "A NetworkPolicy for the server pods (ingress only; their egress, to the model hub or S3 and the "
+    "trace collector, is left open). Needs a network plugin that enforces NetworkPolicies.", {
+        "enabled": boolean("Render it (false: none, and one rendered before is deleted).", False),
+        "from": peers("Who may reach the gRPC and HTTP API ports. Unset or empty: pods of the service's own "
+                      "namespace only."),
+        "metricsFrom": peers("Who besides the operator may reach the metrics port (/health, /metrics), e.g. "
+                             "Prometheus's pods. The kubelet's probes need no rule (traffic from a pod's own "
+                             "node is always allowed)."),
+    })
 
 
 SPEC = obj(
@@ -170,14 +226,14 @@ SPEC = obj(
                             "value": string("Taint value."), "effect": string("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                             "tolerationSeconds": integer("How long a NoExecute taint is tolerated."),
                         })},
-        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting); an entry named like one the operator sets overrides it, but GRPC_PORT and HTTP_HEALTH_PORT (the probes, Services and scrapes use them). Secrets: valueFrom.secretKeyRef (e.g. HF_TOKEN, AWS_ACCESS_KEY_ID).",
+        "env": {"type": "array", "description": "Extra environment variables for the server container (any embedserve setting); an entry named like one the operator sets overrides it, but GRPC_PORT, HTTP_HEALTH_PORT and METRICS_PORT (the probes, Services, NetworkPolicy and scrapes use them). API keys and TLS: spec.auth and spec.tls. Secrets: valueFrom.secretKeyRef (e.g. HF_TOKEN, AWS_ACCESS_KEY_ID).",
                 "items": obj("A name and either a literal value or valueFrom.", {
                     "name": string("Variable name.", minLength=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
                     "value": string("Variable value."),
                     "valueFrom": kubernetes("Where the value comes from: a Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."),
                 }, required=["name"], **{"x-kubernetes-validations": [
                     {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "env: value and valueFrom are exclusive"},
-                    {"rule": "!(self.name in ['GRPC_PORT', 'HTTP_HEALTH_PORT'])", "message": RESERVED_ENV_RULE}]})},
+                    {"rule": f"!(self.name in {list(RESERVED_ENV)})", "message": RESERVED_ENV_RULE}]})},
         "envFrom": kubernetes("Whole Secrets or ConfigMaps as environment variables of the server container (Kubernetes EnvFromSource list).", "array"),
         "imagePullSecrets": {"type": "array", "description": "Secrets (in the service's namespace) to pull the server image with.",
                              "items": obj("A Secret of type kubernetes.io/dockerconfigjson.", {
@@ -189,6 +245,9 @@ SPEC = obj(
         "runtimeClassName": string("RuntimeClass of the server pods (e.g. nvidia, where the GPU runtime is not the node default).", maxLength=253),
         "podAnnotations": string_map("Extra annotations on the server pods (they may override the prometheus.io/* scrape annotations)."),
         "podLabels": string_map("Extra labels on the server pods; the operator's own labels (which its selectors use) win on a clash."),
+        "auth": AUTH,
+        "tls": TLS,
+        "networkPolicy": NETWORK_POLICY,
     },
     required=["model"],
 )

@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile
+from embedop import autoscaler, cache, crd, reconcile, render_network
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -90,6 +90,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.server_timeout = 300
     # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
     settings.scanning.disabled = True
+    if render_network.OperatorPods.of(SETTINGS).peer() is None:
+        log.info("this operator's pods are unknown (EMBEDOP_POD_LABELS, POD_NAMESPACE): a service's NetworkPolicy "
+                 "(spec.networkPolicy) opens its metrics port to spec.networkPolicy.metricsFrom only, not to it")
     kube = Kube.connect(SETTINGS.api_timeout_s)
     stores = {kind: cache.Store() for kind in (*cache.WATCHED, crd.KIND)}
     leadership = None

@@ -39,6 +39,7 @@ KINDS = {
     "Service": ("", "v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     "Pod": ("", "v1", "pods"),
     "Lease": ("coordination.k8s.io", "v1", "leases"),
     crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
@@ -52,13 +53,15 @@ Deployment = RESOURCES["Deployment"][0]
 CALLS = {
     # get: the live object (count, resourceVersion); patch: server-side apply, which the API
     # authorizes as create when the object does not exist yet.
-    *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+    *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                                                      "NetworkPolicy")
       for v in ("get", "create", "patch")),
     ("autoscaling", "horizontalpodautoscalers", "delete"),  # when a service leaves hpa mode
+    ("networking.k8s.io", "networkpolicies", "delete"),  # when a service's networkPolicy is disabled
     # The owned kinds are listed and watched by the operator's label (cache.py): the reconcile
     # and the autoscaler read those copies, never the API, while nothing changes.
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
-                                                      "HorizontalPodAutoscaler") for v in ("list", "watch")),
+                                                      "HorizontalPodAutoscaler", "NetworkPolicy") for v in ("list", "watch")),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
     # Leader election (leader.py), in the operator's own namespace.

@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render, spec as specs, status
+from embedop import crd, render, render_network, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -77,10 +77,11 @@ def _same_scalar(a, b, path: tuple[str, ...] = ()) -> bool:
 
 def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
     """Whether every field we set has our value as the server stores it: it may add defaults of
-    its own, writes quantities in its canonical form, and omits empty strings (an env entry's
-    `value: ""` comes back without its value). `path`: where `desired` sits in its object."""
+    its own, writes quantities in its canonical form, and omits empty strings, lists and maps (an
+    env entry's `value: ""` comes back without its value; a NetworkPolicy peer's `matchExpressions: []`
+    without it). `path`: where `desired` sits in its object."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v == ""
+        return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v in ("", [], {})
                                                 for k, v in desired.items())
     if isinstance(desired, list):
         if not isinstance(actual, list):
@@ -312,7 +313,8 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             else:
                 outcome.rejected = outcome.scaled
     hpa = None
-    for obj in map(stamped, render.companions(owner, spec, settings.metrics_port)):
+    companions = render.companions(owner, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
+    for obj in map(stamped, companions):
         current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
         if not_ours(current, owner):
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
@@ -322,11 +324,12 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current
-    if spec["autoscaling"]["mode"] != "hpa":
-        existing = await cluster.get("HorizontalPodAutoscaler", owner.namespace, owner.name, ours=True)
+    # What the spec no longer asks for (mode hpa left, networkPolicy disabled) goes, if it is ours.
+    for kind in set(render.OPTIONAL_KINDS) - {obj["kind"] for obj in companions}:
+        existing = await cluster.get(kind, owner.namespace, owner.name, ours=True)
         if existing is not None and owned_by(existing, owner):
-            await cluster.delete("HorizontalPodAutoscaler", owner.namespace, owner.name)
-            outcome.applied.append(f"-HorizontalPodAutoscaler/{owner.name}")
+            await cluster.delete(kind, owner.namespace, owner.name)
+            outcome.applied.append(f"-{kind}/{owner.name}")
     return hpa
 
 

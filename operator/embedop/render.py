@@ -7,9 +7,12 @@ import dataclasses
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd
+from embedop import crd, render_network, render_security
 
-GRPC_PORT, HTTP_PORT = 50051, 8001
+# gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
+# too, for clients and gateways that check the port they use); the plain-text /health and /metrics
+# of the probes and scrapes (EMBEDOP_METRICS_PORT may move it).
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8001, 8002
 MANAGED_BY = {"app.kubernetes.io/managed-by": "embedop"}
 SERVICE_LABEL = "embedfleet.dev/service"
 METRICS_LABEL = "embedfleet.dev/metrics"
@@ -61,12 +64,10 @@ def cpu_for(resources: dict) -> str:
     return cpu
 
 
-# Settings spec.env may not override: the probes, the Services and the autoscaler's scrapes use
-# these ports (envFrom cannot either: Kubernetes lets env win over envFrom).
-RESERVED_ENV = ("GRPC_PORT", "HTTP_HEALTH_PORT")
+RESERVED_ENV = crd.RESERVED_ENV
 
 
-def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> list[dict]:
+def server_env(spec: dict, grace_seconds: int, metrics_port: int = METRICS_PORT) -> list[dict]:
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
     values = {
@@ -75,7 +76,8 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
         # Unset: the server infers the task from the model's files (TASK=auto, its default).
         **({"TASK": spec["task"]} if spec.get("task") else {}),
         "GRPC_PORT": GRPC_PORT,
-        "HTTP_HEALTH_PORT": http_port,
+        "HTTP_HEALTH_PORT": HTTP_PORT,
+        "METRICS_PORT": metrics_port,
         "DEVICE": "cuda" if spec["resources"]["gpu"] > 0 else "cpu",
         "BUCKETS": ",".join(map(str, b["buckets"])),
         "MAX_BATCH_SIZE": b["maxBatchSize"],
@@ -95,6 +97,7 @@ def server_env(spec: dict, grace_seconds: int, http_port: int = HTTP_PORT) -> li
         "SHUTDOWN_GRACE_S": max(1, grace_seconds - 10),
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         **({"FRONTENDS": spec["resources"]["frontends"]} if spec["resources"].get("frontends") else {}),
+        **render_security.env(spec),
     }
     env = [{"name": k, "value": str(v).lower() if isinstance(v, bool) else str(v)} for k, v in values.items()]
     # spec.env may override any of ours but the ports (RESERVED_ENV: spec.problems refuses them).
@@ -178,7 +181,7 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}],
+        "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}, *render_security.volumes(spec)],
         "enableServiceLinks": False,
     }
     # The production pod fields, passed through as the spec states them (validated by the CRD's
@@ -191,30 +194,35 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
 
 
 def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
-               http_port: int = HTTP_PORT) -> dict:
+               metrics_port: int = METRICS_PORT) -> dict:
     """`image`: spec.image, else the default image in force for this service (server_image)."""
     res = spec["resources"]
     limits = {"cpu": cpu_for(res), "memory": str(res["memory"])}
     if res["gpu"] > 0:
         limits["nvidia.com/gpu"] = str(res["gpu"])
-    http_get = {"path": "/health", "port": "http"}
+    # Every probe asks the plain metrics port: the kubelet's gRPC probe can send neither TLS nor an
+    # API key, and its HTTP probe no key; /health answers there exactly what grpc.health.v1 says
+    # (503 while starting, degraded or draining), whatever spec.auth and spec.tls are.
+    health = {"httpGet": {"path": "/health", "port": "metrics"}}
     container = {
         "name": "server",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-            {"name": "http", "containerPort": http_port, "protocol": "TCP"},
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
         ],
-        "env": server_env(spec, grace_seconds, http_port),
+        "env": server_env(spec, grace_seconds, metrics_port),
         "resources": {"requests": dict(limits), "limits": limits},
-        "startupProbe": {"httpGet": http_get, "periodSeconds": STARTUP_PERIOD_S,
+        "startupProbe": {**health, "periodSeconds": STARTUP_PERIOD_S,
                          "failureThreshold": STARTUP_FAILURES, "timeoutSeconds": 3},
-        "readinessProbe": {"httpGet": http_get, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
-        "livenessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
+        "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         # Endpoints are removed asynchronously: keep serving a few seconds before SIGTERM.
         "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", "import time; time.sleep(5)"]}}},
-        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"},
+                         *render_security.mounts(spec)],
         "securityContext": {
             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
@@ -238,7 +246,7 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
                 "metadata": {
                     # The service's own labels win: the selector depends on them.
                     "labels": {**spec.get("podLabels", {}), **labels(owner.name)},
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
                                     "prometheus.io/path": "/metrics", **spec.get("podAnnotations", {})},
                 },
                 "spec": _pod_spec(spec, container, grace_seconds),
@@ -250,24 +258,29 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
     return body
 
 
-def _ports(http_port: int) -> list[dict]:
+def _ports(spec: dict, metrics_port: int) -> list[dict]:
+    # h2c tells gateways and meshes to speak HTTP/2 in plain text to the port; with spec.tls the
+    # port speaks TLS, and there is no appProtocol for HTTP/2 over TLS, so none is given.
+    grpc = {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+            **({} if spec.get("tls") else {"appProtocol": "kubernetes.io/h2c"})}
     return [
-        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
-        {"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP"},
+        grpc,
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "metrics", "port": metrics_port, "targetPort": "metrics", "protocol": "TCP"},
     ]
 
 
-def service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
+def service(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT) -> dict:
     meta = _meta(owner)
     meta["labels"][METRICS_LABEL] = "true"  # the one Service a ServiceMonitor scrapes (not the headless)
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-            "spec": {"type": "ClusterIP", "selector": selector(owner.name), "ports": _ports(http_port)}}
+            "spec": {"type": "ClusterIP", "selector": selector(owner.name), "ports": _ports(spec, metrics_port)}}
 
 
-def headless_service(owner: Owner, http_port: int = HTTP_PORT) -> dict:
+def headless_service(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT) -> dict:
     """For client-side balancing: `dns:///NAME-headless:50051` resolves every ready pod."""
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, f"{owner.name}-headless"),
-            "spec": {"clusterIP": "None", "selector": selector(owner.name), "ports": _ports(http_port)}}
+            "spec": {"clusterIP": "None", "selector": selector(owner.name), "ports": _ports(spec, metrics_port)}}
 
 
 def pod_disruption_budget(owner: Owner, spec: dict) -> dict:
@@ -306,16 +319,31 @@ def horizontal_pod_autoscaler(owner: Owner, spec: dict) -> dict:
     }
 
 
-def companions(owner: Owner, spec: dict, http_port: int = HTTP_PORT) -> list[dict]:
-    """What the service owns besides its Deployment, in apply order."""
-    objects = [service(owner, http_port), headless_service(owner, http_port), pod_disruption_budget(owner, spec)]
+def network_policy(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
+                   operator: render_network.OperatorPods | None = None) -> dict:
+    return render_network.network_policy(_meta(owner), selector(owner.name), spec, (GRPC_PORT, HTTP_PORT),
+                                         metrics_port, operator)
+
+
+# Companions rendered only when the spec asks for them: one the spec no longer asks for is deleted.
+OPTIONAL_KINDS = ("HorizontalPodAutoscaler", "NetworkPolicy")
+
+
+def companions(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
+               operator: render_network.OperatorPods | None = None) -> list[dict]:
+    """What the service owns besides its Deployment, in apply order. `operator`: the operator's own
+    pods, which a NetworkPolicy admits to the metrics port."""
+    objects = [service(owner, spec, metrics_port), headless_service(owner, spec, metrics_port),
+               pod_disruption_budget(owner, spec)]
     if spec["autoscaling"]["mode"] == "hpa":
         objects.append(horizontal_pod_autoscaler(owner, spec))
+    if (spec.get("networkPolicy") or {}).get("enabled"):
+        objects.append(network_policy(owner, spec, metrics_port, operator))
     return objects
 
 
 def owned(owner: Owner, spec: dict, image: str, replicas: int | None, grace_seconds: int,
-          http_port: int = HTTP_PORT) -> list[dict]:
+          metrics_port: int = METRICS_PORT, operator: render_network.OperatorPods | None = None) -> list[dict]:
     """Everything the service owns, in apply order; `replicas` as deployment_replicas says."""
-    return [deployment(owner, spec, image, replicas, grace_seconds, http_port),
-            *companions(owner, spec, http_port)]
+    return [deployment(owner, spec, image, replicas, grace_seconds, metrics_port),
+            *companions(owner, spec, metrics_port, operator)]

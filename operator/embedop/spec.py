@@ -4,17 +4,28 @@ cannot say. Pure."""
 from __future__ import annotations
 
 import msgspec
-from lightkube.models import core_v1
+from lightkube.models import core_v1, networking_v1
 
-from embedop import crd, render
+from embedop import crd, render, render_security
 
-# Spec fields of Kubernetes types the CRD leaves open, and the model each must fit.
+# Spec fields of Kubernetes types the CRD leaves open (by path), and the model each must fit.
 KUBERNETES_TYPES = {
     "affinity": core_v1.Affinity,
     "topologySpreadConstraints": list[core_v1.TopologySpreadConstraint],
     "envFrom": list[core_v1.EnvFromSource],
     "env": list[core_v1.EnvVar],
+    "networkPolicy.from": list[networking_v1.NetworkPolicyPeer],
+    "networkPolicy.metricsFrom": list[networking_v1.NetworkPolicyPeer],
 }
+
+
+def _at(spec: dict, path: str):
+    """The value at a dotted path, or None where any part is missing."""
+    for part in path.split("."):
+        if not isinstance(spec, dict) or part not in spec:
+            return None
+        spec = spec[part]
+    return spec
 
 
 def defaulted(spec: dict) -> dict:
@@ -38,14 +49,14 @@ def kubernetes_problems(spec: dict) -> list[str]:
     wrong types and unknown (misspelt) fields, which the API server would drop without a word."""
     out = []
     for field, model in KUBERNETES_TYPES.items():
-        if field not in spec:
+        if (given := _at(spec, field)) is None:
             continue
         try:
-            known = msgspec.to_builtins(msgspec.convert(spec[field], model))
+            known = msgspec.to_builtins(msgspec.convert(given, model))
         except msgspec.ValidationError as e:
             out.append(f"{field}: {e}")
             continue
-        out += [f"{path}: unknown field" for path in _unknown(spec[field], known, field)]
+        out += [f"{path}: unknown field" for path in _unknown(given, known, field)]
     return out
 
 
@@ -93,6 +104,14 @@ def problems(spec: dict, name: str | None = None) -> list[str]:
         # An env entry would override the rendered TASK, and status would compare the pods with
         # a task they were never given.
         out.append("env: TASK and spec.task both set: remove TASK from env (spec.task renders it)")
+    if clash := sorted({e["name"] for e in spec.get("env", [])} & render_security.settings_owned(spec)):
+        # Ours would be overridden: a server pointed at files that are not mounted.
+        out.append(f"env: {', '.join(clash)}: set from spec.auth / spec.tls; remove it from env")
+    for field in ("from", "metricsFrom"):
+        for i, peer in enumerate((spec.get("networkPolicy") or {}).get(field) or []):
+            if isinstance(peer, dict) and ("ipBlock" in peer) == bool({"podSelector", "namespaceSelector"} & peer.keys()):
+                out.append(f"networkPolicy.{field}[{i}]: a peer is an ipBlock, or a podSelector and/or a "
+                           "namespaceSelector: one of the two, not both, not neither")
     if spec["resources"]["gpu"] > 1:
         out.append(f"resources.gpu: {crd.GPU_RULE}")
     if "image" in spec and not spec["image"].strip():

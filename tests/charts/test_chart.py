@@ -25,7 +25,8 @@ MATRIX = {
     "namespaced": {"watchNamespace": "search"},
     "hooks": {"uninstall": {"deleteServices": True}},
     "hooks-namespaced": {"watchNamespace": "search", "uninstall": {"deleteServices": True}},
-    "all-on": {"serviceMonitor": {"enabled": True},
+    "all-on": {"serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True, "healthFrom": [
+                   {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
                "prometheusAdapter": {"enabled": True}, "grafanaDashboard": {"enabled": True},
                "nodeSelector": {"pool": "system"}, "imagePullSecrets": [{"name": "regcred"}],
                "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
@@ -64,6 +65,7 @@ def test_all_options_render_what_they_promise():
     kinds = {(o["kind"], o["metadata"]["name"]) for o in render(MATRIX["all-on"])}
     assert ("ServiceMonitor", "ef-operator-servers") in kinds
     assert ("ConfigMap", "ef-operator-adapter-rules") in kinds and ("ConfigMap", "ef-operator-dashboard") in kinds
+    assert ("NetworkPolicy", "ef-operator") in kinds
     dashboard = next(o for o in render(MATRIX["all-on"]) if o["metadata"]["name"] == "ef-operator-dashboard")
     import json
 
@@ -211,6 +213,8 @@ def test_namespaced_install_watches_only_its_namespace():
     ({"image": {"repository": ""}}, "repository"),
     ({"unknownKey": 1}, "unknownKey"),
     ({"serviceMonitor": {"enabled": "yes"}}, "enabled"),
+    ({"networkPolicy": {"enabled": True, "egress": []}}, "egress"),
+    ({"networkPolicy": {"healthFrom": {"podSelector": {}}}}, "healthFrom"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmError, match=message):

@@ -42,7 +42,7 @@ def test_watches_are_label_selected_and_a_settled_service_costs_no_request(emula
     eventually(lambda: (cr := emulator.get(service_path(namespace, "quiet")))["status"].get("observedGeneration")
                == cr["metadata"]["generation"], timeout=60)
     watches = [u for u in REQUEST.findall(operator.log()) if "watch=true" in u[1]]
-    for kind in ("deployments", "pods", "services", "poddisruptionbudgets", "horizontalpodautoscalers"):
+    for kind in ("deployments", "pods", "services", "poddisruptionbudgets", "horizontalpodautoscalers", "networkpolicies"):
         mine = [u for _, u in watches if f"/{kind}?" in u]
         assert mine and all("managed-by%3Dembedop" in u for u in mine), kind
     eventually(lambda: (d := emulator.get(path))["status"].get("observedGeneration") == d["metadata"]["generation"],

@@ -9,6 +9,16 @@ def test_defaults():
     s = OperatorSettings.from_env({})
     assert (s.resync_seconds, s.lease_seconds, s.leader_election, s.lease_name) == (30.0, 15, True, "embedop-leader")
     assert s.identity  # unique per process: a pod restarted under its name is a new candidate
+    assert s.metrics_port == 8002 and (s.pod_namespace, s.pod_labels) == ("", ())
+
+
+def test_the_operators_own_pods_as_the_chart_tells_them():
+    """What a service's NetworkPolicy admits to the metrics port (render_network.OperatorPods)."""
+    s = OperatorSettings.from_env({"POD_NAMESPACE": "ops",
+                                   "EMBEDOP_POD_LABELS": "app.kubernetes.io/name=embedfleet-operator, app.kubernetes.io/instance=ef"})
+    assert s.pod_namespace == "ops"
+    assert s.pod_labels == (("app.kubernetes.io/name", "embedfleet-operator"), ("app.kubernetes.io/instance", "ef"))
+    assert OperatorSettings.from_env({"POD_NAMESPACE": "ops", "EMBEDOP_POD_NAMESPACE": "x"}).pod_namespace == "x"
 
 
 def test_the_lease_lives_in_the_pods_namespace():
@@ -20,6 +30,8 @@ def test_the_lease_lives_in_the_pods_namespace():
     ("EMBEDOP_LEASE_SECONDS", "2.5"), ("EMBEDOP_LEASE_SECONDS", "2"), ("EMBEDOP_LEASE_SECONDS", "nan"),
     ("EMBEDOP_RESYNC_SECONDS", "nan"), ("EMBEDOP_RESYNC_SECONDS", "0"), ("EMBEDOP_SCRAPE_TIMEOUT_S", "inf"),
     ("EMBEDOP_API_TIMEOUT_S", "-1"), ("EMBEDOP_LEADER_ELECTION", "maybe"),
+    ("EMBEDOP_POD_LABELS", "app"), ("EMBEDOP_POD_LABELS", "a=b,c d=e"), ("EMBEDOP_POD_LABELS", "a=-b-"),
+    ("EMBEDOP_POD_LABELS", "=b"),
 ])
 def test_bad_values_are_refused_naming_the_variable(key, value):
     with pytest.raises(ValueError, match=key):

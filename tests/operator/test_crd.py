@@ -93,7 +93,7 @@ def test_scale_subresource_and_printer_columns():
     assert schema()["properties"]["status"]["properties"]["task"]["type"] == "string"
 
 
-@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml", "reranker.yaml"])
+@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml", "reranker.yaml", "secured.yaml"])
 def test_examples_are_valid(name):
     obj = load(name)
     jsonschema.validate(obj, strict(schema()))
@@ -113,6 +113,16 @@ BAD = [
     ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
     ("unknown task", lambda s: s.update(task="summarize"), "'summarize' is not one of"),
     ("task in capitals", lambda s: s.update(task="Rerank"), "'Rerank' is not one of"),
+    ("auth without a Secret", lambda s: s.update(auth={}), "'apiKeySecretRef' is a required property"),
+    ("auth Secret without a name", lambda s: s.update(auth={"apiKeySecretRef": {"key": "k"}}), "'name' is a required property"),
+    ("auth Secret not a DNS name", lambda s: s.update(auth={"apiKeySecretRef": {"name": "My_Keys"}}), "'My_Keys' does not match"),
+    ("auth key a path", lambda s: s.update(auth={"apiKeySecretRef": {"name": "k", "key": "../etc/passwd"}}), "does not match"),
+    ("tls without a Secret", lambda s: s.update(tls={"clientAuth": True}), "'secretRef' is a required property"),
+    ("tls Secret not a DNS name", lambda s: s.update(tls={"secretRef": {"name": "-tls"}}), "'-tls' does not match"),
+    ("tls clientAuth not a boolean", lambda s: s.update(tls={"secretRef": {"name": "t"}, "clientAuth": "yes"}), "'yes' is not of type 'boolean'"),
+    ("networkPolicy enabled not a boolean", lambda s: s.update(networkPolicy={"enabled": "true"}), "'true' is not of type 'boolean'"),
+    ("networkPolicy from not a list", lambda s: s.update(networkPolicy={"from": {"podSelector": {}}}), "is not of type 'array'"),
+    ("networkPolicy unknown field", lambda s: s.update(networkPolicy={"enabled": True, "egress": []}), "Additional properties"),
 ]
 
 
@@ -146,6 +156,7 @@ CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     # The probes, Services and scrapes use these ports: spec.env cannot move them.
     ("env", [{"name": "HTTP_HEALTH_PORT", "value": "9000"}], "spec.env cannot override them", "HTTP_HEALTH_PORT"),
     ("env", [{"name": "GRPC_PORT", "value": "9001"}], "spec.env cannot override them", "GRPC_PORT"),
+    ("env", [{"name": "METRICS_PORT", "value": "9002"}], "spec.env cannot override them", "METRICS_PORT"),
 ]
 
 
@@ -195,6 +206,16 @@ def test_defaults_fill_nested_objects():
 
 
 @pytest.mark.parametrize("spec, problem", [
+    # Ours would be overridden: a server pointed at files that are not mounted.
+    ({"auth": {"apiKeySecretRef": {"name": "k"}}, "env": [{"name": "API_KEYS_FILE", "value": "/x"}]}, "API_KEYS_FILE"),
+    ({"tls": {"secretRef": {"name": "t"}}, "env": [{"name": "TLS_CLIENT_CA_FILE", "value": "/x"}]}, "TLS_CLIENT_CA_FILE"),
+    # Each peer as the API server requires it (the CRD leaves peers open).
+    ({"networkPolicy": {"enabled": True, "from": [{}]}}, "networkPolicy.from[0]: a peer is"),
+    ({"networkPolicy": {"enabled": True, "metricsFrom": [{"podSelector": {}}, {"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                                                 "podSelector": {}}]}},
+     "networkPolicy.metricsFrom[1]: a peer is"),
+    ({"networkPolicy": {"enabled": True, "from": [{"podSelectr": {}}]}}, "networkPolicy.from[0].podSelectr: unknown field"),
+    ({"networkPolicy": {"enabled": True, "from": [{"ipBlock": {"cidr": 10}}]}}, "networkPolicy.from: Expected `str`"),
     ({"batching": {"buckets": [64, 32]}}, "ascending"),
     ({"batching": {"maxTokensPerBatch": 100}}, "below the largest bucket"),
     ({"pooling": {"strategy": "cls", "excludeTokens": ["[x]"]}}, "mean pooling only"),

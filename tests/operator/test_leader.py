@@ -19,7 +19,7 @@ LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/embedop-leader"
 # What a service's fleet is made of: kopf's own patches of the service (its annotations) and the
 # Events it posts are kopf's, made by every operator process.
 OWNED = {"deployments", "deployments/scale", "services", "poddisruptionbudgets", "horizontalpodautoscalers",
-         "embeddingservices/status", "embeddingservices/scale"}
+         "networkpolicies", "embeddingservices/status", "embeddingservices/scale"}
 
 
 @pytest.fixture

@@ -48,6 +48,9 @@ VARIATIONS = {
     },
     "surge": {"model": "m", "rollout": {"maxSurge": 1, "maxUnavailable": 0}},
     "percent": {"model": "m", "rollout": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+    "secured": example("secured.yaml"),
+    "mtls-default-policy": {"model": "m", "tls": {"secretRef": {"name": "t"}, "clientAuth": True},
+                            "networkPolicy": {"enabled": True}},
 }
 
 
@@ -130,10 +133,12 @@ def test_spec_env_overrides_ours():
     assert env["MAX_DRAIN_TIME_MS"] == "900" and env["X"] == "1"
 
 
-def test_spec_env_cannot_move_the_ports_the_probes_and_scrapes_use():
-    spec = specs.defaulted({"model": "m", "env": [{"name": "HTTP_HEALTH_PORT", "value": "9000"}]})
-    assert env_of(render.deployment(OWNER, spec, "img", 1, 45))["HTTP_HEALTH_PORT"] == str(render.HTTP_PORT)
-    assert any("HTTP_HEALTH_PORT" in p for p in specs.problems(spec))  # and the spec is refused, saying why
+@pytest.mark.parametrize("name, port", [("HTTP_HEALTH_PORT", render.HTTP_PORT), ("METRICS_PORT", render.METRICS_PORT),
+                                        ("GRPC_PORT", render.GRPC_PORT)])
+def test_spec_env_cannot_move_the_ports_the_probes_and_scrapes_use(name, port):
+    spec = specs.defaulted({"model": "m", "env": [{"name": name, "value": "9000"}]})
+    assert env_of(render.deployment(OWNER, spec, "img", 1, 45))[name] == str(port)
+    assert any(name in p for p in specs.problems(spec))  # and the spec is refused, saying why
 
 
 @pytest.mark.parametrize("name", sorted(VARIATIONS))
@@ -169,13 +174,16 @@ def test_gpu_probes_security_and_rollout():
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["livenessProbe"]["grpc"]["port"] == 50051
+    # Every probe on the plain metrics port (the kubelet's gRPC probe can do neither TLS nor keys).
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, probe
+    assert {"name": "metrics", "containerPort": render.METRICS_PORT, "protocol": "TCP"} in c["ports"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert pod["securityContext"]["runAsNonRoot"] and "lifecycle" in c
     assert pod["terminationGracePeriodSeconds"] == 45
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["volumes"][0] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}}
-    assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8001"
+    assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8002"
     assert "nvidia.com/gpu" not in rendered("cpu-only")[1][0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
@@ -269,6 +277,10 @@ def container(**fields):
      {"containers": [{"name": "server", "image": "a"}, {"name": "istio-proxy", "image": "b"}]}, True),
     (container(env=[{"name": "X", "value": "a"}]), container(env=[{"name": "Y", "value": "a"}]), False),
     ({"args": ["--a"]}, {"args": ["--a", "--b"]}, False),  # a list without keys: exactly
+    # Empty lists and maps are omitted too (a NetworkPolicy peer's matchExpressions: []).
+    ({"podSelector": {"matchLabels": {"a": "b"}, "matchExpressions": []}}, {"podSelector": {"matchLabels": {"a": "b"}}}, True),
+    ({"podSelector": {}}, {"podSelector": {}}, True),
+    ({"podSelector": {"matchLabels": {"a": "b"}}}, {"podSelector": {}}, False),
 ])
 def test_drift_compares_quantities_as_quantities_and_the_rest_exactly(desired, actual, same):
     assert reconcile.subset(desired, actual) is same

@@ -42,7 +42,7 @@ def fleet(emulator, tmp_path_factory):
 
 
 def test_the_operator_is_only_ever_sent_its_own_objects(emulator, fleet):
-    watched = {"deployments", "pods", "services", "poddisruptionbudgets", "horizontalpodautoscalers"}
+    watched = {"deployments", "pods", "services", "poddisruptionbudgets", "horizontalpodautoscalers", "networkpolicies"}
     reads = [c for c in em.calls if c["subject"] == "operator" and c["verb"] in ("list", "watch")
              and c["resource"] in watched]
     assert {c["resource"] for c in reads if c["verb"] == "watch"} == watched

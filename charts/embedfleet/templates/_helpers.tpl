@@ -20,6 +20,17 @@ app.kubernetes.io/name: {{ include "embedfleet.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{- /* The selector labels as `k=v,k=v` (EMBEDOP_POD_LABELS): the operator's pods as a service's
+NetworkPolicy admits them to the servers' metrics port. The selector's, not every label: they are
+the same on every operator pod, across upgrades (app.kubernetes.io/version is not). */ -}}
+{{- define "embedfleet.selectorPairs" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := include "embedfleet.selector" . | fromYaml -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- /* The uninstall hook's objects and pod: labels of their own, so nothing that selects the
 operator (its Deployment, a PodMonitor, kubectl logs -l) takes the hook's pod for one of its. */ -}}
 {{- define "embedfleet.uninstall.selector" -}}
