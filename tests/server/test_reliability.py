@@ -142,7 +142,7 @@ async def test_bounded_soak_at_three_times_capacity():
         async def send():
             return await call(stub.Embed, pb.EmbedRequest(texts=[texts[next(picks)]]), 25, timeout_s=30)
 
-        outcomes, _ = await open_loop(send, 3 * rate / 25, 30, seed=9)
+        outcomes, _ = await open_loop(send, 3 * rate / 25, 12, seed=9)  # ~4,300 requests: enough to show growth
         assert {o.code for o in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}
         t0 = time.monotonic()
         while server.health()[1]["queued_tokens"] and time.monotonic() - t0 < 10:

@@ -53,12 +53,17 @@ def test_infer_equals_the_reference_for_pretokenized_rows(stub, reference):
 
 
 async def test_500_concurrent_requests_each_get_their_own_rows(default_server, reference):
+    # Short texts of every length up to two buckets, a few per request: what is tested is that 500
+    # concurrent callers' rows, spread over buckets and batches, each come home (the model's time
+    # on 2 CPU cores is what a longer corpus would add, nothing else).
     rng = np.random.default_rng(11)
-    pool = [make_text(rng, int(n)) for n in rng.integers(1, 120, size=300)]
-    requests = [list(rng.choice(pool, size=int(rng.integers(1, 9)))) for _ in range(500)]
+    pool = list(dict.fromkeys(make_text(rng, int(n)) for n in rng.integers(1, 40, size=200)))
+    expected = dict(zip(pool, reference.embed(pool)))  # the reference once per text, not per request
+    requests = [list(rng.choice(pool, size=int(rng.integers(1, 6)))) for _ in range(500)]
     async with Client(default_server.target, timeout_s=120) as client:
         results = await asyncio.gather(*(client.embed(texts) for texts in requests))
-    worst = max(float(np.abs(out - reference.embed(texts)).max()) for texts, out in zip(requests, results))
+    worst = max(float(np.abs(out - np.stack([expected[t] for t in texts])).max())
+                for texts, out in zip(requests, results))
     assert worst <= TOL
     assert [len(out) for out in results] == [len(t) for t in requests]
 
