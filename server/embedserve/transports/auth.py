@@ -159,7 +159,8 @@ class HttpKeys:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        reason = self.keys.check(None if authorization is None else authorization.decode("latin-1"))
+        # The header's bytes as the key file's (UTF-8): a key compares byte for byte either way.
+        reason = self.keys.check(None if authorization is None else authorization.decode("utf-8", "surrogateescape"))
         if reason is None:
             return await self.app(scope, receive, send)
         log.info("refused HTTP %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], MESSAGES[reason])
