@@ -7,8 +7,11 @@ itself costs. Side by side in one run, alternating, on this machine:
     request (validation, admission, tokenization, batching, routing, metrics), no model time.
 
 Single-text Embed requests, closed loop at concurrency C from a separate client process. Prints
-requests/s of each and the ratio (b)/(a); the target is >= 0.6.
+requests/s of each and the ratio (b)/(a); the target is >= 0.6. `--api-key` gives (b) an API key
+(API_KEYS) that its client sends; `--tls` serves (b) over TLS (a throwaway CA, trustme), its
+client verifying it: what each costs, against the same bare server.
 Usage: python -m bench.host_path [--seconds 8] [--concurrency 64] [--rounds 2] [--server-env K=V ...]
+       [--api-key KEY] [--tls]
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 BARE = """
 import asyncio, sys
@@ -47,10 +52,13 @@ import asyncio, json, sys, time
 import grpc
 from embedfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
-async def main(target, seconds, concurrency):
-    async with grpc.aio.insecure_channel(target) as channel:
+async def main(target, seconds, concurrency, key, ca_file):
+    metadata = (("authorization", f"Bearer {key}"),) if key else None
+    credentials = grpc.ssl_channel_credentials(open(ca_file, "rb").read()) if ca_file else None
+    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    async with channel:
         stub = pb_grpc.InferenceStub(channel)
-        await stub.Embed(pb.EmbedRequest(texts=["warm up"]))
+        await stub.Embed(pb.EmbedRequest(texts=["warm up"]), metadata=metadata)
         done, errors = [0], [0]
         stop = time.perf_counter() + seconds
 
@@ -59,7 +67,7 @@ async def main(target, seconds, concurrency):
             while time.perf_counter() < stop:
                 i += 1
                 try:
-                    await stub.Embed(pb.EmbedRequest(texts=[f"what is request {k}.{i} about"]))
+                    await stub.Embed(pb.EmbedRequest(texts=[f"what is request {k}.{i} about"]), metadata=metadata)
                     done[0] += 1
                 except grpc.aio.AioRpcError:
                     errors[0] += 1
@@ -68,12 +76,12 @@ async def main(target, seconds, concurrency):
         await asyncio.gather(*(caller(k) for k in range(concurrency)))
         print(json.dumps({"rps": done[0] / (time.perf_counter() - t0), "errors": errors[0]}))
 
-asyncio.run(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]))
 """
 
 
-def load(target: str, seconds: float, concurrency: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CLIENT, target, str(seconds), str(concurrency)],
+def load(target: str, seconds: float, concurrency: int, key: str = "", ca_file: str = "") -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT, target, str(seconds), str(concurrency), key, ca_file],
                          capture_output=True, text=True, timeout=seconds + 120)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -87,20 +95,34 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-env", action="append", default=[], metavar="K=V")
     p.add_argument("--json")
+    p.add_argument("--api-key", default="", help="serve with this API key (API_KEYS); the client sends it")
+    p.add_argument("--tls", action="store_true", help="serve over TLS (a throwaway CA); the client verifies it")
     args = p.parse_args(argv)
     from tests.conftest import ServerProcess
+
+    guards, ca_file = {"API_KEYS": args.api_key} if args.api_key else {}, ""
+    if args.tls:
+        from tests.server.mounted_secret import Pki
+
+        pki_dir = tempfile.mkdtemp(prefix="host-path-tls-")
+        files = Pki(Path(pki_dir)).server_files()
+        for name in ("tls.crt", "tls.key"):
+            (Path(pki_dir) / name).write_bytes(files[name])
+        guards |= {"TLS_CERT_FILE": f"{pki_dir}/tls.crt", "TLS_KEY_FILE": f"{pki_dir}/tls.key"}
+        ca_file = f"{pki_dir}/ca.pem"
 
     bare = subprocess.Popen([sys.executable, "-c", BARE], stdout=subprocess.PIPE, text=True)
     bare_target = f"127.0.0.1:{bare.stdout.readline().strip()}"
     # The server's defaults (BATCH_CAPS measured at warm-up), a device with no time of its own.
     env = {"MODEL_PATH": "sim:1e12", "MAX_DRAIN_TIME_MS": "600000", "LOG_LEVEL": "WARNING", "BATCH_CAPS": "",
-           **dict(kv.split("=", 1) for kv in args.server_env)}
+           **guards, **dict(kv.split("=", 1) for kv in args.server_env)}
     ours = ServerProcess(env).wait_ready(300)
     runs: dict[str, list[float]] = {"bare": [], "embedserve": []}
     try:
         for _ in range(args.rounds):  # alternating: both see the same minutes of this machine
             for name, target in (("bare", bare_target), ("embedserve", ours.target)):
-                r = load(target, args.seconds, args.concurrency)
+                r = load(target, args.seconds, args.concurrency,
+                         *((args.api_key, ca_file) if name == "embedserve" else ("", "")))
                 runs[name].append(r["rps"])
                 print(f"  {name:<11} {r['rps']:8.0f} requests/s  ({r['errors']} errors)", flush=True)
                 time.sleep(0.5)
@@ -110,7 +132,8 @@ def main(argv=None) -> int:
     best = {k: max(v) for k, v in runs.items()}
     ratio = best["embedserve"] / best["bare"]
     print(f"\nsingle-text requests/s, C={args.concurrency}: bare grpc.aio {best['bare']:.0f}, "
-          f"embedserve (free device) {best['embedserve']:.0f}; ratio {ratio:.2f} (target >= 0.6)")
+          f"embedserve (free device{', API key' if args.api_key else ''}{', TLS' if args.tls else ''}) "
+          f"{best['embedserve']:.0f}; ratio {ratio:.2f} (target >= 0.6)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "best": best, "ratio": ratio}, f, indent=2)

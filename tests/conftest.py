@@ -29,21 +29,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m embedserve` on loopback ports; `wait_ready` polls /health until 200."""
+    """`python -m embedserve` on loopback ports; `wait_ready` polls /health (on the metrics port,
+    which needs no key or TLS) until 200."""
 
     def __init__(self, env: dict[str, str] | None = None, log_path: Path | None = None):
-        self.grpc_port, self.http_port = free_port(), free_port()
         full_env = {
             **os.environ,
             "BIND_HOST": "127.0.0.1",
-            "GRPC_PORT": str(self.grpc_port),
-            "HTTP_HEALTH_PORT": str(self.http_port),
+            "GRPC_PORT": str(free_port()),
+            "HTTP_HEALTH_PORT": str(free_port()),
+            "METRICS_PORT": str(free_port()),  # not its default: servers of parallel tests would share it
             "BATCH_CAPS": TEST_BATCH_CAPS,
             "LOG_LEVEL": "INFO",
             **(env or {}),
         }
         self.host = full_env["BIND_HOST"]
         self.grpc_port, self.http_port = int(full_env["GRPC_PORT"]), int(full_env["HTTP_HEALTH_PORT"])
+        self.metrics_port = int(full_env["METRICS_PORT"])
         self.log_path = log_path or Path(f"/tmp/embedserve-test-{self.grpc_port}.log")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -58,6 +60,11 @@ class ServerProcess:
     def http(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
+    @property
+    def metrics(self) -> str:
+        """The plain metrics port (/health, /metrics), whatever keys or TLS guard the API's."""
+        return f"http://{self.host}:{self.metrics_port}"
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -67,7 +74,7 @@ class ServerProcess:
         import urllib.request
 
         try:
-            with urllib.request.urlopen(self.http + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.metrics + "/health", timeout=2) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")

@@ -167,6 +167,16 @@ def _supervisor_ended(task: asyncio.Task) -> None:
         log.error("the front ends' supervisor failed: front ends are no longer restarted", exc_info=task.exception())
 
 
+def check_files(settings: Settings) -> None:
+    """What the API key and TLS files hold, checked once at start-up, in this process, before any
+    front end starts: ConfigError names the variable whose file cannot be used. (auth and tls
+    import no prometheus_client, which must come after PROMETHEUS_MULTIPROC_DIR is set.)"""
+    from embedserve.transports import auth, tls
+
+    auth.from_settings(settings)
+    tls.from_settings(settings)
+
+
 def main() -> int:
     logging.basicConfig(
         level=os.environ.get("LOG_LEVEL", "INFO").upper(),
@@ -176,6 +186,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         settings = Settings.from_env()
+        check_files(settings)  # the keys and certificates, before any front end starts
     except ConfigError as e:
         print(f"embedserve: configuration error: {e}", file=sys.stderr)
         return 2

@@ -13,12 +13,18 @@ or CANCELLED (a pod draining or gone) at once on the next pod, with a short back
 says so. A pod that stops answering without closing its connection (frozen, partitioned) is
 noticed by keepalive within about 10 s, and its calls end UNAVAILABLE and are retried likewise.
 Retries after a refusal are marked so servers do not count them as new demand.
+
+A server with API keys takes `api_key=` (sent as `authorization: Bearer <key>` metadata on every
+call); one with TLS takes `ca_file=` (the PEM bundle its certificate is verified against; `tls=True`
+alone: the system's roots), and one that asks for client certificates `client_cert_file=` and
+`client_key_file=`. The CLI reads the key from EMBEDFLEET_API_KEY or --api-key.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -122,16 +128,42 @@ def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np
     return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def _pem(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def channel(target: str, tls: bool = False, ca_file: str | None = None, client_cert_file: str | None = None,
+            client_key_file: str | None = None) -> grpc.aio.Channel:
+    """A channel with the Client's options: TLS when `tls`, a CA file or a client certificate is
+    given (verified against `ca_file`, else the system's roots), plain text otherwise."""
+    if (client_cert_file is None) != (client_key_file is None):
+        raise ValueError("give client_cert_file and client_key_file together")
+    if not (tls or ca_file or client_cert_file):
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=_pem(ca_file), private_key=_pem(client_key_file),
+                                               certificate_chain=_pem(client_cert_file))
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries included (None: no deadline);
-    `max_attempts` optionally bounds the tries too (None: as many as the deadline allows)."""
+    `max_attempts` optionally bounds the tries too (None: as many as the deadline allows).
+    `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
+    `client_cert_file`, `client_key_file`: see `channel`. A wrong or missing key ends a call
+    UNAUTHENTICATED, which is never retried."""
 
-    def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None):
+    def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
+                 api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
+                 client_cert_file: str | None = None, client_key_file: str | None = None):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     async def __aenter__(self) -> "Client":
         return self
@@ -171,7 +203,7 @@ class Client:
         return np.asarray(response.scores, dtype=np.float32)
 
     async def health(self) -> pb.HealthCheckResponse:
-        return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s)
+        return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._auth)
 
     async def _call(self, method, request):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -181,7 +213,7 @@ class Client:
             remaining = None if deadline is None else deadline - time.monotonic()
             # embedfleet-attempt counts admission's refusals: a request refused before is not new
             # demand; one that a draining pod turned away was never counted, and is.
-            metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM)
+            metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM, *self._auth)
             try:
                 return await method(request, timeout=remaining, metadata=metadata)
             except grpc.aio.AioRpcError as e:
@@ -223,7 +255,8 @@ async def _cli(args) -> int:
     if not texts:
         print("no texts given", file=sys.stderr)
         return 2
-    async with Client(args.target, timeout_s=args.timeout) as client:
+    async with Client(args.target, timeout_s=args.timeout, api_key=args.api_key or None, tls=args.tls,
+                      ca_file=args.ca_file) as client:
         t0 = time.perf_counter()
         try:
             out = await client.embed(texts)
@@ -244,6 +277,10 @@ def main(argv=None) -> int:
     p.add_argument("--file", help="a file with one text per line")
     p.add_argument("--target", default="localhost:50051", help="host:port or dns:///name:port")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    p.add_argument("--api-key", default=os.environ.get("EMBEDFLEET_API_KEY"),
+                   help="the server's API key (default: $EMBEDFLEET_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="TLS, verified against the system's roots")
+    p.add_argument("--ca-file", help="TLS, verified against this PEM bundle")
     return asyncio.run(_cli(p.parse_args(argv)))
 
 

@@ -57,9 +57,32 @@ class Settings:
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
-    """HTTP_HEALTH_PORT: HTTP port for /health and /metrics."""
+    """HTTP_HEALTH_PORT: the API's HTTP port (the JSON API, and /health and /metrics too, behind
+    the key and TLS when those are on: callers and gateways may health-check the port they use)."""
     host: str = "0.0.0.0"
-    """BIND_HOST: the address both servers bind."""
+    """BIND_HOST: the address the servers bind."""
+    # Who may call: the metrics port, API keys, TLS (transports/auth.py, tls.py, metrics_port.py).
+    metrics_port: int = 8002
+    """METRICS_PORT: plain-text HTTP serving only GET /health and GET /metrics, never behind a key
+    or TLS: kubelet's probes and Prometheus need neither, and a NetworkPolicy can open it to them
+    alone. 0: an ephemeral port (tests; with front ends each would get its own)."""
+    api_keys: tuple[str, ...] = ()
+    """API_KEYS: comma-separated API keys (e.g. from a Secret through env valueFrom; changing
+    them needs a restart). With any key (here or in API_KEYS_FILE), every route of the API port
+    and every gRPC method but grpc.health.v1 and reflection needs `Authorization: Bearer <key>`."""
+    api_keys_file: str = ""
+    """API_KEYS_FILE: a file of API keys, one per line (blank lines and lines starting with #
+    ignored), read again when it changes (a mounted Secret, which kubelet updates: checked once a
+    second; an unreadable or empty file keeps the last keys, with a warning). With API_KEYS: both."""
+    tls_cert_file: str = ""
+    """TLS_CERT_FILE: PEM certificate chain (cert-manager's tls.crt); with TLS_KEY_FILE, the gRPC
+    and API HTTP ports serve TLS only, and new handshakes get the files' new certificate when
+    they change (checked once a second). The metrics port stays plain."""
+    tls_key_file: str = ""
+    """TLS_KEY_FILE: its PEM private key (tls.key)."""
+    tls_client_ca_file: str = ""
+    """TLS_CLIENT_CA_FILE: PEM CA bundle (cert-manager's ca.crt): when set, callers must present a
+    client certificate it signed (mutual TLS). Needs TLS_CERT_FILE."""
     max_batch_size: int = 512
     """MAX_BATCH_SIZE: most rows in one forward pass."""
     max_tokens_per_batch: int = 32768
@@ -190,6 +213,12 @@ class Settings:
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),
+            metrics_port=s.int("METRICS_PORT", d.metrics_port),
+            api_keys=s.keys("API_KEYS"),
+            api_keys_file=s.file("API_KEYS_FILE"),
+            tls_cert_file=s.file("TLS_CERT_FILE"),
+            tls_key_file=s.file("TLS_KEY_FILE"),
+            tls_client_ca_file=s.file("TLS_CLIENT_CA_FILE"),
             max_batch_size=s.int("MAX_BATCH_SIZE", d.max_batch_size, low=1),
             max_tokens_per_batch=s.int("MAX_TOKENS_PER_BATCH", d.max_tokens_per_batch, low=1),
             buckets=s.int_list("BUCKETS", d.buckets),
@@ -230,6 +259,7 @@ class Settings:
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
+        _check_guards(settings)
         if not settings.max_message_bytes:
             text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
             settings = dataclasses.replace(settings, max_message_bytes=settings.max_texts_per_request * text_bytes + 2**20)
@@ -304,6 +334,24 @@ class _Reader:
             raise ConfigError(f"{name}={v!r}: expected one of {', '.join(POOLING_MODES)} (several joined by +)")
         return v
 
+    def keys(self, name: str) -> tuple[str, ...]:
+        """Comma-separated keys; set and holding none (API_KEYS="") is an error, not an open server."""
+        keys = self.str_list(name)
+        if name in self.env and not keys:
+            raise ConfigError(f"{name} is set but holds no key (comma-separated keys; unset it to serve without keys)")
+        return keys
+
+    def file(self, name: str) -> str:
+        """A path the server must be able to read (a mounted Secret's file), or empty."""
+        path = self._raw(name) or ""
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise ConfigError(f"{name}={path!r}: cannot read it ({e.strerror or e})") from None
+        return path
+
     def str_list(self, name: str) -> tuple[str, ...]:
         v = self._raw(name)
         return tuple(t.strip() for t in v.split(",") if t.strip()) if v else ()
@@ -330,6 +378,21 @@ class _Reader:
         if any(v < 1 for v in caps.values()):
             raise ConfigError(f"{name}: every cap must be >= 1")
         return caps
+
+
+def _check_guards(s: Settings) -> None:
+    """The ports apart, and TLS's files in the pairs they only work in (what the files hold is
+    checked as the server starts: transports/auth.py, tls.py)."""
+    ports = {"GRPC_PORT": s.grpc_port, "HTTP_HEALTH_PORT": s.http_port, "METRICS_PORT": s.metrics_port}
+    taken = [name for name, port in ports.items() if port and list(ports.values()).count(port) > 1]
+    if taken:
+        raise ConfigError(f"{' and '.join(taken)} are the same port ({ports[taken[0]]}): each needs its own")
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        given, missing = ("TLS_CERT_FILE", "TLS_KEY_FILE") if s.tls_cert_file else ("TLS_KEY_FILE", "TLS_CERT_FILE")
+        raise ConfigError(f"{given} is set without {missing}: TLS needs both the certificate and its key")
+    if s.tls_client_ca_file and not s.tls_cert_file:
+        raise ConfigError("TLS_CLIENT_CA_FILE is set without TLS_CERT_FILE and TLS_KEY_FILE: client certificates "
+                          "are asked for in a TLS handshake, which needs the server's own certificate")
 
 
 def served_model_name(settings: Settings) -> str:

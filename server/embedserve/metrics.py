@@ -127,6 +127,8 @@ class Metrics:
             P + "rejected_requests", "Admission refusals by reason: drain_time (told when there is room; booked within the horizon), "
             "sustained (overload the reservation horizon cannot absorb: not booked, told not to retry), latency_soft, "
             "latency_hard", ["reason"], registry=r)
+        self.auth_refusals = Counter(P + "auth_refusals", "Calls refused for their API key: missing (no "
+                                     "Authorization: Bearer) or invalid (not a key of this server's)", ["reason"], registry=r)
         self.held_requests = Counter(P + "held_requests", "Requests that waited server-side for booked room "
                                      "(callers that send embedfleet-queue: wait)", registry=r)
         self.duration = Histogram(P + "request_duration_seconds", "Server-side latency", ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
@@ -147,6 +149,10 @@ class Metrics:
 
     def rejected(self, reason: str) -> None:
         self.rejected_requests.labels(reason).inc()
+
+    def auth_refused(self, reason: str, count: int = 1) -> None:
+        """`count` 0: the series exists at 0 (a key check is on), so a rate over it starts at once."""
+        self.auth_refusals.labels(reason).inc(count)
 
     def held(self) -> None:
         self.held_requests.inc()

@@ -24,7 +24,7 @@ from tests.operator.emulator import new_service, service_path
 
 NS, NAME = "default", "auto"
 SIM_RATE = 1500  # padded tokens/s per simulated device
-HTTP_PORT, GRPC_PORT = free_port(), free_port()
+HTTP_PORT, GRPC_PORT, METRICS_PORT = free_port(), free_port(), free_port()
 DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 LOAD_S = 45
@@ -93,7 +93,7 @@ class Kubelet(threading.Thread):
         name = f"{NAME}-{self._next}"
         server = ServerProcess({
             "MODEL_PATH": f"sim:{SIM_RATE}", "BIND_HOST": ip, "GRPC_PORT": str(GRPC_PORT),
-            "HTTP_HEALTH_PORT": str(HTTP_PORT), "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1",
+            "HTTP_HEALTH_PORT": str(HTTP_PORT), "METRICS_PORT": str(METRICS_PORT), "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1",
             "MAX_DRAIN_TIME_MS": "1500",
         })
         self.emulator.request("POST", PODS, {
@@ -109,7 +109,7 @@ class Kubelet(threading.Thread):
 def fleet(emulator, tmp_path_factory):
     d = tmp_path_factory.mktemp("autoscale")
     op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log",
-                         env={"EMBEDOP_METRICS_PORT": str(HTTP_PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+                         env={"EMBEDOP_METRICS_PORT": str(METRICS_PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
     kubelet = Kubelet(emulator)
     kubelet.start()
     emulator.request("POST", service_path(NS), new_service(NAME, {

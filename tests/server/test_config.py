@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from embedserve.config import PACKAGED_MODEL, ConfigError, Settings
@@ -118,3 +120,48 @@ def test_a_simulated_rate_must_be_a_positive_number():
 
 def test_a_watchdog_floor_of_one_second_is_accepted():
     assert Settings.from_env({"WATCHDOG_FLOOR_S": "1"}).watchdog_floor_s == 1.0
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"API_KEYS": ""}, "API_KEYS is set but holds no key"),
+    ({"API_KEYS": " , ,"}, "API_KEYS is set but holds no key"),
+    ({"API_KEYS_FILE": "{missing}"}, "API_KEYS_FILE='.*/missing': cannot read it"),
+    ({"TLS_CERT_FILE": "{file}"}, "TLS_CERT_FILE is set without TLS_KEY_FILE"),
+    ({"TLS_KEY_FILE": "{file}"}, "TLS_KEY_FILE is set without TLS_CERT_FILE"),
+    ({"TLS_CLIENT_CA_FILE": "{file}"}, "TLS_CLIENT_CA_FILE is set without TLS_CERT_FILE"),
+    ({"TLS_CERT_FILE": "{file}", "TLS_KEY_FILE": "{unreadable}"}, "TLS_KEY_FILE='.*': cannot read it"),
+    ({"METRICS_PORT": "8001"}, "HTTP_HEALTH_PORT and METRICS_PORT are the same port"),
+], ids=["API_KEYS empty", "API_KEYS commas", "unreadable key file", "cert without key", "key without cert",
+        "client CA without cert", "unreadable key", "metrics port taken"])
+def test_guards_configured_wrong_name_the_variable(tmp_path, env, message):
+    """Who may call is configured wrong: a start-up error, never a server open by mistake."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "unreadable").mkdir()  # opening a directory fails, as root too
+    paths = {"missing": tmp_path / "missing", "file": tmp_path / "file", "unreadable": tmp_path / "unreadable"}
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env({k: v.format(**paths) for k, v in env.items()})
+
+
+def test_guards_are_off_by_default_and_the_metrics_port_is_8002():
+    s = Settings.from_env({})
+    assert s.metrics_port == 8002
+    assert (s.api_keys, s.api_keys_file, s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file) == ((), "", "", "", "")
+    assert Settings.from_env({"API_KEYS": "a, b"}).api_keys == ("a", "b")
+    assert Settings.from_env({"METRICS_PORT": "0", "HTTP_HEALTH_PORT": "0"}).metrics_port == 0  # ephemeral: apart
+
+
+def test_a_server_given_unusable_tls_files_exits_at_once_naming_the_variable(tmp_path):
+    """Checked in the process that starts front ends, before any: a front end would die young,
+    restarted with backoff for ever, the pod never ready and never saying why."""
+    import subprocess
+    import sys
+
+    from tests.server.mounted_secret import Pki
+
+    files = Pki(tmp_path).server_files()
+    (tmp_path / "tls.crt").write_bytes(files["tls.crt"])
+    (tmp_path / "tls.key").write_bytes(b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    env = {**os.environ, "TLS_CERT_FILE": str(tmp_path / "tls.crt"), "TLS_KEY_FILE": str(tmp_path / "tls.key"),
+           "FRONTENDS": "2", "MODEL_PATH": "sim:1000"}
+    out = subprocess.run([sys.executable, "-m", "embedserve"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "configuration error: TLS_KEY_FILE=" in out.stderr, out.stderr

@@ -47,7 +47,7 @@ async def served(request, monkeypatch, tmp_path):
     """→ (the model's Server, gRPC target, HTTP URL). Ports and model from the environment, as
     `python -m embedserve` reads them (a front end inherits it)."""
     env = {"MODEL_PATH": "sim:50000", "BATCH_CAPS": CAPS, "BIND_HOST": "127.0.0.1", "GRPC_PORT": str(free_port()),
-           "HTTP_HEALTH_PORT": str(free_port()), "MAX_DRAIN_TIME_MS": "600000"}
+           "HTTP_HEALTH_PORT": str(free_port()), "METRICS_PORT": str(free_port()), "MAX_DRAIN_TIME_MS": "600000"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     settings = Settings.from_env()

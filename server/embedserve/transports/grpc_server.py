@@ -163,9 +163,11 @@ MIN_PING_INTERVAL_MS = 1000
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
                  max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 15.0,
-                 reuse_port: bool = False):
+                 reuse_port: bool = False, interceptors=None, credentials: grpc.ServerCredentials | None = None):
     """→ (server, health servicer, bound port). Health starts NOT_SERVING. `reuse_port`: front
-    ends share the port (one process alone must not: a second server on it would be an error)."""
+    ends share the port (one process alone must not: a second server on it would be an error).
+    `interceptors`: the API key's check (auth.py), only when keys are configured; `credentials`:
+    TLS only on the port (tls.py), else plain."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
@@ -184,14 +186,15 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
         # close is a GOAWAY: calls in flight finish within the grace, new ones go elsewhere.
         options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     return server, health_servicer, bound

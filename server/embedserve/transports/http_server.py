@@ -1,5 +1,7 @@
 """HTTP transport on HTTP_HEALTH_PORT: GET /health, GET /metrics, and the JSON API of http_api
-(uvicorn in our event loop; OpenAPI at /openapi.json)."""
+(uvicorn in our event loop; OpenAPI at /openapi.json), behind the API key and TLS when those are
+on (transports/auth.py, tls.py). The same server class serves the metrics port
+(transports/metrics_port.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+import ssl
 import time
 from typing import Callable
 
@@ -28,17 +31,24 @@ def build_app(server: Hub) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         """The shared signal and readiness; 503 while starting, draining, or failing batches."""
-        await server.refresh()
-        return JSONResponse(server.health_fields(), status_code=200 if server.healthy else 503)
+        return await health_response(server)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await server.refresh()
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
-
+        return await metrics_response(server)
 
     http_api.register(app, server)
     return app
+
+
+async def health_response(server: Hub) -> JSONResponse:
+    await server.refresh()
+    return JSONResponse(server.health_fields(), status_code=200 if server.healthy else 503)
+
+
+async def metrics_response(server: Hub) -> Response:
+    await server.refresh()
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
 
 class ConnectionAge:
@@ -96,22 +106,20 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, server: Hub, host: str, port: int, max_connection_age_s: float = 0.0,
-                 reuse_port: bool = False):
+    """uvicorn serving `asgi` on host:port (TLS with `ssl_context`)."""
+
+    def __init__(self, asgi, host: str, port: int, reuse_port: bool = False, ssl_context: ssl.SSLContext | None = None):
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:  # front ends share the port; the kernel spreads the connections
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self._socket.bind((host, port))  # bound now, so port 0 resolves before start
         self.port = self._socket.getsockname()[1]
-        self.app = build_app(server)
-        config = uvicorn.Config(ConnectionAge(self.app, max_connection_age_s, draining=lambda: server.draining),
-                                log_level="warning", access_log=False, lifespan="off")
+        # Our own context (tls.py: reloaded certificates reach new handshakes through it).
+        factory = None if ssl_context is None else lambda config, default: ssl_context
+        config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off", ssl_context_factory=factory)
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
-
-    def install_api(self, server: Hub) -> None:
-        http_api.install_routes(self.app, server)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._uvicorn.serve(sockets=[self._socket]))

@@ -1,6 +1,9 @@
-"""The listeners of one serving process, gRPC (with grpc.health.v1 and reflection) and HTTP, and
-their graceful stop: the same in a single-process server and in each front end (FRONTENDS > 1,
-where every front end binds the same ports with SO_REUSEPORT and the kernel spreads connections).
+"""The listeners of one serving process, gRPC (with grpc.health.v1 and reflection), the API's HTTP
+and the plain metrics port, and their graceful stop: the same in a single-process server and in
+each front end (FRONTENDS > 1, where every front end binds the same ports with SO_REUSEPORT and
+the kernel spreads connections). The API key's check and TLS (auth.py, tls.py) are put in front
+of the gRPC and API ports only when configured, with one task that reads their files again when
+they change (reloads.py).
 
 What they serve from is a Hub (hub.py): the one process's Server, or a front end's link to the
 model process."""
@@ -11,8 +14,7 @@ import asyncio
 import logging
 import time
 
-from embedserve.transports import grpc_server
-from embedserve.transports import http_server
+from embedserve.transports import auth, grpc_server, http_api, http_server, metrics_port, reloads, tls
 from embedserve.transports.hub import Hub
 
 log = logging.getLogger(__name__)
@@ -27,23 +29,42 @@ class Transports:
             log.warning("MAX_CONNECTION_AGE_GRACE_S (%.1f) is below RESERVATION_HORIZON_MS + MAX_DRAIN_TIME_MS "
                         "(%.1f s): a call held for its booked room may be cut when its connection ages out",
                         s.max_connection_age_grace_s, held_s)
+        self.keys = auth.from_settings(s, hub.metrics.auth_refused)  # None: no key, nothing checks one
+        self.tls = tls.from_settings(s)  # None: plain ports
+        keyed = self.keys is not None
+        for reason in auth.MESSAGES if keyed else ():
+            hub.metrics.auth_refused(reason, 0)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
                                                  s.quantize_range, lambda: hub.model_dimension)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, s.host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
-            s.max_connection_age_grace_s, reuse_port)
-        self.http = http_server.HttpServer(hub, s.host, s.http_port, s.max_connection_age_s, reuse_port)
+            s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
+            credentials=self.tls.grpc_credentials() if self.tls else None)
+        self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
+        api = auth.HttpKeys(self.api, self.keys) if keyed else self.api
+        self.http = http_server.HttpServer(
+            http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), s.host, s.http_port,
+            reuse_port, self.tls.http_context if self.tls else None)
+        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), s.host, s.metrics_port, reuse_port)
+        self._reloads = [c.reload for c in (self.keys, self.tls) if c is not None]
+        self._reloading: asyncio.Task | None = None
 
     async def start(self) -> None:
         await grpc_server.set_serving(self.health, False)  # grpc's default is SERVING
         await self.grpc.start()
         await self.http.start()
+        await self.metrics_http.start()
+        if self._reloads:
+            self._reloading = asyncio.create_task(reloads.every(reloads.RELOAD_EVERY_S, self._reloads), name="reloads")
+        log.info("metrics (plain HTTP: /health, /metrics) on :%d; gRPC and API HTTP: %s, %s", self.metrics_http.port,
+                 "TLS" + (" with client certificates" if self.tls.client_auth else "") if self.tls else "plain text",
+                 "API key required" if self.keys is not None else "no API key")
 
     async def serving(self, serving: bool) -> None:
         await grpc_server.set_serving(self.health, serving)
 
     def install_api(self) -> None:
-        self.http.install_api(self.hub)
+        http_api.install_routes(self.api, self.hub)
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING at once; the listeners stay open while in-flight requests finish: a request
@@ -60,3 +81,8 @@ class Transports:
                 log.warning("grace period over: %d requests still in flight are cancelled", service.in_flight)
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await self.http.stop(deadline - time.monotonic())
+        # Last: probes and scrapes are answered (503, draining) for as long as anything is.
+        await self.metrics_http.stop(deadline - time.monotonic())
+        if self._reloading:
+            self._reloading.cancel()
+

@@ -1,0 +1,34 @@
+"""The metrics port (METRICS_PORT, 8002): plain-text HTTP serving GET /health and GET /metrics,
+and nothing else (any other path is 404: no API call gets past a key or TLS through it).
+
+Why a port of its own, and why plain. What reads these two is infrastructure: kubelet's probes,
+which can send neither a key nor a client certificate (its gRPC probe cannot do TLS at all), and
+Prometheus and the operator's autoscaler, which scrape every pod by its IP, where a certificate
+issued for the Service's name does not verify and a key would have to be handed to every
+scraper. What they read grants no use of the model and holds no request's content: readiness,
+the shared signal's gauges and the counters. So it is served without either, on a port a
+NetworkPolicy can open to kubelet's node, Prometheus and the operator alone, while the API
+ports are guarded. Bound in both modes: with FRONTENDS > 1 every front end binds it
+(SO_REUSEPORT), as it does the API ports, and each answers for the pod (the model process's
+state; counters summed over the processes). /health and /metrics also stay on the API port,
+behind the key and TLS, for callers and gateways that check the port they use."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from embedserve.transports.http_server import health_response, metrics_response
+from embedserve.transports.hub import Hub
+
+
+def build_app(server: Hub) -> Starlette:
+    """/health and /metrics as the API port answers them (GET and HEAD); 404 for the rest."""
+
+    async def health(request):
+        return await health_response(server)
+
+    async def metrics(request):
+        return await metrics_response(server)
+
+    return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])])
