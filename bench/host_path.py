@@ -7,11 +7,10 @@ itself costs. Side by side in one run, alternating, on this machine:
     request (validation, admission, tokenization, batching, routing, metrics), no model time.
 
 Single-text Embed requests, closed loop at concurrency C from a separate client process. Prints
-requests/s of each and the ratio (b)/(a); the target is >= 0.6. `--api-key` gives (b) an API key
-(API_KEYS) that its client sends; `--tls` serves (b) over TLS (a throwaway CA, trustme), its
-client verifying it: what each costs, against the same bare server.
-Usage: python -m bench.host_path [--seconds 8] [--concurrency 64] [--rounds 2] [--server-env K=V ...]
-       [--api-key KEY] [--tls]
+requests/s of each and the ratio (b)/(a); the target is >= 0.6.
+`--variants off,keys,tls,trace` adds a server with API keys, TLS or OpenTelemetry tracing (to a
+loopback OTLP sink) switched on, alternated with the rest, and prints each one's rate beside `off`.
+Usage: python -m bench.host_path [--seconds 8] [--concurrency 64] [--rounds 2] [--variants off,...] [--server-env K=V ...]
 """
 
 from __future__ import annotations
@@ -53,9 +52,13 @@ import grpc
 from embedfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 async def main(target, seconds, concurrency, key, ca_file):
+    # A variant's client side: a key in every call's metadata, TLS with the test CA.
     metadata = (("authorization", f"Bearer {key}"),) if key else None
-    credentials = grpc.ssl_channel_credentials(open(ca_file, "rb").read()) if ca_file else None
-    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    if ca_file:
+        creds = grpc.ssl_channel_credentials(root_certificates=open(ca_file, "rb").read())
+        channel = grpc.aio.secure_channel(target, creds)
+    else:
+        channel = grpc.aio.insecure_channel(target)
     async with channel:
         stub = pb_grpc.InferenceStub(channel)
         await stub.Embed(pb.EmbedRequest(texts=["warm up"]), metadata=metadata)
@@ -88,52 +91,109 @@ def load(target: str, seconds: float, concurrency: int, key: str = "", ca_file: 
     return json.loads(out.stdout)
 
 
+class Variant:
+    """One server of the comparison: `off` is the server as configured; `keys`, `tls` and `trace`
+    switch on one guard each (issue 29), so that what each costs is printed beside `off`."""
+
+    def __init__(self, name: str, env: dict, workdir: Path):
+        self.name, self.key, self.ca_file, self.sink = name, "", "", None
+        env = dict(env)
+        if name == "keys":
+            self.key = "bench-key-0123456789abcdef"
+            env["API_KEYS"] = f"another-key,{self.key}"
+        elif name == "tls":
+            import trustme
+
+            ca = trustme.CA()
+            cert = ca.issue_cert("127.0.0.1", "localhost")
+            (workdir / "tls.crt").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+            cert.private_key_pem.write_to_path(str(workdir / "tls.key"))
+            ca.cert_pem.write_to_path(str(workdir / "ca.pem"))
+            env.update(TLS_CERT_FILE=str(workdir / "tls.crt"), TLS_KEY_FILE=str(workdir / "tls.key"))
+            self.ca_file = str(workdir / "ca.pem")
+        elif name == "trace":
+            self.sink = OtlpSink()
+            env.update(OTEL_EXPORTER_OTLP_ENDPOINT=self.sink.url, OTEL_TRACES_SAMPLER="always_on")
+        elif name != "off":
+            raise SystemExit(f"unknown variant {name!r}: off, keys, tls, trace")
+        from tests.conftest import ServerProcess
+
+        self.server = ServerProcess(env)
+
+    def run(self, seconds: float, concurrency: int) -> dict:
+        return load(self.server.target, seconds, concurrency, self.key, self.ca_file)
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.sink:
+            self.sink.stop()
+
+
+class OtlpSink:
+    """An OTLP/HTTP endpoint that accepts every export and keeps nothing: the exporter's real
+    work (encoding, a POST per batch) without a collector."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        class Accept(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Accept)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-env", action="append", default=[], metavar="K=V")
+    p.add_argument("--variants", default="off", help="comma-separated: off, keys, tls, trace (off first)")
     p.add_argument("--json")
-    p.add_argument("--api-key", default="", help="serve with this API key (API_KEYS); the client sends it")
-    p.add_argument("--tls", action="store_true", help="serve over TLS (a throwaway CA); the client verifies it")
     args = p.parse_args(argv)
-    from tests.conftest import ServerProcess
-
-    guards, ca_file = {"API_KEYS": args.api_key} if args.api_key else {}, ""
-    if args.tls:
-        from tests.server.mounted_secret import Pki
-
-        pki_dir = tempfile.mkdtemp(prefix="host-path-tls-")
-        files = Pki(Path(pki_dir)).server_files()
-        for name in ("tls.crt", "tls.key"):
-            (Path(pki_dir) / name).write_bytes(files[name])
-        guards |= {"TLS_CERT_FILE": f"{pki_dir}/tls.crt", "TLS_KEY_FILE": f"{pki_dir}/tls.key"}
-        ca_file = f"{pki_dir}/ca.pem"
 
     bare = subprocess.Popen([sys.executable, "-c", BARE], stdout=subprocess.PIPE, text=True)
     bare_target = f"127.0.0.1:{bare.stdout.readline().strip()}"
     # The server's defaults (BATCH_CAPS measured at warm-up), a device with no time of its own.
     env = {"MODEL_PATH": "sim:1e12", "MAX_DRAIN_TIME_MS": "600000", "LOG_LEVEL": "WARNING", "BATCH_CAPS": "",
-           **guards, **dict(kv.split("=", 1) for kv in args.server_env)}
-    ours = ServerProcess(env).wait_ready(300)
-    runs: dict[str, list[float]] = {"bare": [], "embedserve": []}
-    try:
-        for _ in range(args.rounds):  # alternating: both see the same minutes of this machine
-            for name, target in (("bare", bare_target), ("embedserve", ours.target)):
-                r = load(target, args.seconds, args.concurrency,
-                         *((args.api_key, ca_file) if name == "embedserve" else ("", "")))
-                runs[name].append(r["rps"])
-                print(f"  {name:<11} {r['rps']:8.0f} requests/s  ({r['errors']} errors)", flush=True)
-                time.sleep(0.5)
-    finally:
-        ours.stop()
-        bare.kill()
+           **dict(kv.split("=", 1) for kv in args.server_env)}
+    names = args.variants.split(",")
+    runs: dict[str, list[float]] = {"bare": [], **{n: [] for n in names}}
+    with tempfile.TemporaryDirectory() as workdir:
+        variants = [Variant(n, env, Path(workdir)) for n in names]
+        try:
+            for v in variants:
+                v.server.wait_ready(300)
+            for _ in range(args.rounds):  # alternating: all see the same minutes of this machine
+                for name, run in (("bare", lambda: load(bare_target, args.seconds, args.concurrency)),
+                                  *((v.name, lambda v=v: v.run(args.seconds, args.concurrency)) for v in variants)):
+                    r = run()
+                    runs[name].append(r["rps"])
+                    print(f"  {name:<11} {r['rps']:8.0f} requests/s  ({r['errors']} errors)", flush=True)
+                    time.sleep(0.5)
+        finally:
+            for v in variants:
+                v.stop()
+            bare.kill()
     best = {k: max(v) for k, v in runs.items()}
-    ratio = best["embedserve"] / best["bare"]
+    ratio = best[names[0]] / best["bare"]
     print(f"\nsingle-text requests/s, C={args.concurrency}: bare grpc.aio {best['bare']:.0f}, "
-          f"embedserve (free device{', API key' if args.api_key else ''}{', TLS' if args.tls else ''}) "
-          f"{best['embedserve']:.0f}; ratio {ratio:.2f} (target >= 0.6)")
+          f"embedserve (free device) {best[names[0]]:.0f}; ratio {ratio:.2f} (target >= 0.6)")
+    for n in names[1:]:
+        print(f"  with {n:<6} {best[n]:8.0f} requests/s: {best[n] / best[names[0]]:.2f} of {names[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "best": best, "ratio": ratio}, f, indent=2)
