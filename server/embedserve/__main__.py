@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Callable
 
+from embedserve import __version__, logs, tracing
 from embedserve.config import ConfigError, Settings, frontend_count
 from embedserve.lifecycle import until_stopped
 
@@ -29,16 +30,20 @@ WATCH_EVERY_S = 1.0  # how often the model process looks at its front ends
 async def _serve(settings: Settings) -> None:
     from embedserve.app import Server
 
+    tracing.setup(settings, __version__)  # one process: its requests' spans are its own
     server = Server(settings)
-    start, stop = await until_stopped(server.start())
-    if start.done() and start.exception() is not None:
-        await server.stop(grace=0)
-        raise start.exception()
-    if not start.done():
-        start.cancel()
-    await stop.wait()
-    log.info("signal received: draining")
-    await server.stop()
+    try:
+        start, stop = await until_stopped(server.start())
+        if start.done() and start.exception() is not None:
+            await server.stop(grace=0)
+            raise start.exception()
+        if not start.done():
+            start.cancel()
+        await stop.wait()
+        log.info("signal received: draining")
+        await server.stop()
+    finally:
+        await asyncio.to_thread(tracing.shutdown)  # the last spans, exported off the loop
 
 
 def restart_delay(lived_s: float, delay_s: float) -> float:
@@ -178,18 +183,18 @@ def check_files(settings: Settings) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(
-        level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    level = os.environ.get("LOG_LEVEL", "INFO")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         settings = Settings.from_env()
         check_files(settings)  # the keys and certificates, before any front end starts
     except ConfigError as e:
-        print(f"embedserve: configuration error: {e}", file=sys.stderr)
+        # In the format asked for, if that much can be read (a bad LOG_FORMAT itself: text).
+        logs.configure("json" if os.environ.get("LOG_FORMAT", "").strip().lower() == "json" else "text", level)
+        log.error("configuration error: %s", e)
         return 2
+    logs.setup(settings, level)
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     count = frontend_count(settings)

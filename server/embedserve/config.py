@@ -196,6 +196,19 @@ class Settings:
     0.56 at 5 ms (bench/host_path.py, RESULTS)."""
     shutdown_grace_s: float = 20.0
     """SHUTDOWN_GRACE_S: how long SIGTERM waits for in-flight requests."""
+    # Traces and logs (embedserve.tracing, embedserve.logs; docs/operations.md, "Traces and logs").
+    log_format: str = "text"
+    """LOG_FORMAT: text (default) or json: every line of the process and its front ends one JSON
+    object (time, level, logger, message; a request's line adds rpc or method and route, status,
+    reason, trace_id, duration_ms)."""
+    access_log: bool = False
+    """ACCESS_LOG: a line per served request too. Refused and failed requests always log one."""
+    tracing: bool = False
+    """Traces on: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is set, and
+    neither OTEL_SDK_DISABLED=true nor OTEL_TRACES_EXPORTER=none. Spans go over OTLP/HTTP
+    (protobuf): OTEL_EXPORTER_OTLP(_TRACES)_PROTOCOL, if set, must say http/protobuf. The other
+    OTEL_* variables (service name, resource attributes, sampler, headers, batching) are the
+    OpenTelemetry SDK's own."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -256,6 +269,12 @@ class Settings:
             frontend_unresponsive_s=s.float("FRONTEND_UNRESPONSIVE_S", d.frontend_unresponsive_s, low=1.0),
             gil_switch_interval_ms=s.float("GIL_SWITCH_INTERVAL_MS", d.gil_switch_interval_ms),
             shutdown_grace_s=s.float("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
+            log_format=s.choice("LOG_FORMAT", d.log_format, ("text", "json")),
+            access_log=s.bool("ACCESS_LOG", d.access_log),
+            tracing=tracing_on(
+                s.str("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") or s.str("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+                s.bool("OTEL_SDK_DISABLED", False), s.str("OTEL_TRACES_EXPORTER", "otlp").lower(),
+                s.str("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "") or s.str("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")),
         )
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
@@ -393,6 +412,20 @@ def _check_guards(s: Settings) -> None:
     if s.tls_client_ca_file and not s.tls_cert_file:
         raise ConfigError("TLS_CLIENT_CA_FILE is set without TLS_CERT_FILE and TLS_KEY_FILE: client certificates "
                           "are asked for in a TLS handshake, which needs the server's own certificate")
+
+
+def tracing_on(endpoint: str, sdk_disabled: bool, exporter: str, protocol: str) -> bool:
+    """Whether spans are exported, from the standard OTEL_* variables (an endpoint, the SDK not
+    disabled, the exporter not `none`); an exporter or protocol this server does not ship is a
+    start-up error rather than spans silently sent nowhere."""
+    if not endpoint or sdk_disabled or exporter == "none":
+        return False
+    if exporter != "otlp":
+        raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter!r}: this server exports otlp (or none)")
+    if protocol.lower() != "http/protobuf":
+        raise ConfigError(f"OTEL_EXPORTER_OTLP(_TRACES)_PROTOCOL={protocol!r}: this server exports OTLP over HTTP "
+                          "(http/protobuf; a collector's port 4318)")
+    return True
 
 
 def served_model_name(settings: Settings) -> str:

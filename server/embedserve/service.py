@@ -88,16 +88,24 @@ class EmbeddingService(PreTokenized):
         before = len(r.prompt) if r.query is None else min(len(r.query), max_chars)
         specials = self.tokenizer.specials if r.query is None else self.tokenizer.pair_specials
         estimate = sum(min(per_text_cap, (before + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
+        trace = caller.trace
+        if trace is not None:
+            trace.admitting()
         await self.gate.admit(r.key, estimate, caller)
+        if trace is not None:
+            trace.admitted()
         if chars(r) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
-            request = self.intake.put(r, round(estimate))
+            request = self.intake.put(r, round(estimate), trace)
             return Result(await self._wait(request, t0), request.tokens)
         # The estimate stays in the backlog until the real rows replace it, so requests admitted
         # while this one is being tokenized see it.
         self.estimator.enqueued(round(estimate))
         try:
+            started = time.monotonic() if trace is not None else 0.0
             ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
-            request = self.engine.submit(ids, lengths)
+            if trace is not None:
+                trace.tokenized(started)
+            request = self.engine.submit(ids, lengths, trace)
         finally:
             self.estimator.dequeued(round(estimate))
         self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths, r.query))
@@ -111,9 +119,14 @@ class EmbeddingService(PreTokenized):
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         t0 = self.estimator.clock()
         ids, lengths = cut(ids, lengths, self.limits)
+        trace = caller.trace
+        if trace is not None:
+            trace.admitting()
         await self.gate.admit(key, float(lengths.sum()), caller)
+        if trace is not None:
+            trace.admitted()
         # The request's bytes are a read-only view: batch assembly copies the rows out of them.
-        request = self.engine.submit(ids, lengths)
+        request = self.engine.submit(ids, lengths, trace)
         return Result(await self._wait(request, t0), request.tokens)
 
     def require_task(self, task: str) -> None:
@@ -128,4 +141,6 @@ class EmbeddingService(PreTokenized):
             if request.future.cancelled() or request.future.exception() is not None:
                 self.engine.drop(request)
         self.estimator.latency(self.estimator.clock() - t0)
+        if request.trace is not None:
+            request.trace.answered()
         return out

@@ -165,3 +165,37 @@ def test_a_server_given_unusable_tls_files_exits_at_once_naming_the_variable(tmp
            "FRONTENDS": "2", "MODEL_PATH": "sim:1000"}
     out = subprocess.run([sys.executable, "-m", "embedserve"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "configuration error: TLS_KEY_FILE=" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("env, on", [
+    ({}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_SDK_DISABLED": "true"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_TRACES_EXPORTER": "none"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, True),
+    # A protocol the traces' own variable overrides, as the SDK reads them.
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, True),
+])
+def test_tracing_is_on_with_an_otlp_endpoint_unless_the_sdk_or_its_exporter_is_off(env, on):
+    assert Settings.from_env(env).tracing is on
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+     "OTEL_EXPORTER_OTLP\\(_TRACES\\)_PROTOCOL='grpc': this server exports OTLP over HTTP"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "zipkin"},
+     "OTEL_TRACES_EXPORTER='zipkin': this server exports otlp"),
+    ({"LOG_FORMAT": "logfmt"}, "LOG_FORMAT='logfmt': expected one of text, json"),
+    ({"ACCESS_LOG": "sometimes"}, "ACCESS_LOG='sometimes'"),
+])
+def test_traces_and_logs_settings_that_cannot_work_fail_start_up_naming_them(env, message):
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(env)
+
+
+def test_logs_default_to_text_without_an_access_log():
+    s = Settings.from_env({})
+    assert (s.log_format, s.access_log, s.tracing) == ("text", False, False)
+    assert Settings.from_env({"LOG_FORMAT": "JSON"}).log_format == "json"

@@ -21,7 +21,7 @@ SUBPACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" an
 # service, which admits and batches, which runs the model); what wires the stages sits on top.
 LAYERS = [
     {"embedserve", "embedserve.errors", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
-     "embedserve.client"},
+     "embedserve.client", "embedserve.tracing", "embedserve.logs"},
     {"embedserve.model", "embedserve.admission"},
     {"embedserve.batching"},
     {"embedserve.service"},

@@ -24,6 +24,9 @@ class Caller(NamedTuple):
     retry: bool = False  # the request was refused before: not new demand
     deadline_s: float | None = None  # how long the caller still waits (gRPC deadline)
     waits: bool = False  # it asked to wait server-side for booked room (metadata embedfleet-queue: wait)
+    # A traced request's stamps (embedserve.tracing.Recorder): each stage it passes stamps them.
+    # None when tracing is off or the request is not sampled: nothing is stamped.
+    trace: object = None
 
 
 class Observer(Protocol):
@@ -61,6 +64,8 @@ class Gate:
         # A marked retry whose moment has come is first in line; an unmarked request with the same
         # texts is another caller, and new demand.
         if caller.retry and self.book.claim(key, now):
+            if caller.trace is not None:
+                caller.trace.decision = "claimed"
             return
         if caller.retry and (early := self.book.due_in(key, now)) is not None:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
@@ -83,9 +88,13 @@ class Gate:
         if caller.deadline_s is not None and caller.deadline_s < done_s:
             self._refuse(decision.reason, done_s)  # gone by then: book nothing, say when it could be done
         booking = self.book.book(key, cost, now, wait_s)
+        if caller.trace is not None:
+            caller.trace.booked_ms = wait_s * 1000
         if not caller.waits:
             self._refuse(decision.reason, wait_s)
         self.observer.held()
+        if caller.trace is not None:
+            caller.trace.decision = "held"
         await self._hold(booking, wait_s)  # then in, as a retry on time would be
 
     def _follow_demand(self, arrival_rate: float, service_rate: float, now: float) -> None:

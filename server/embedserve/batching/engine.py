@@ -8,6 +8,7 @@ oldest rows of every bucket up to a token budget."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -96,6 +97,7 @@ class Engine:
         self._feeding: asyncio.TimerHandle | None = None  # the feed `arriving` scheduled
         self.feed_delay_s = feed_delay_s
         self._room = (0, 0.0)  # rows and tokens that may arrive before a bucket could be full
+        self._batch_ids = itertools.count(1)  # a batch's id, as its requests' traces name it
 
     @property
     def failing(self) -> bool:
@@ -164,18 +166,18 @@ class Engine:
         if started and not self.hung:  # a worker warming up or hung is not waited for
             await in_daemon_thread(self.worker.stop, 10.0, name="worker-stop")
 
-    def submit(self, ids: np.ndarray, lengths: np.ndarray) -> PendingRequest:
+    def submit(self, ids: np.ndarray, lengths: np.ndarray, trace=None) -> PendingRequest:
         """Queue one request's rows (ids [n, w] int32, right-padded; lengths <= largest bucket).
-        Await `.future` for the [n, dim] float32 result."""
-        request = self.new_request(len(lengths))
+        Await `.future` for the [n, dim] float32 result. `trace`: its stamps (a traced request)."""
+        request = self.new_request(len(lengths), trace)
         self.enqueue(request, ids, lengths)
         self.look_soon()
         return request
 
-    def new_request(self, rows: int) -> PendingRequest:
+    def new_request(self, rows: int, trace=None) -> PendingRequest:
         """A request whose rows are queued later (`enqueue`), e.g. once tokenized with others."""
         self.check_open()
-        return PendingRequest(rows, self.dim, self._loop.create_future())
+        return PendingRequest(rows, self.dim, self._loop.create_future(), trace)
 
     def enqueue(self, request: PendingRequest, ids: np.ndarray, lengths: np.ndarray,
                 admitted: float | None = None) -> None:
@@ -193,6 +195,8 @@ class Engine:
             added += self.queues.add(bucket, Chunk(request, rows, lengths[positions], positions), now)
         request.tokens = added
         self.estimator.enqueued(added)
+        if request.trace is not None:
+            request.trace.queued_now()
 
     def drop(self, request: PendingRequest) -> None:
         """Forget a request that ended early (cancelled, deadline, failed): its queued rows never
@@ -281,7 +285,9 @@ class Engine:
                 self._room = room(views, self.packing.max_rows, self.queues.queued_tokens, self.warmup.token_budget) \
                     if self.packing else room(views)
                 return drain.wake_at
-            self.worker.submit(self._form_packed() if self.packing else self._form(drain.bucket))
+            batch = self._form_packed() if self.packing else self._form(drain.bucket)
+            batch.id, batch.formed = next(self._batch_ids), time.monotonic()
+            self.worker.submit(batch)
             self.in_worker += 1
             self._forming = []
         return None
@@ -322,12 +328,16 @@ class Engine:
         was = self.failing
         if isinstance(out, BaseException):
             self.failed_batches += 1
-            for request, _, _ in batch.routes:
+            for request, positions, _ in batch.routes:
+                if request.trace is not None:
+                    request.trace.batch_ran(batch, len(positions), busy_s)
                 request.fail(ModelFailure(f"model failed on this request's batch: {out}"))
                 self.drop(request)
         else:
             self.failed_batches = 0
             for request, positions, rows in batch.routes:
+                if request.trace is not None:
+                    request.trace.batch_ran(batch, len(positions), busy_s)
                 request.deliver(positions, out[rows])
         self._failing_changed(was)
         self.look_soon()

@@ -19,6 +19,7 @@ read fail their own request only (the call is then made request by request)."""
 from __future__ import annotations
 
 import logging
+import time
 
 from embedserve.batching.engine import Engine
 from embedserve.errors import InvalidInput, ModelFailure
@@ -36,10 +37,11 @@ class Intake:
         self.waiting: list[tuple[Texts, PendingRequest, int, float]] = []  # ..., estimate, admitted at
         engine.feed = self.flush
 
-    def put(self, r: Texts, estimate: int) -> PendingRequest:
+    def put(self, r: Texts, estimate: int, trace=None) -> PendingRequest:
         """Queue an admitted request for tokenization with the others; await the returned
-        request's `.future` for its rows (or the InvalidInput its texts deserve)."""
-        request = self.engine.new_request(len(r.texts))
+        request's `.future` for its rows (or the InvalidInput its texts deserve). `trace`: its
+        stamps (a traced request)."""
+        request = self.engine.new_request(len(r.texts), trace)
         self.estimator.enqueued(estimate)
         self.waiting.append((r, request, estimate, self.engine.clock()))
         self.engine.arriving(len(r.texts), estimate)
@@ -54,7 +56,10 @@ class Intake:
         chars = tokens = 0
         try:
             live = [w for w in waiting if not w[1].done]  # cancelled meanwhile: dropped
+            started = time.monotonic()
             for (r, request, _, admitted), rows in zip(live, self._encoded([w[0] for w in live])):
+                if request.trace is not None:  # waited: from admission to this call of the tokenizer
+                    request.trace.tokenized(started, len(live), started - request.trace.admission[-1])
                 if isinstance(rows, Exception):
                     request.fail(rows)
                     continue

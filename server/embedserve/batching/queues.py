@@ -21,10 +21,11 @@ from embedserve.model.sparse_rows import SparseRows
 class PendingRequest:
     """One request's future and, when its rows come back in pieces, the buffer they land in."""
 
-    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens")
+    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens", "trace")
 
-    def __init__(self, rows: int, dim: int, future: asyncio.Future):
+    def __init__(self, rows: int, dim: int, future: asyncio.Future, trace=None):
         self.rows, self.dim = rows, dim
+        self.trace = trace  # a traced request's stamps (embedserve.tracing.Recorder), else None
         self.out: np.ndarray | list | None = None  # allocated at a first delivery of only some rows (sparse: the pieces)
         self.remaining = rows
         self.future = future

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from embedserve import metrics
+from embedserve import metrics, tracing
 from embedserve.frontends import ipc
 from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
@@ -46,21 +46,31 @@ class ModelDoor:
     async def rows(self, header: dict, payload) -> ipc.Message:
         ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])
         lengths = np.asarray(header["lengths"], dtype=np.int64)
-        caller = Caller(header["retry"], header["deadline"], header["waits"])
+        # A traced request (its front end's span): stamped here too, the stamps sent back with the answer.
+        trace = tracing.Recorder() if "trace" in header else None
+        caller = Caller(header["retry"], header["deadline"], header["waits"], trace)
         service = self.server.service
+        data = b""
         try:
             if service is None:
                 raise NotReady("server is warming up")
             result = await service.rows(ids, lengths, header["key"], caller)
         except KNOWN as e:
-            return to_wire(e), b""
-        if self.server.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
-            csr = result.rows
-            return {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}, csr.to_bytes()
-        out = np.ascontiguousarray(result.rows, dtype="<f4")
-        return {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
+            reply = to_wire(e)
+        else:
+            if self.server.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
+                csr = result.rows
+                reply = {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}
+                data = csr.to_bytes()
+            else:
+                out = np.ascontiguousarray(result.rows, dtype="<f4")
+                reply, data = {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()
+        if trace is not None:
+            reply["trace"] = trace.to_wire()
+        return reply, data
 
     async def state(self, header: dict, payload) -> ipc.Message:
         """/health's fields and the shared signal, for a front end's probes and /metrics."""
         s = self.server
         return {"health": s.health_fields(), "healthy": s.healthy, "signal": metrics.signal(s)}, b""
+

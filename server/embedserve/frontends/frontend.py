@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from embedserve import __version__, logs, tracing
 from embedserve.frontends import ipc
 from embedserve.config import Settings, served_model_name
 from embedserve.model.declared import Head
@@ -52,14 +53,25 @@ class RemoteService(PreTokenized):
             return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
+        trace = caller.trace
+        started = time.monotonic() if trace is not None else 0.0
         ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+        if trace is not None:
+            trace.tokenized(started)
         return await self._rows(ids, lengths, r.key, caller)
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         ids, lengths = cut(ids, lengths, self.limits)
         header = {"op": "rows", "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
                   "waits": caller.waits, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
+        trace = caller.trace
+        if trace is not None:  # the model process stamps admission, queue and batches, and sends them back
+            header["trace"] = True
         reply, data = await self.link.call(header, np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        if trace is not None:
+            if "trace" in reply:
+                trace.merge(reply["trace"])
+            trace.answered()
         if "error" in reply:
             raise from_wire(reply)
         if "nnz" in reply:  # task sparse: CSR (embedserve.model.sparse_rows)
@@ -197,21 +209,24 @@ class Frontend:
 
 
 async def _serve(settings: Settings, path: str) -> None:
+    tracing.setup(settings, __version__)  # a request's span is its front end's (the model process stamps it)
     frontend = Frontend(settings, path, late=os.environ.get("EMBEDSERVE_FRONTEND_LATE") == "1")
-    start, stop = await until_stopped(frontend.start())
-    if start.done() and start.exception() is not None:
-        raise start.exception()
-    await stop.wait()
-    start.cancel()
-    await frontend.stop(settings.shutdown_grace_s)
+    try:
+        start, stop = await until_stopped(frontend.start())
+        if start.done() and start.exception() is not None:
+            raise start.exception()
+        await stop.wait()
+        start.cancel()
+        await frontend.stop(settings.shutdown_grace_s)
+    finally:
+        await asyncio.to_thread(tracing.shutdown)
 
 
 def main() -> int:
     import sys
 
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
-    settings = Settings.from_env()
+    settings = Settings.from_env()  # the model process read it already: no error to report here
+    logs.setup(settings, os.environ.get("LOG_LEVEL", "INFO"), process="frontend")
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     asyncio.run(_serve(settings, os.environ["EMBEDSERVE_IPC"]))

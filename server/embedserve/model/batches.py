@@ -31,6 +31,9 @@ class Batch:
     rows: int
     real_tokens: int
     routes: list[tuple[object, np.ndarray, slice]]  # the batcher's: request, its positions, batch rows (read by it, not the model)
+    id: int = 0  # the batcher's number for it, and when it was formed (monotonic): for traces
+    formed: float = 0.0
+    started: float = 0.0  # when the worker began running it (monotonic)
 
     @property
     def padded_tokens(self) -> int:
@@ -77,6 +80,9 @@ class PackedBatch:
     rows: int
     real_tokens: int
     routes: list[tuple[object, np.ndarray, slice]]  # the batcher's: request, its positions, rows
+    id: int = 0  # as Batch's
+    formed: float = 0.0
+    started: float = 0.0
 
     @property
     def padded_tokens(self) -> int:

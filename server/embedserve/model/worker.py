@@ -250,6 +250,7 @@ class ModelWorker:
         while (batch := self._queue.get()) is not None:
             t0 = time.perf_counter()
             self.running = (batch, time.monotonic())
+            batch.started = self.running[1]
             try:
                 # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
                 out = self.runner.run(batch)

@@ -25,6 +25,7 @@ from typing import Callable
 import grpc
 
 from embedserve.config import ConfigError, Settings
+from embedserve.transports import http_api, outcomes
 from embedserve.transports.reloads import Watched
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class GrpcKeys(grpc.aio.ServerInterceptor):
         reason = self.keys.check(authorization if isinstance(authorization, str) else None)
         if reason is None:
             return handler
-        log.info("refused gRPC %s: %s", details.method, MESSAGES[reason])
+        outcomes.grpc_refused(details.method, grpc.StatusCode.UNAUTHENTICATED, MESSAGES[reason],
+                              details.invocation_metadata)  # its line (never the key) and span
         return _refusal(handler, MESSAGES[reason])
 
 
@@ -163,7 +165,6 @@ class HttpKeys:
         reason = self.keys.check(None if authorization is None else authorization.decode("utf-8", "surrogateescape"))
         if reason is None:
             return await self.app(scope, receive, send)
-        log.info("refused HTTP %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], MESSAGES[reason])
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": MESSAGES[reason]})
         body = json.dumps({"error": {"message": MESSAGES[reason], "type": "authentication_error",
@@ -172,3 +173,4 @@ class HttpKeys:
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", CHALLENGES[reason])]})
         await send({"type": "http.response.body", "body": body})
+        outcomes.http_refused(scope, 401, MESSAGES[reason], http_api.API_PATHS)  # its line (never the key) and span

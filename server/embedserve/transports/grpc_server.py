@@ -12,9 +12,10 @@ from grpc_reflection.v1alpha import reflection
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve import logs, tracing
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings
+from embedserve.transports import encodings, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -31,9 +32,9 @@ def is_retry(metadata) -> bool:
     return False
 
 
-def caller(context) -> Caller:
+def caller(context, trace: tracing.Recorder | None = None) -> Caller:
     metadata = context.invocation_metadata() or ()
-    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in tuple(metadata))
+    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in tuple(metadata), trace)
 
 
 _STATUS = (
@@ -58,22 +59,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
             "Embed", context,
-            lambda s: s.embed_texts(request.texts, caller(context), truncate, prompt_name=request.prompt_name or None),
+            lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None),
             lambda s: self._embedding(request, s),
         )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
-            lambda s: s.infer(request.input_ids, request.attention_mask, request.shape, caller(context)),
+            lambda s, who: s.infer(request.input_ids, request.attention_mask, request.shape, who),
             lambda s: self._embedding(request, s),
         )
 
     async def EmbedSparse(self, request, context):
-        def run(s):
+        def run(s, who):
             if request.dimensions or request.encoding != pb.FLOAT:
                 raise InvalidInput("dimensions and encoding do not apply to EmbedSparse (sparse rows over the vocabulary)")
-            return s.embed_sparse(request.texts, caller(context), request.truncate if request.HasField("truncate") else None,
+            return s.embed_sparse(request.texts, who, request.truncate if request.HasField("truncate") else None,
                                   prompt_name=request.prompt_name or None)
 
         return await self._call("EmbedSparse", context, run, lambda s: sparse_response, task="sparse")
@@ -82,7 +83,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
             "Rerank", context,
-            lambda s: s.rerank(request.query, request.texts, caller(context), truncate, request.raw_scores),
+            lambda s, who: s.rerank(request.query, request.texts, who, truncate, request.raw_scores),
             lambda s: lambda out: pb.RerankResponse(scores=out.tolist()), task="rerank",
         )
 
@@ -91,21 +92,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
     async def _call(self, rpc: str, context, run, respond, task: str = "embed"):
-        """`run(service)` → the rows; `respond(service)` checks what the request asks of them
-        before any work, and → how they become the response."""
+        """`run(service, caller)` → the rows; `respond(service)` checks what the request asks of
+        them before any work, and → how they become the response."""
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
+        reason, bug = "", False  # the message a refusal or failure answers with (its log line, its span)
+        trace = outcomes.grpc_begin(SERVICE_NAME, rpc, context.invocation_metadata()) \
+            if tracing.tracer is not None else None
         try:
             service = self._service()
             if service is None:
                 raise NotReady("server is warming up")
             service.require_task(task)
             finish = respond(service)
-            out = (await run(service)).rows
+            out = (await run(service, caller(context, trace))).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
             return finish(out)
         except tuple(e for e, _ in _STATUS) as e:
-            code = next(c for t, c in _STATUS if isinstance(e, t))
+            code, reason = next(c for t, c in _STATUS if isinstance(e, t)), str(e)
             if isinstance(e, Overloaded):
                 # Ours, and gRPC's standard server pushback: a channel whose retry policy covers
                 # RESOURCE_EXHAUSTED retries by itself at the booked moment. Sustained overload
@@ -115,13 +119,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                ("grpc-retry-pushback-ms", pushback)))
             await context.abort(code, str(e))
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code, reason = grpc.StatusCode.CANCELLED, "cancelled by the caller"
             raise
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
+        except Exception as e:
+            code, reason, bug = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}", True
             raise
         finally:
-            self._observe(rpc, code.name, time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            self._observe(rpc, code.name, elapsed)
+            if trace is not None or code is not grpc.StatusCode.OK or logs.access:
+                outcomes.grpc_end(rpc, code, elapsed, reason, trace, context.invocation_metadata(), bug)
 
     def _embedding(self, request, service) -> Callable:
         """Embed's and Infer's rows → response; the encoding and dimensions refused before any work."""

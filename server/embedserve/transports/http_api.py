@@ -17,10 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, create_model
 
+from embedserve import logs, tracing
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, http_rerank, http_sparse, http_tei
+from embedserve.transports import encodings, http_rerank, http_sparse, http_tei, outcomes
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts
 from embedserve.batching.shaping import ID_ROW_BOUND
@@ -153,7 +154,8 @@ def _caller(request: Request) -> Caller:
     waits server-side for booked room says embedfleet-queue: wait."""
     retry = (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
              or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
-    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait")
+    trace = request.scope.get(tracing.SCOPE_KEY) if tracing.tracer is not None else None  # outcomes.http_begin
+    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait", trace=trace)
 
 
 def _texts(inputs) -> list[str]:
@@ -186,7 +188,7 @@ def register(app: FastAPI, server: Hub) -> None:
                 headers["retry-after-ms"] = str(exc.retry_after_ms)
                 if exc.final:  # sustained overload: the openai client obeys this before anything else
                     headers["x-should-retry"] = "false"
-            return _error(status, kind, str(exc), getattr(exc, "reason", None), headers)
+            return _error(status, kind, str(exc), getattr(exc, "reason", None), headers, request)
 
         app.add_exception_handler(error, handler)
 
@@ -195,6 +197,7 @@ def register(app: FastAPI, server: Hub) -> None:
         JSON allows "\\ud800", which UTF-8 cannot encode: that was a 500), and brief: FastAPI
         lists an error per item, each echoing its input (3,000 texts over the limit answered
         620 KB; a 1 MB body, 36 MB)."""
+        outcomes.noted_validation(request, exc.errors())
         return Response(error_reply(exc.errors()), status_code=422, media_type="application/json")
 
     app.add_exception_handler(RequestValidationError, invalid_body)
@@ -202,9 +205,18 @@ def register(app: FastAPI, server: Hub) -> None:
     @app.middleware("http")
     async def observe(request: Request, call_next):
         t0 = time.perf_counter()
-        response = starting(request, server) or await call_next(request)
-        if request.url.path in OBSERVED_PATHS:
-            server.metrics.request_finished(f"HTTP {request.url.path}", str(response.status_code), time.perf_counter() - t0)
+        path = request.url.path
+        trace = outcomes.http_begin(request, path) if tracing.tracer is not None and path in API_PATHS else None
+        try:
+            response = starting(request, server) or await call_next(request)
+        except Exception as e:  # no handler maps it: Starlette answers 500 (and logs its traceback)
+            outcomes.http_end(request, path, 500, time.perf_counter() - t0, trace, bug=e)
+            raise
+        elapsed = time.perf_counter() - t0
+        if path in OBSERVED_PATHS:
+            server.metrics.request_finished(f"HTTP {path}", str(response.status_code), elapsed)
+        if trace is not None or response.status_code >= 400 or logs.access:  # its span, its log line
+            outcomes.http_end(request, path, response.status_code, elapsed, trace)
         return response
 
 
@@ -274,7 +286,7 @@ def starting(request: Request, server: Hub) -> JSONResponse | None:
     if server.service is not None or request.url.path not in API_PATHS:
         return None
     return _error(503, "service_unavailable", "server is warming up", None,
-                  {"Retry-After": str(STARTING_RETRY_AFTER_S)})
+                  {"Retry-After": str(STARTING_RETRY_AFTER_S)}, request)
 
 
 def install_routes(app: FastAPI, server: Hub) -> None:
@@ -349,7 +361,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         svc = service()
         if body.model != server.served_name:
             return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
-                          f"this server serves {server.served_name!r}", "model_not_found")
+                          f"this server serves {server.served_name!r}", "model_not_found", request=request)
         encodings.check_dimensions(body.dimensions, server.model_dimension)  # before any work
         inp = body.input
         ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
@@ -426,6 +438,10 @@ def _classify_routes(router: APIRouter, server: Hub, service) -> None:
         return out[0] if isinstance(body.inputs, str) else out
 
 
-def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None,
+           request: Request | None = None) -> JSONResponse:
+    """An error's JSON answer; `request`: the one it answers, whose log line and span then say why."""
+    if request is not None:
+        outcomes.note(request, message)
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, code=code)).model_dump()
     return JSONResponse(body, status_code=status, headers=headers)

@@ -122,7 +122,7 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         svc = service()
         if body.model is not None and body.model != server.served_name:
             return error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
-                         f"this server serves {server.served_name!r}", "model_not_found")
+                         f"this server serves {server.served_name!r}", "model_not_found", request=request)
         if body.top_n is not None and body.top_n < 1:
             raise InvalidInput(f"top_n must be at least 1, got {body.top_n}")
         texts = _documents(body.documents, server.settings.max_texts_per_request)

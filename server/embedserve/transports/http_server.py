@@ -26,7 +26,11 @@ from embedserve.transports.hub import Hub
 def build_app(server: Hub) -> FastAPI:
     # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
     # limit: at once on its Content-Length, else as the bytes arrive).
-    app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes)
+    # FastAPI's own OpenTelemetry off: a request's span is embedserve.tracing's (with its stages);
+    # FastAPI's would be a second server span per request wherever a global provider is set
+    # (opentelemetry-instrument), and off it does not look for one on every request.
+    app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -117,7 +121,10 @@ class HttpServer:
         self.port = self._socket.getsockname()[1]
         # Our own context (tls.py: reloaded certificates reach new handshakes through it).
         factory = None if ssl_context is None else lambda config, default: ssl_context
-        config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off", ssl_context_factory=factory)
+        # log_config=None: uvicorn's lines go through the process's own handler (embedserve.logs:
+        # LOG_FORMAT), not a handler and format of its own.
+        config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off", ssl_context_factory=factory,
+                                log_config=None)
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 

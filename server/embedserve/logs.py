@@ -1,0 +1,132 @@
+"""Log lines: their format for every line of a process (LOG_FORMAT: text, or json, one object per
+line), and the one line a request ends with: always when it was refused or failed, and when it
+was served only with ACCESS_LOG.
+
+Levels by what the operator should do: a refusal (4xx, 429, RESOURCE_EXHAUSTED, INVALID_ARGUMENT,
+UNAUTHENTICATED, ...) is the server doing its job, at INFO, and under overload there may be
+thousands a second (LOG_LEVEL=WARNING drops them, metrics still count them); a failure (5xx,
+UNAVAILABLE, INTERNAL) at WARNING; a bug (an exception no transport maps) at ERROR. A request line
+never holds a request's texts or its credentials: what it names is the route or RPC, its status,
+the message the caller was answered with, and its trace id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+REQUESTS = logging.getLogger("embedserve.requests")
+access = False  # ACCESS_LOG: a line per served request too
+REASON_CHARS = 512  # a message may echo what the caller sent: the line stays bounded
+# The fields a request line adds to its record (`extra`), in the order a JSON line lists them.
+REQUEST_FIELDS = ("rpc", "method", "route", "status", "reason", "trace_id", "duration_ms")
+_REFUSED, _FAILED = logging.INFO, logging.WARNING
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ms), level, logger, message, the request fields a
+    record has, `process` ("frontend" in a front end), and `exc`, the traceback, when it has one.
+    Cheap: one dict and one json.dumps a line."""
+
+    def __init__(self, process: str = ""):
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = record.__dict__
+        for key in REQUEST_FIELDS:
+            if key in fields:
+                line[key] = fields[key]
+        if self.process:
+            line["process"] = self.process
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = record.stack_info
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s{process}: %(message)s"
+
+
+def configure(log_format: str, level: str, process: str = "") -> None:
+    """Every line of this process in `log_format` ("text" or "json") at `level`; `process` names
+    a front end's lines. JSON: also the lines of libraries that set up handlers of their own
+    without a formatter (transformers does), and Python's warnings."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # a second call (a front end's, after its start-up) replaces the first
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        formatter: logging.Formatter = JsonFormatter(process)
+        # A handler without a formatter formats with the logging module's default; which has no
+        # public setter. Libraries that log through a handler of their own (transformers' root
+        # logger does not propagate) then write JSON too.
+        logging._defaultFormatter = formatter  # type: ignore[attr-defined]
+        logging.captureWarnings(True)
+    else:
+        formatter = logging.Formatter(TEXT_FORMAT.format(process=f"[{process}]" if process else ""))
+    handler.setFormatter(formatter)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # Neither format shows where a line was logged from, or the thread and process: not looked up
+    # for every record (the logging HOWTO's "Optimization"; a stack walk per line otherwise).
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+
+
+def setup(settings, level: str, process: str = "") -> None:
+    """LOG_FORMAT and ACCESS_LOG as the settings say."""
+    global access
+    configure(settings.log_format, level, process)
+    access = settings.access_log
+
+
+def request_line(what: dict, status: str | int, duration_s: float, reason: str, trace_id: str, level: int) -> None:
+    """One request's line: `what` names it ({"rpc": "Embed"} or {"method": "POST", "route":
+    "/v1/embeddings"}), `status` the gRPC code name or the HTTP status, `reason` the message it
+    was answered with ("" when served)."""
+    if not REQUESTS.isEnabledFor(level):
+        return
+    reason = reason[:REASON_CHARS]
+    duration_ms = round(duration_s * 1000, 3)
+    name = what.get("rpc") or f"{what.get('method', '')} {what.get('route', '')}"
+    text = f"{name} {status} in {duration_ms:.1f} ms"
+    if reason:
+        text += f": {reason}"
+    if trace_id:
+        text += f" (trace {trace_id})"
+    REQUESTS.log(level, text, extra={**what, "status": status, "reason": reason, "trace_id": trace_id,
+                                     "duration_ms": duration_ms})
+
+
+# gRPC codes that say the server failed, not that it refused: WARNING.
+FAILED_GRPC = frozenset(("INTERNAL", "UNKNOWN", "DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNIMPLEMENTED"))
+
+
+def grpc_level(code: str, bug: bool = False) -> int | None:
+    """The level of a finished RPC's line (None: no line: served, or cancelled by its caller,
+    without ACCESS_LOG)."""
+    if bug:
+        return logging.ERROR
+    if code == "OK" or code == "CANCELLED":
+        return logging.INFO if access else None
+    return _FAILED if code in FAILED_GRPC else _REFUSED
+
+
+def http_level(status: int, bug: bool = False) -> int | None:
+    """The level of a finished HTTP request's line (None: no line)."""
+    if bug:
+        return logging.ERROR
+    if status < 400:
+        return logging.INFO if access else None
+    return _FAILED if status >= 500 else _REFUSED

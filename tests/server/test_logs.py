@@ -1,0 +1,89 @@
+"""embedserve.logs: LOG_FORMAT=json makes every line of a process JSON, a library's own handler
+and Python's warnings included; the default (text, no ACCESS_LOG) logs a refused request once,
+with the trace id of the caller's traceparent, and a served one not at all; levels say refused
+(INFO) from failed (WARNING). JSON lines of real servers in both modes: test_traces_and_logs.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve import logs
+
+
+def test_json_makes_every_line_of_the_process_json():
+    """A library that logs through a handler of its own (transformers' does not propagate), a
+    warning, an exception's traceback, a request line's fields: each one JSON object a line."""
+    script = textwrap.dedent("""
+        import logging, warnings
+        from embedserve import logs
+        logs.configure("json", "INFO", process="frontend")
+        library = logging.getLogger("library")
+        library.propagate = False
+        library.addHandler(logging.StreamHandler())
+        library.warning("from a handler of its own: %d", 1)
+        warnings.warn("a warning")
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            logging.getLogger("embedserve.x").exception("it failed")
+        logs.request_line({"rpc": "Embed"}, "RESOURCE_EXHAUSTED", 0.0012, "overloaded " * 100, "ab" * 16, logging.INFO)
+        logging.getLogger("embedserve.x").debug("below the level")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # each line JSON, or this fails
+    assert [(x["logger"], x["level"]) for x in lines] == [
+        ("library", "WARNING"), ("py.warnings", "WARNING"), ("embedserve.x", "ERROR"), ("embedserve.requests", "INFO")]
+    assert lines[0]["message"] == "from a handler of its own: 1" and lines[0]["process"] == "frontend"
+    assert "ZeroDivisionError" in lines[2]["exc"] and lines[2]["message"] == "it failed"
+    request = lines[3]
+    assert (request["rpc"], request["status"], request["trace_id"], request["duration_ms"]) == (
+        "Embed", "RESOURCE_EXHAUSTED", "ab" * 16, 1.2)
+    assert len(request["reason"]) == logs.REASON_CHARS  # bounded, whatever a message echoes
+    assert request["time"].endswith("Z") and "T" in request["time"]
+
+
+@pytest.mark.parametrize("status, level", [(200, None), (404, logging.INFO), (422, logging.INFO), (429, logging.INFO),
+                                           (500, logging.WARNING), (503, logging.WARNING)])
+def test_http_levels(status, level, monkeypatch):
+    monkeypatch.setattr(logs, "access", False)
+    assert logs.http_level(status) == level
+    assert logs.http_level(500, bug=True) == logging.ERROR
+    monkeypatch.setattr(logs, "access", True)
+    assert logs.http_level(200) == logging.INFO
+
+
+@pytest.mark.parametrize("code, level", [("OK", None), ("CANCELLED", None), ("INVALID_ARGUMENT", logging.INFO),
+                                         ("RESOURCE_EXHAUSTED", logging.INFO), ("UNAUTHENTICATED", logging.INFO),
+                                         ("FAILED_PRECONDITION", logging.INFO), ("UNAVAILABLE", logging.WARNING),
+                                         ("INTERNAL", logging.WARNING)])
+def test_grpc_levels(code, level, monkeypatch):
+    monkeypatch.setattr(logs, "access", False)
+    assert logs.grpc_level(code) == level
+
+
+def test_by_default_a_refusal_logs_one_text_line_with_the_callers_trace_id_and_a_served_request_none(default_server):
+    trace_id = "5ce0e9a56015fec5aadfa328ae398115"
+    metadata = (("traceparent", f"00-{trace_id}-7f2c1a0b3d4e5f60-01"),)
+    with grpc.insecure_channel(default_server.target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        stub.Embed(pb.EmbedRequest(texts=["served, not logged"]), metadata=metadata)
+        with pytest.raises(grpc.RpcError):
+            stub.Embed(pb.EmbedRequest(texts=["refused", ""]), metadata=metadata)
+    deadline = time.monotonic() + 10
+    while not (lines := [x for x in default_server.log().splitlines() if trace_id in x]):
+        assert time.monotonic() < deadline, "no line for the refused request"
+        time.sleep(0.05)
+    assert len(lines) == 1, lines  # the served request (answered first) wrote none
+    assert " INFO embedserve.requests: Embed INVALID_ARGUMENT in " in lines[0]
+    assert lines[0].endswith(f"texts[1] is empty or whitespace only (trace {trace_id})")
