@@ -2,8 +2,8 @@
 from a Secret mounted as kubelet mounts it, TLS from cert-manager's files, and the plain metrics
 port beside them.
 
-- The metrics port answers /health and /metrics in plain text without a key, and routes nothing
-  else.
+- The metrics port answers GET /health and GET /metrics in plain text without a key, and 404 to
+  any other method or path (no 405, no redirect of /health/).
 - Every route of the API's route table (walked from the app as the server builds it, the
   routes installed after warm-up and every task's included) and every method of the gRPC
   service descriptors is refused without a key and with a wrong one, and served with a right
@@ -143,7 +143,12 @@ def test_the_metrics_port_serves_health_and_metrics_in_plain_text_and_nothing_el
         for path, method in api_routes:
             if path not in ("/health", "/metrics"):
                 assert plain.request(method, path, headers=bearer(guarded.env_key)).status_code == 404, (method, path)
-        assert plain.post("/health").status_code == 405
+        for path in ("/health", "/metrics"):
+            assert plain.head(path).status_code == 200  # GET without its body
+            for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+                assert plain.request(method, path).status_code == 404, (method, path)
+            for near in (path + "/", path.upper(), path + "/x", "/v1" + path):  # no redirect, no near match
+                assert plain.get(near).status_code == 404, near
 
 
 def test_every_route_and_every_method_needs_the_key(guarded, api_routes):

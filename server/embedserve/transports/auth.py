@@ -37,10 +37,18 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerRefle
                 "/grpc.reflection.v1.ServerReflection/")
 
 
-def key_lines(text: str) -> tuple[str, ...]:
-    """An API_KEYS_FILE's keys: one a line; blank lines and lines starting with # left out."""
-    lines = (line.strip() for line in text.splitlines())
-    return tuple(line for line in lines if line and not line.startswith("#"))
+def numbered_keys(text: str) -> tuple[tuple[int, str], ...]:
+    """An API_KEYS_FILE's keys with their line numbers (from 1): one a line; blank lines and lines
+    starting with # left out."""
+    lines = ((n, line.strip()) for n, line in enumerate(text.splitlines(), 1))
+    return tuple((n, line) for n, line in lines if line and not line.startswith("#"))
+
+
+def doubtful_lines(numbered: tuple[tuple[int, str], ...]) -> list[int]:
+    """Lines whose key holds a comma or whitespace, neither of which a Bearer token has (RFC 6750's
+    b64token): most likely keys written the API_KEYS way ("k1,k2"), which the file takes as ONE
+    key that no client sends, so every client would get "invalid API key" with nothing saying why."""
+    return [n for n, key in numbered if "," in key or any(c.isspace() for c in key)]
 
 
 def _digest(key: str) -> bytes:
@@ -69,7 +77,12 @@ class ApiKeys:
 
     def _read(self) -> frozenset[bytes]:
         with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
-            return frozenset(_digest(k) for k in key_lines(f.read()))
+            numbered = numbered_keys(f.read())
+        if doubtful := doubtful_lines(numbered):  # by line number: the key itself is never logged
+            log.warning("API_KEYS_FILE %s, %s %s: a key with a comma or whitespace in it, taken whole as one key "
+                        "(the file has one key a line: put each on a line of its own)", self.path,
+                        "lines" if len(doubtful) > 1 else "line", ", ".join(map(str, doubtful)))
+        return frozenset(_digest(k) for _, k in numbered)
 
     def reload(self) -> None:
         """Read API_KEYS_FILE again if it changed. Unreadable, or holding no key (a Secret caught

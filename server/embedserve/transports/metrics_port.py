@@ -1,5 +1,5 @@
 """The metrics port (METRICS_PORT, 8002): plain-text HTTP serving GET /health and GET /metrics,
-and nothing else (any other path is 404: no API call gets past a key or TLS through it).
+and nothing else (any other method or path is 404: no API call gets past a key or TLS through it).
 
 Why a port of its own, and why plain. What reads these two is infrastructure: kubelet's probes,
 which can send neither a key nor a client certificate (its gRPC probe cannot do TLS at all), and
@@ -15,20 +15,24 @@ behind the key and TLS, for callers and gateways that check the port they use.""
 
 from __future__ import annotations
 
-from starlette.applications import Starlette
-from starlette.routing import Route
+from starlette.responses import PlainTextResponse
 
 from embedserve.transports.http_server import health_response, metrics_response
 from embedserve.transports.hub import Hub
 
+ANSWERS = {"/health": health_response, "/metrics": metrics_response}
 
-def build_app(server: Hub) -> Starlette:
-    """/health and /metrics as the API port answers them (GET and HEAD); 404 for the rest."""
 
-    async def health(request):
-        return await health_response(server)
+def build_app(server: Hub):
+    """An ASGI app: GET (and HEAD, GET without the body) of exactly /health or /metrics, answered as
+    the API port answers them; 404 for any other method or path. No router: a router would
+    answer another method 405 and /health/ with a redirect, more than this port has to say."""
 
-    async def metrics(request):
-        return await metrics_response(server)
+    async def app(scope, receive, send):
+        if scope["type"] != "http":  # a WebSocket upgrade: refused (uvicorn answers 403)
+            return await send({"type": "websocket.close", "code": 1008})
+        answer = ANSWERS.get(scope["path"]) if scope["method"] in ("GET", "HEAD") else None
+        response = await answer(server) if answer else PlainTextResponse("Not Found", status_code=404)
+        await response(scope, receive, send)
 
-    return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])])
+    return app

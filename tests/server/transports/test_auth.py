@@ -1,10 +1,12 @@
 """API keys (transports/auth.py) on real files laid out as kubelet mounts a Secret: which
 Authorization values pass, what a refusal is counted as, the file read again after kubelet's
-symlink swap, the last good keys kept when the file is emptied or gone, and no key in the log.
+symlink swap, the last good keys kept when the file is emptied or gone, a line of keys written the
+API_KEYS way (with commas) named by its number, and no key in the log.
 Over real gRPC and HTTP: tests/server/test_keys_and_tls.py."""
 
 import dataclasses
 import logging
+import secrets
 
 import pytest
 
@@ -13,8 +15,8 @@ from embedserve.transports import auth
 from tests.server.mounted_secret import MountedSecret
 
 
-def test_key_lines_skip_blank_lines_and_comments():
-    assert auth.key_lines("# rotated 2026-12\n\n  alpha  \n#beta\nga#mma\r\n") == ("alpha", "ga#mma")
+def test_key_lines_skip_blank_lines_and_comments_and_keep_their_numbers():
+    assert auth.numbered_keys("# rotated 2026-12\n\n  alpha  \n#beta\nga#mma\r\n") == ((3, "alpha"), (5, "ga#mma"))
 
 
 @pytest.mark.parametrize("value, key", [
@@ -56,6 +58,36 @@ def test_the_file_is_read_again_after_kubelets_swap_and_a_bad_one_keeps_the_last
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "holds no key now" in warnings[0] and "cannot be read" in warnings[1]
     assert not any(k in caplog.text for k in ("file-key", "env-key"))
+
+
+def test_a_key_with_a_comma_or_whitespace_is_warned_of_by_line_number_at_load_and_reload(tmp_path, caplog):
+    """Keys written the API_KEYS way in the file are one key no client sends: every client would
+    get "invalid API key" with nothing saying why. The warning names the line, never the key."""
+    first, second, third, spaced = (secrets.token_urlsafe(12) for _ in range(4))
+
+    def warned() -> list[str]:
+        messages = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        logged.extend(messages)
+        return messages
+
+    logged = []
+    with caplog.at_level(logging.WARNING, logger="embedserve"):
+        secret = MountedSecret(tmp_path / "auth", {"api-keys": f"# keys\n{first}\n{second},{third}\n".encode()})
+        keys = auth.ApiKeys((), secret.path("api-keys"))
+        path = secret.path("api-keys")
+        assert warned() == [f"API_KEYS_FILE {path}, line 3: a key with a comma or whitespace in it, taken whole as "
+                            "one key (the file has one key a line: put each on a line of its own)"]
+        assert keys.check(f"Bearer {second},{third}") is None and keys.check(f"Bearer {second}") == "invalid"
+
+        secret.update({"api-keys": f"{second}, {third}\n\n{first}\n{spaced[:6]}\t{spaced[6:]}\n".encode()})
+        keys.reload()
+        assert [m.split(": ")[0] for m in warned()] == [f"API_KEYS_FILE {path}, lines 1, 4"]
+
+        secret.update({"api-keys": f"{first}\n{second}\n".encode()})
+        keys.reload()
+        assert warned() == [] and keys.check(f"Bearer {second}") is None
+    assert not any(k in m for m in logged for k in (first, second, third, spaced[:6], spaced[6:]))
 
 
 def test_a_key_file_without_keys_is_a_config_error(tmp_path):
