@@ -18,7 +18,8 @@ import time
 from typing import Callable
 
 from embedserve import __version__, logs, tracing
-from embedserve.config import ConfigError, Settings, frontend_count
+from embedserve.config import ConfigError, Settings
+from embedserve.frontends.count import frontend_count
 from embedserve.lifecycle import until_stopped
 
 log = logging.getLogger("embedserve")
