@@ -14,7 +14,7 @@ from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput
-from embedserve.transports.http_api import REPLY_BYTES, error_reply
+from embedserve.transports.http_errors import REPLY_BYTES, error_reply
 from embedserve.batching.shaping import ID_ROW_BOUND, Limits, id_lists
 from tests.conftest import ServerProcess, counter, make_text
 from tests.server.frontends.test_frontend import children, kill_front_ends

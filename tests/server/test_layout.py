@@ -73,3 +73,16 @@ def test_no_import_circle_and_no_relative_import():
 def test_the_subpackages_are_the_stages():
     assert SUBPACKAGES == ["embedserve.admission", "embedserve.batching", "embedserve.frontends", "embedserve.model",
                            "embedserve.transports"]
+
+
+def test_what_start_up_checks_before_the_front_ends_imports_no_prometheus_client():
+    """__main__ checks the key and certificate files (auth, tls) before it sets
+    PROMETHEUS_MULTIPROC_DIR for FRONTENDS > 1; prometheus_client imported before that counts the
+    model process's batches in memory only, and every front end's /metrics says 0 real tokens."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import embedserve.__main__, embedserve.transports.auth, embedserve.transports.tls; "
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr

@@ -25,7 +25,7 @@ from typing import Callable
 import grpc
 
 from embedserve.config import ConfigError, Settings
-from embedserve.transports import http_api, outcomes
+from embedserve.transports import outcomes
 from embedserve.transports.reloads import Watched
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,9 @@ class HttpKeys:
     docs pages included); without it, 401 with `WWW-Authenticate: Bearer` and an OpenAI-style
     error body (the openai client raises AuthenticationError on it)."""
 
-    def __init__(self, app, keys: ApiKeys):
+    def __init__(self, app, keys: ApiKeys, api_paths: frozenset[str] = frozenset()):
         self.app, self.keys = app, keys
+        self.api_paths = api_paths  # paths whose refusals get a span (http_api.API_PATHS)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -186,4 +187,4 @@ class HttpKeys:
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", CHALLENGES[reason])]})
         await send({"type": "http.response.body", "body": body})
-        outcomes.http_refused(scope, 401, MESSAGES[reason], http_api.API_PATHS)  # its line (never the key) and span
+        outcomes.http_refused(scope, 401, MESSAGES[reason], self.api_paths)  # its line (never the key) and span

@@ -5,14 +5,12 @@ status codes."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Annotated, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, create_model
@@ -22,6 +20,7 @@ from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.transports import encodings, http_rerank, http_sparse, http_tei, outcomes
+from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts
 from embedserve.batching.shaping import ID_ROW_BOUND
@@ -218,57 +217,6 @@ def register(app: FastAPI, server: Hub) -> None:
         if trace is not None or response.status_code >= 400 or logs.access:  # its span, its log line
             outcomes.http_end(request, path, response.status_code, elapsed, trace)
         return response
-
-
-# What a 422 reports: the first errors, each echoing a little of its input (strings cut, lists
-# and objects of more than a few items, or nested, summarised), in a reply of at most REPLY_BYTES.
-REPORTED_ERRORS = 10
-ECHOED_CHARS = 100
-ECHOED_ITEMS = 8
-# Cut inputs alone do not bound a reply: ASCII-escaped, a character outside the BMP is 12 bytes,
-# and an error may echo up to 8 keys and 8 values of 100 of them.
-REPLY_BYTES = 8192
-
-
-def error_reply(errors: list[dict]) -> str:
-    """The 422's JSON, in FastAPI's shape ({"detail": [error, ...]}, so its schema still holds):
-    the first REPORTED_ERRORS errors that fit REPLY_BYTES, their inputs cut short (or, where that
-    is still too long, summarised), then one entry counting the errors left out. Each error is
-    serialized alone: a reply never costs the event loop much more than its own bytes."""
-    listed, size = [], 0
-    for e in errors[:REPORTED_ERRORS]:
-        room = REPLY_BYTES - 200 - size  # 200: left for the count
-        text = _serialized(e, 0)
-        if len(text) > room and "input" in e:
-            text = _serialized(e, 1)
-        if len(text) > room:
-            break
-        listed.append(text)
-        size += len(text) + 2
-    if len(errors) > len(listed):
-        listed.append(json.dumps({"type": "too_many_errors", "loc": ["body"], "input": None,
-                                  "msg": f"{len(errors) - len(listed)} {'more ' if listed else ''}errors not listed"}))
-    return '{"detail": [' + ", ".join(listed) + "]}"
-
-
-def _serialized(error: dict, depth: int) -> str:
-    return json.dumps(jsonable_encoder({**error, "input": _brief(error["input"], depth)} if "input" in error else error),
-                      ensure_ascii=True)
-
-
-def _brief(value, depth: int = 0):
-    """A request's value as an error echoes it: strings (dict keys too: a 1 MB key had been echoed
-    whole, once per member of the input's union) cut at ECHOED_CHARS; a list or object echoed
-    item by item only at the top and only up to ECHOED_ITEMS items, else summarised."""
-    if isinstance(value, str):
-        return value if len(value) <= ECHOED_CHARS else f"{value[:ECHOED_CHARS]}... ({len(value)} characters)"
-    if isinstance(value, (list, tuple, dict)):
-        if depth or len(value) > ECHOED_ITEMS:
-            return f"({type(value).__name__} of {len(value)} items)"
-        if isinstance(value, dict):
-            return {_brief(k, 1): _brief(v, 1) for k, v in value.items()}
-        return [_brief(v, 1) for v in value]
-    return value
 
 
 STARTING_RETRY_AFTER_S = 5

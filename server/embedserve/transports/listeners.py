@@ -41,7 +41,7 @@ class Transports:
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
             credentials=self.tls.grpc_credentials() if self.tls else None)
         self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
-        api = auth.HttpKeys(self.api, self.keys) if keyed else self.api
+        api = auth.HttpKeys(self.api, self.keys, http_api.API_PATHS) if keyed else self.api
         self.http = http_server.HttpServer(
             http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), s.host, s.http_port,
             reuse_port, self.tls.http_context if self.tls else None)
