@@ -2,7 +2,8 @@
 
 The real operator process (`python -m embedop`) against the emulated API server
 (tests/operator/emulator.py), N services in mode operator, each with one ready pod whose /metrics
-(served here, on its own 127.0.x.y address) says a steady load that one replica carries, and a
+(served here, on its own loopback address, on the API port where the operator reads an unguarded
+service: render.health_port) says a steady load that one replica carries, and a
 cluster holding as many Deployments and Pods of others (no label of ours) as it has services.
 The pods' gauges move by a few % at every scrape and their offered counters grow, as a live
 server's do. Once every service has settled (its autoscaler's status written), every request the
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from embedop import render
-from tests.conftest import free_port
+from tests.conftest import pod_addresses
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator, new_service, service_path
@@ -104,16 +105,16 @@ def others(emulator: Emulator, n: int, namespace: str = "others") -> None:
         emulator.request("POST", f"/api/v1/namespaces/{namespace}/pods", ready_pod(f"web-{i}", None, f"10.9.0.{i % 250}", namespace))
 
 
-def settled(emulator: Emulator, names: list[str], port: int, interval_s: int, live: bool = True) -> list:
+def settled(emulator: Emulator, names: list[str], interval_s: int, live: bool = True) -> list:
     """The services, each with one ready pod serving its metrics (`live`: moving as a server's do;
     else the same answer every time); → the metrics servers."""
     servers = []
-    for i, name in enumerate(names):
-        ip = f"127.0.{100 + i // 250}.{1 + i % 250}"
+    spec = {"model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+            "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": interval_s}}
+    port = render.health_port(spec)  # no guard: the API port, which the operator scrapes
+    for i, (name, ip) in enumerate(zip(names, pod_addresses(port, len(names)))):
         servers.append(serve_metrics(ip, port, steady_load(i) if live else exposition(1000, 500)))
-        emulator.request("POST", service_path(NS), new_service(name, {
-            "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
-            "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": interval_s}}))
+        emulator.request("POST", service_path(NS), new_service(name, spec))
         emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", ready_pod(f"{name}-0", name, ip))
     for name in names:
         eventually(lambda: emulator.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"), timeout=60)
@@ -131,16 +132,14 @@ def requests_between(start: float, end: float) -> list[dict]:
 
 
 def run(services: int, window_s: float, interval_s: int, resync_s: float) -> dict:
-    port = free_port()
     with Emulator() as emulator, tempfile.TemporaryDirectory() as d:
         others(emulator, services)
         op = OperatorProcess(emulator.kubeconfig(Path(d) / "kubeconfig"), Path(d) / "operator.log",
-                             env={"EMBEDOP_METRICS_PORT": str(port), "EMBEDOP_RESYNC_SECONDS": str(resync_s),
-                                  "EMBEDOP_LEASE_SECONDS": "15"})
+                             env={"EMBEDOP_RESYNC_SECONDS": str(resync_s), "EMBEDOP_LEASE_SECONDS": "15"})
         servers = []
         try:
             names = [f"svc-{i:03d}" for i in range(services)]
-            servers = settled(emulator, names, port, interval_s)
+            servers = settled(emulator, names, interval_s)
             start = time.monotonic()
             time.sleep(window_s)  # the window being measured, not a synchronisation
             calls = requests_between(start, time.monotonic())

@@ -28,6 +28,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pod_addresses(port: int, count: int = 1) -> list[str]:
+    """`count` loopback addresses (127.a.x.y, in a random /16) on each of which `port` is free:
+    stand-ins for pods, which all serve one fixed port at addresses of their own (as the API port,
+    8001, where the operator reads an unguarded service's health). Random, so that tests run in
+    parallel elsewhere on this machine do not meet; a port held on every address (a listener on
+    0.0.0.0) fails here, saying so."""
+    import random
+
+    def free(address: str) -> bool:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+        return True
+
+    for _ in range(20):
+        net = random.randint(1, 254)
+        addresses = [f"127.{net}.{i // 250}.{1 + i % 250}" for i in range(count)]
+        if all(map(free, addresses)):
+            return addresses
+    raise RuntimeError(f"port {port} is taken on every loopback address tried: is something listening on 0.0.0.0:{port}?")
+
+
 class ServerProcess:
     """`python -m embedserve` on loopback ports; `wait_ready` polls /health (on the metrics port,
     which needs no key or TLS) until 200."""

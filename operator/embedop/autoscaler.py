@@ -148,14 +148,18 @@ async def scrape(session: aiohttp.ClientSession, pods: list[dict], port: int, ti
 
 
 def unscraped(samples: list[autoscale.PodSample], errors: dict[str, str], port: int) -> str | None:
-    """Why no ready pod could be read, or None when one was (or none is ready yet). Failed scrapes
-    hold the count (autoscale.decide): said in status and an Event, not left to be noticed."""
+    """Why no ready pod could be read on `port` (render.health_port), or None when one was (or none
+    is ready yet). Failed scrapes hold the count (autoscale.decide): said in status and an Event,
+    not left to be noticed."""
     ready = sorted(s.name for s in samples if s.ready)
     if not ready or any(s.scraped for s in samples if s.ready):
         return None
+    causes = ("a NetworkPolicy that keeps the operator from that port" if port == render.HTTP_PORT else
+              "a NetworkPolicy that keeps the operator from the pods' metrics port, or a server image from "
+              "before the metrics port (spec.auth, spec.tls and spec.networkPolicy need one that has it)")
     return (f"none of the {len(ready)} ready pod(s) could be scraped on port {port} /metrics "
             f"({ready[0]}: {errors.get(ready[0], 'failed')}); the replica count is held until one can be "
-            "(a NetworkPolicy that keeps the operator from the pods' metrics port does this)")
+            f"({causes} does this)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +187,10 @@ async def step(cluster: Cluster, settings: OperatorSettings, session: aiohttp.Cl
         return Step(history, None, 0, body)
     current = int(live["spec"].get("replicas") or 0)
     errors: dict[str, str] = {}
-    samples = await scrape(session, cluster.pods(namespace, render.selector(name)), settings.metrics_port,
+    port = render.health_port(spec, settings.metrics_port)  # where the kubelet probes them too
+    samples = await scrape(session, cluster.pods(namespace, render.selector(name)), port,
                            settings.scrape_timeout_s, errors)
-    blind = unscraped(samples, errors, settings.metrics_port)
+    blind = unscraped(samples, errors, port)
     decision = autoscale.decide(samples, current, autoscale.Policy.from_spec(spec["autoscaling"], spec["admission"]), history, now)
     refused = None
     if decision.desired != current:

@@ -11,6 +11,7 @@ import uuid
 from typing import Mapping
 
 from embedop import __version__
+from embedop.render import GRPC_PORT, HTTP_PORT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +30,11 @@ class OperatorSettings:
     may take over: keep it well under EMBEDOP_LEASE_SECONDS)."""
     metrics_port: int = 8002
     """EMBEDOP_METRICS_PORT: the servers' plain-text port of /health and /metrics only (never API
-    keys or TLS): rendered into their METRICS_PORT, the container port `metrics`, the probes, the
-    Services, the prometheus.io/port annotation and the NetworkPolicy, and scraped by the autoscaler."""
+    keys or TLS): rendered into their METRICS_PORT, the container port `metrics`, the Services' port
+    `metrics` and the NetworkPolicy. Where a service's health is read (probes, prometheus.io/port,
+    the Services' `metrics` target, the autoscaler's scrape): here when keys, TLS or a NetworkPolicy
+    guard its API port, else on the API port, 8001 (render.health_port). Not 50051 or 8001, the
+    servers' gRPC and API ports."""
     grace_seconds: int = 45
     """EMBEDOP_GRACE_SECONDS: terminationGracePeriodSeconds of server pods (drain time)."""
     leader_election: bool = True
@@ -75,7 +79,7 @@ class OperatorSettings:
             resync_seconds=positive("EMBEDOP_RESYNC_SECONDS", d.resync_seconds),
             scrape_timeout_s=positive("EMBEDOP_SCRAPE_TIMEOUT_S", d.scrape_timeout_s),
             api_timeout_s=positive("EMBEDOP_API_TIMEOUT_S", d.api_timeout_s),
-            metrics_port=int(env.get("EMBEDOP_METRICS_PORT") or d.metrics_port),
+            metrics_port=metrics_port(env.get("EMBEDOP_METRICS_PORT"), d.metrics_port),
             grace_seconds=int(env.get("EMBEDOP_GRACE_SECONDS") or d.grace_seconds),
             leader_election=election in ("true", "1"),
             lease_namespace=env.get("EMBEDOP_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or d.lease_namespace,
@@ -86,6 +90,23 @@ class OperatorSettings:
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
             identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )
+
+
+# The servers' own ports, which the metrics port may not be.
+SERVER_PORTS = {"gRPC": GRPC_PORT, "HTTP API": HTTP_PORT}
+
+
+def metrics_port(raw: str | None, default: int) -> int:
+    """A TCP port, and not one the servers already bind for gRPC or the API: every server would exit
+    at start-up ("the same port"), and every fleet with it."""
+    if not raw:
+        return default
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 65535:
+        raise ValueError(f"EMBEDOP_METRICS_PORT={raw!r}: must be a TCP port, 1 to 65535")
+    if taken := next((name for name, port in SERVER_PORTS.items() if port == int(raw)), None):
+        raise ValueError(f"EMBEDOP_METRICS_PORT={raw!r}: that is the servers' {taken} port; choose another "
+                         "(the default is 8002)")
+    return int(raw)
 
 
 def lease_seconds(raw: str | None, default: int) -> int:

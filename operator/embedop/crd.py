@@ -142,8 +142,9 @@ NETWORK_POLICY = obj(
         "from": peers("Who may reach the gRPC and HTTP API ports. Unset or empty: pods of the service's own "
                       "namespace only."),
         "metricsFrom": peers("Who besides the operator may reach the metrics port (/health, /metrics), e.g. "
-                             "Prometheus's pods. The kubelet's probes need no rule (traffic from a pod's own "
-                             "node is always allowed)."),
+                             "Prometheus's pods; with autoscaling.mode hpa it must admit Prometheus, or the "
+                             "HorizontalPodAutoscaler gets no metrics. The kubelet's probes need no rule (traffic "
+                             "from a pod's own node is always allowed)."),
     })
 
 

@@ -62,6 +62,10 @@ def _outcome(outcome: reconcile.Outcome) -> None:
         _say(body, "RejectedByAPI", outcome.rejected, warning=True)
     if outcome.notice:
         _say(body, "DefaultImageChanged", outcome.notice)
+    if outcome.warnings:
+        _say(body, "SpecWarning", "; ".join(outcome.warnings), warning=True)
+    else:  # said again when it comes back
+        _said.pop((body["metadata"]["namespace"], body["metadata"]["name"], "SpecWarning"), None)
     if outcome.applied:
         log.info("%s/%s: applied %s", body["metadata"]["namespace"], body["metadata"]["name"], ", ".join(outcome.applied))
 

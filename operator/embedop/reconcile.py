@@ -48,6 +48,7 @@ class Outcome:
     gone: bool = False  # the service no longer exists or is being deleted
     body: dict | None = None  # the service as read
     foreign: list[str] = dataclasses.field(default_factory=list)  # "Kind/name" taken by someone else
+    warnings: list[str] = dataclasses.field(default_factory=list)  # spec.warnings: said, never refused
     scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
 
 
@@ -251,7 +252,7 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
     owner = owner_of(body)
     spec = specs.defaulted(body.get("spec") or {})
     problems = specs.problems(spec, name)
-    outcome = Outcome(problems, [], body=body)
+    outcome = Outcome(problems, [], body=body, warnings=specs.warnings(spec))
     hpa = None
     if not_ours(live, owner):
         outcome.foreign.append(f"Deployment/{name}")

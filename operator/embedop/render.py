@@ -11,7 +11,7 @@ from embedop import crd, render_network, render_security
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
-# of the probes and scrapes (EMBEDOP_METRICS_PORT may move it).
+# (EMBEDOP_METRICS_PORT may move it). Which of the last two the probes and scrapes read: health_port.
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8001, 8002
 MANAGED_BY = {"app.kubernetes.io/managed-by": "embedop"}
 SERVICE_LABEL = "embedfleet.dev/service"
@@ -65,6 +65,33 @@ def cpu_for(resources: dict) -> str:
 
 
 RESERVED_ENV = crd.RESERVED_ENV
+
+
+def guarded(spec: dict) -> bool:
+    """Whether something stands between the API port and the kubelet or Prometheus: API keys and
+    TLS (neither can present a key or verify a pod's certificate), or a NetworkPolicy (which opens
+    only the metrics port to the operator and Prometheus)."""
+    return bool(spec.get("auth") or spec.get("tls") or (spec.get("networkPolicy") or {}).get("enabled"))
+
+
+def health_port(spec: dict, metrics_port: int = METRICS_PORT) -> int:
+    """The port a service's health and metrics are READ on: the three probes, the
+    prometheus.io/port annotation, the target of the Services' `metrics` port (so the chart's
+    ServiceMonitor and the HPA's adapter follow) and the autoscaler's scrape.
+
+    The plain metrics port when the spec guards the API port (`guarded`: spec.auth, spec.tls,
+    spec.networkPolicy.enabled); otherwise the API port, HTTP_PORT.
+
+    Why not the metrics port always: upgrade safety of pinned images. A service without spec.image
+    keeps the server image it was created with (server_image), and one with spec.image may name an
+    older version; servers from before the metrics port serve /health and /metrics on the API port
+    only, without a key. The operator's upgrade changes the pod template (METRICS_PORT, the
+    `metrics` container port) and so rolls every fleet: probed on a port its server never binds, the
+    new pod would never pass its startup probe (maxUnavailable 1: a 1-replica fleet is down) and
+    every scrape would fail (MetricsUnavailable, scaling stops). Every server version answers the
+    API port, so an unguarded fleet is read there whatever image it runs. A guarded one needs a
+    server image that has the metrics port; an older one could not honour keys or TLS anyway."""
+    return metrics_port if guarded(spec) else HTTP_PORT
 
 
 def server_env(spec: dict, grace_seconds: int, metrics_port: int = METRICS_PORT) -> list[dict]:
@@ -200,10 +227,13 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
     limits = {"cpu": cpu_for(res), "memory": str(res["memory"])}
     if res["gpu"] > 0:
         limits["nvidia.com/gpu"] = str(res["gpu"])
-    # Every probe asks the plain metrics port: the kubelet's gRPC probe can send neither TLS nor an
-    # API key, and its HTTP probe no key; /health answers there exactly what grpc.health.v1 says
-    # (503 while starting, degraded or draining), whatever spec.auth and spec.tls are.
-    health = {"httpGet": {"path": "/health", "port": "metrics"}}
+    # Every probe is /health on health_port (the metrics port when keys, TLS or a NetworkPolicy
+    # guard the API port, else the API port): the kubelet's gRPC probe can send neither TLS nor an
+    # API key, and its HTTP probe no key; /health answers exactly what grpc.health.v1 says (503
+    # while starting, degraded or draining). Liveness included: one event loop serves gRPC and
+    # HTTP alike (docs/operator.md says what an HTTP liveness cannot see).
+    port = health_port(spec, metrics_port)
+    health = {"httpGet": {"path": "/health", "port": port}}
     container = {
         "name": "server",
         "image": image,
@@ -246,7 +276,7 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
                 "metadata": {
                     # The service's own labels win: the selector depends on them.
                     "labels": {**spec.get("podLabels", {}), **labels(owner.name)},
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
                                     "prometheus.io/path": "/metrics", **spec.get("podAnnotations", {})},
                 },
                 "spec": _pod_spec(spec, container, grace_seconds),
@@ -266,7 +296,9 @@ def _ports(spec: dict, metrics_port: int) -> list[dict]:
     return [
         grpc,
         {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
-        {"name": "metrics", "port": metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+        # Named `metrics` and numbered as EMBEDOP_METRICS_PORT whatever it leads to: what scrapes it
+        # (the chart's ServiceMonitor, by name) reads the pods where health_port says.
+        {"name": "metrics", "port": metrics_port, "targetPort": health_port(spec, metrics_port), "protocol": "TCP"},
     ]
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 from embedop.crd import AUTH_DIR, TLS_DIR
 
 AUTH_VOLUME, TLS_VOLUME = "api-keys", "tls"
-# Readable by owner and group only. With the pod's fsGroup (10001) the kubelet gives the files that
-# group, so the server (uid 10001, gid 10001) reads them through the group bit; 0400 would leave
-# them to root, the files' owner, and the server could not read its own keys.
+# Read-only, for the files' owner (root) and group; nobody else. With the pod's fsGroup (10001) the
+# kubelet gives a Secret volume's files that group and, the volume being read-only, adds group read
+# to their mode (0400 would become 0440 too), so the server (uid 10001, gid 10001) reads them
+# through the group bit. 0440 is written because it is what the files get: the manifest says what
+# the pod has, and nothing wider (no write, no world read).
 SECRET_MODE = 0o440
 TLS_FILES = {"TLS_CERT_FILE": "tls.crt", "TLS_KEY_FILE": "tls.key"}
 CLIENT_CA = ("TLS_CLIENT_CA_FILE", "ca.crt")

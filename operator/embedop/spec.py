@@ -117,3 +117,17 @@ def problems(spec: dict, name: str | None = None) -> list[str]:
     if "image" in spec and not spec["image"].strip():
         out.append("image is empty")
     return out + kubernetes_problems(spec)
+
+
+def warnings(spec: dict) -> list[str]:
+    """What a spec that works may still get wrong, said (an Event) but never refused: the spec is
+    valid, and which peers are Prometheus no schema can tell."""
+    out = []
+    policy = spec.get("networkPolicy") or {}
+    if spec["autoscaling"]["mode"] == "hpa" and policy.get("enabled") and not policy.get("metricsFrom"):
+        # The operator's own pods are admitted to the metrics port, but in mode hpa nothing of the
+        # operator reads it: the HPA's metric comes from Prometheus, through prometheus-adapter.
+        out.append("networkPolicy: autoscaling.mode hpa reads the pods' metrics through Prometheus, and "
+                   "networkPolicy.metricsFrom is empty: the policy keeps Prometheus from the metrics port, and the "
+                   "HorizontalPodAutoscaler gets no metrics (it holds the count); add Prometheus's pods to metricsFrom")
+    return out

@@ -4,7 +4,9 @@ no ready pod can be scraped, cleared when one can; the count it scales to writte
 service's spec.replicas, so that a switch to mode off alone keeps the fleet.
 
 The emulator runs no controllers: the Pod is posted by the test, ready, at an address of its own
-(127.0.0.41); nothing listens there until the test serves the shared signal on it."""
+(a loopback address); nothing listens there until the test serves the shared signal on it. Where:
+the port render.health_port names, the API port for a service without keys, TLS or a
+NetworkPolicy, the metrics port (EMBEDOP_METRICS_PORT) for a guarded one."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ import pytest
 
 from bench.operator_load import exposition, serve_metrics
 from embedop import render
-from tests.conftest import free_port
+from tests.conftest import free_port, pod_addresses
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
-NS, NAME, POD_IP = "default", "signal", "127.0.0.41"
-PORT = free_port()
+NS, NAME = "default", "signal"
+PORT = free_port()  # the operator's metrics port (EMBEDOP_METRICS_PORT)
+POD_IP, REFUSED_IP, GUARDED_IP = pod_addresses(render.HTTP_PORT, 3)
 DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 # One pod offered 4000 tokens/s with a capacity of 1000: ceil(4000 / (1000 × 0.7)) = 6 replicas.
 EXPOSITION = exposition(service_rate=1000, arrival_rate=4000)
@@ -35,11 +38,12 @@ def operator_(emulator, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pod_metrics():
-    """→ start(): serve the pod's /metrics from then on."""
-    servers = []
+    """→ start(): serve the pod's /metrics on the API port from then on. Its metrics port answers
+    from the start, and the operator must not read it: the service has no guard."""
+    servers = [serve_metrics(POD_IP, PORT, EXPOSITION)]
 
     def start():
-        servers.append(serve_metrics(POD_IP, PORT, EXPOSITION))
+        servers.append(serve_metrics(POD_IP, render.HTTP_PORT, EXPOSITION))
 
     yield start
     for server in servers:
@@ -69,9 +73,11 @@ def test_unscrapable_then_scraped_then_scaled_and_switched_off(emulator, operato
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-0", "namespace": NS, "labels": render.labels(NAME)},
         "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
         "status": {"phase": "Running", "podIP": POD_IP, "conditions": [{"type": "Ready", "status": "True"}]}})
-    # Nothing listens at the pod's address (as when a NetworkPolicy keeps the operator out).
+    # Nothing listens on the pod's API port (as when a NetworkPolicy keeps the operator out), which
+    # is where an unguarded service is read (render.health_port), whatever its metrics port says.
     c = eventually(lambda: (c := condition(emulator, "MetricsUnavailable")).get("status") == "True" and c, timeout=30)
-    assert c["reason"] == "ScrapeFailed" and f"{NAME}-0" in c["message"] and str(PORT) in c["message"], c
+    assert c["reason"] == "ScrapeFailed" and f"{NAME}-0" in c["message"], c
+    assert f"on port {render.HTTP_PORT} /metrics" in c["message"], c
     assert "held" in c["message"]
     (event,) = eventually(lambda: warnings(emulator, "MetricsUnavailable"))
     assert event["type"] == "Warning" and f"{NAME}-0" in event["message"]
@@ -104,7 +110,7 @@ def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator
     changes the count, through the scale subresource (which such webhooks do not judge), and the
     refusal shows as a condition. Once the policy allows it, one apply brings the spec and takes
     the count back, never dropping it, and then nothing more is applied."""
-    name, ip = "refused", "127.0.0.42"
+    name, ip = "refused", REFUSED_IP
     deploy = f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
     emulator.request("POST", service_path(NS), new_service(name, {
         "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
@@ -121,7 +127,7 @@ def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator
         c = eventually(lambda: (c := condition_of(emulator, name, "Degraded")).get("reason") == "RejectedByAPI" and c)
         assert "no-debug-logs" in c["message"]
         # Demand for 6 replicas arrives: the count changes all the same.
-        server = serve_metrics(ip, PORT, EXPOSITION)
+        server = serve_metrics(ip, render.HTTP_PORT, EXPOSITION)
         emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": NS, "labels": render.labels(name)},
             "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
@@ -149,3 +155,25 @@ def test_the_count_changes_while_admission_refuses_the_rest_of_the_spec(emulator
 def condition_of(emulator, name, type_) -> dict:
     cr = emulator.get(service_path(NS, name))
     return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def test_a_guarded_service_is_read_on_the_metrics_port(emulator, operator_):
+    """API keys on: the operator scrapes the plain metrics port (EMBEDOP_METRICS_PORT), where no
+    key is needed, and never the API port, which would want one (nothing answers there here)."""
+    name, deploy = "keyed", f"/apis/apps/v1/namespaces/{NS}/deployments/keyed"
+    spec = {"model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+            "auth": {"apiKeySecretRef": {"name": "keyed-keys"}},
+            "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 1}}
+    assert render.health_port(spec, PORT) == PORT
+    server = serve_metrics(GUARDED_IP, PORT, EXPOSITION)
+    try:
+        emulator.request("POST", service_path(NS), new_service(name, spec))
+        eventually(lambda: emulator.get(deploy))
+        emulator.request("POST", f"/api/v1/namespaces/{NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": NS, "labels": render.labels(name)},
+            "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
+            "status": {"phase": "Running", "podIP": GUARDED_IP, "conditions": [{"type": "Ready", "status": "True"}]}})
+        eventually(lambda: emulator.get(deploy)["spec"]["replicas"] == 6, timeout=60)
+        assert condition_of(emulator, name, "MetricsUnavailable")["reason"] == "Scraped"
+    finally:
+        server.shutdown()

@@ -1,7 +1,9 @@
 """Autoscaling end to end on this machine: kmock as the API server, a small test kubelet that turns
 the Deployment's replicas into real server processes (simulated accelerator, each on its own
-127.0.0.x address) and posts their Pods, the real operator process scraping them, and a load
-generator offering ~3x one replica's capacity through all ready pods."""
+loopback address, with the ports the operator renders: the API on 8001) and posts their Pods,
+Ready once the rendered readiness probe passes, the real operator process scraping them where
+render.health_port says (the API port: the service has no guard), and a load generator offering
+~3x one replica's capacity through all ready pods."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import asyncio
 import datetime
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
@@ -18,13 +22,14 @@ from bench.loadgen import call
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedop import render
-from tests.conftest import ServerProcess, free_port, make_text
+from tests.conftest import ServerProcess, free_port, make_text, pod_addresses
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
 NS, NAME = "default", "auto"
 SIM_RATE = 1500  # padded tokens/s per simulated device
-HTTP_PORT, GRPC_PORT, METRICS_PORT = free_port(), free_port(), free_port()
+# The API port as rendered (each pod has an address of its own); the operator's metrics port free.
+HTTP_PORT, GRPC_PORT, METRICS_PORT = render.HTTP_PORT, free_port(), free_port()
 DEPLOY = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 LOAD_S = 45
@@ -32,6 +37,15 @@ LOAD_S = 45
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def probe(ip: str, http_get: dict) -> bool:
+    """The kubelet's httpGet probe, as the Deployment states it (port and path)."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{http_get['port']}{http_get['path']}", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 class Kubelet(threading.Thread):
@@ -75,13 +89,10 @@ class Kubelet(threading.Thread):
                 self.pods.remove(victim)
                 self.emulator.request("DELETE", f"{PODS}/{victim['name']}")
                 victim["server"].proc.terminate()
+            readiness = d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"] if d else None
             for p in self.pods:
-                if not p["ready"] and p["server"].proc.poll() is None:
-                    try:
-                        ok = p["server"].health()[0] == 200
-                    except OSError:
-                        ok = False
-                    if ok:
+                if not p["ready"] and p["server"].proc.poll() is None and readiness:
+                    if probe(p["ip"], readiness):
                         p["ready"] = True
                         self.emulator.merge_patch(f"{PODS}/{p['name']}/status", {"status": {
                             "phase": "Running", "podIP": p["ip"],
@@ -89,7 +100,7 @@ class Kubelet(threading.Thread):
 
     def _start(self) -> None:
         self._next += 1
-        ip = f"127.0.0.{20 + self._next}"
+        (ip,) = pod_addresses(HTTP_PORT)
         name = f"{NAME}-{self._next}"
         server = ServerProcess({
             "MODEL_PATH": f"sim:{SIM_RATE}", "BIND_HOST": ip, "GRPC_PORT": str(GRPC_PORT),
@@ -159,6 +170,9 @@ async def test_replicas_follow_offered_load(emulator, fleet, reference):
     kubelet, operator = fleet
     eventually(lambda: kubelet.ready_targets() or kubelet.errors, timeout=60)
     assert kubelet.errors == []
+    # No guard: probed (and so made Ready by the test kubelet) and scraped on the API port.
+    container = emulator.get(DEPLOY)["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["port"] == HTTP_PORT != METRICS_PORT
     assert replicas(emulator) == 1
     rng = np.random.default_rng(2)
     # Long texts: the load is in tokens, and fewer requests leave this small CPU to the servers.

@@ -31,8 +31,20 @@ def test_the_lease_lives_in_the_pods_namespace():
     ("EMBEDOP_RESYNC_SECONDS", "nan"), ("EMBEDOP_RESYNC_SECONDS", "0"), ("EMBEDOP_SCRAPE_TIMEOUT_S", "inf"),
     ("EMBEDOP_API_TIMEOUT_S", "-1"), ("EMBEDOP_LEADER_ELECTION", "maybe"),
     ("EMBEDOP_POD_LABELS", "app"), ("EMBEDOP_POD_LABELS", "a=b,c d=e"), ("EMBEDOP_POD_LABELS", "a=-b-"),
-    ("EMBEDOP_POD_LABELS", "=b"),
+    ("EMBEDOP_POD_LABELS", "=b"), ("EMBEDOP_METRICS_PORT", "0"), ("EMBEDOP_METRICS_PORT", "65536"),
+    ("EMBEDOP_METRICS_PORT", "metrics"),
 ])
 def test_bad_values_are_refused_naming_the_variable(key, value):
     with pytest.raises(ValueError, match=key):
         OperatorSettings.from_env({key: value})
+
+
+@pytest.mark.parametrize("port, which", [("50051", "gRPC"), ("8001", "HTTP API")])
+def test_the_metrics_port_may_not_be_a_port_the_servers_already_bind(port, which):
+    """Every server would refuse to start ("the same port"), and every fleet with it."""
+    from embedop import render
+
+    assert {int(port)} <= {render.GRPC_PORT, render.HTTP_PORT}
+    with pytest.raises(ValueError, match=f"EMBEDOP_METRICS_PORT='{port}'.*{which}"):
+        OperatorSettings.from_env({"EMBEDOP_METRICS_PORT": port})
+    assert OperatorSettings.from_env({"EMBEDOP_METRICS_PORT": "9102"}).metrics_port == 9102

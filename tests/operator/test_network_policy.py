@@ -1,11 +1,12 @@
 """A service with API keys, TLS and a NetworkPolicy, through the real operator process and the
 emulator's API: the Secrets mounted, the probes on the metrics port, the NetworkPolicy owned and
 admitting the operator's pods as the operator was told them, kept as rendered, and deleted when
-the spec turns it off. (What the emulator lacks — garbage collection, the removal of a field an
+the spec turns it off; mode hpa behind a policy that admits no Prometheus, warned. (What the emulator lacks — garbage collection, the removal of a field an
 apply stops sending, a network plugin enforcing the policy — tests/cluster/ judges on a real one.)"""
 
 import pytest
 
+from embedop import spec as specs
 from embedop.kube import CALLS
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
@@ -48,7 +49,7 @@ def test_the_service_reconciles_to_secrets_mounted_probes_on_metrics_and_a_polic
     assert secrets == {"api-keys": "guarded-keys", "tls": "guarded-tls"}
     assert all(m["readOnly"] for m in c["volumeMounts"] if m["name"] in secrets)
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "http": 8001, "metrics": 8002}
-    assert {c[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {"metrics"}
+    assert {c[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {8002}
     ports = {p["name"]: p for p in eventually(lambda: emulator.get(SERVICE))["spec"]["ports"]}
     assert "appProtocol" not in ports["grpc"] and ports["metrics"]["port"] == 8002  # TLS: not h2c
 
@@ -84,3 +85,35 @@ def test_its_calls_are_declared_for_rbac(emulator, guarded):
     assert {c for c in calls if c[1] == "networkpolicies"} >= {
         ("networking.k8s.io", "networkpolicies", v) for v in ("list", "watch", "create", "patch", "delete")}
     assert calls <= CALLS, calls - CALLS
+
+
+HPA = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3}
+
+
+@pytest.mark.parametrize("autoscaling, policy, warned", [
+    (HPA, {"enabled": True}, True),
+    (HPA, {"enabled": True, "metricsFrom": PROMETHEUS}, False),
+    (HPA, {"enabled": False}, False),
+    ({"mode": "operator"}, {"enabled": True}, False),  # the operator's own pods are admitted
+])
+def test_mode_hpa_behind_a_policy_without_metrics_from_is_warned_not_refused(autoscaling, policy, warned):
+    """The HPA's metric comes from Prometheus: a policy that admits no Prometheus leaves it blind.
+    Said, not refused: which peers are Prometheus no check can tell, and the spec is valid."""
+    spec = specs.defaulted({"model": "m", "autoscaling": autoscaling, "networkPolicy": policy})
+    assert specs.problems(spec) == []
+    assert bool([w for w in specs.warnings(spec) if "metricsFrom" in w and "HorizontalPodAutoscaler" in w]) == warned
+
+
+def test_the_warning_is_a_warning_event_and_the_service_is_still_rendered(emulator, guarded):
+    name = "blind-hpa"
+    emulator.request("POST", service_path(NS), new_service(name, {
+        "model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"}, "autoscaling": HPA,
+        "networkPolicy": {"enabled": True}}))
+    eventually(lambda: emulator.get(f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/{name}"))
+    eventually(lambda: emulator.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{name}"))
+
+    def said():
+        return [e for e in emulator.get(f"/api/v1/namespaces/{NS}/events")["items"]
+                if e.get("involvedObject", {}).get("name") == name and e.get("reason") == "SpecWarning"]
+    (event,) = eventually(said)
+    assert event["type"] == "Warning" and "metricsFrom" in event["message"]

@@ -51,6 +51,10 @@ VARIATIONS = {
     "secured": example("secured.yaml"),
     "mtls-default-policy": {"model": "m", "tls": {"secretRef": {"name": "t"}, "clientAuth": True},
                             "networkPolicy": {"enabled": True}},
+    # One guard each: every one moves the probes to the metrics port (test_health_port_*).
+    "auth-only": {"model": "m", "auth": {"apiKeySecretRef": {"name": "k"}}},
+    "tls-only": {"model": "m", "tls": {"secretRef": {"name": "t"}}},
+    "policy-only": {"model": "m", "networkPolicy": {"enabled": True}},
 }
 
 
@@ -174,16 +178,16 @@ def test_gpu_probes_security_and_rollout():
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
-    # Every probe on the plain metrics port (the kubelet's gRPC probe can do neither TLS nor keys).
+    # No guard in the full example: every probe on the API port (render.health_port).
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, probe
+        assert c[probe]["httpGet"] == {"path": "/health", "port": render.HTTP_PORT}, probe
     assert {"name": "metrics", "containerPort": render.METRICS_PORT, "protocol": "TCP"} in c["ports"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert pod["securityContext"]["runAsNonRoot"] and "lifecycle" in c
     assert pod["terminationGracePeriodSeconds"] == 45
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["volumes"][0] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}}
-    assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8002"
+    assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8001"
     assert "nvidia.com/gpu" not in rendered("cpu-only")[1][0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 

@@ -1,5 +1,5 @@
 """spec.auth, spec.tls and spec.networkPolicy as rendered: the Secrets mounted as kubelet keeps them
-current, the probes and every scrape on the plain metrics port whatever guards the API ports, and
+current, the probes and every scrape on the plain metrics port once a guard is on, and
 a NetworkPolicy that admits the operator to that port and nobody by omission to the others.
 (Strict validation against the Kubernetes schemas: test_render.py's VARIATIONS, which include
 these specs.)"""
@@ -66,7 +66,7 @@ def test_nothing_of_it_without_auth_and_tls():
 
 def test_probes_and_the_operators_scrape_use_the_plain_metrics_port_with_keys_and_tls_on():
     """The kubelet's probes and the autoscaler's scrape carry no key and speak no TLS: with both on,
-    each still goes to the metrics port, and it is the one the server is told to serve them on."""
+    each goes to the metrics port, and it is the one the server is told to serve them on."""
     settings = OperatorSettings.from_env({"EMBEDOP_METRICS_PORT": "9102", "POD_NAMESPACE": OPERATOR.namespace,
                                           "EMBEDOP_POD_LABELS": "app.kubernetes.io/name=embedfleet-operator,"
                                                                 "app.kubernetes.io/instance=ef"})
@@ -77,12 +77,13 @@ def test_probes_and_the_operators_scrape_use_the_plain_metrics_port_with_keys_an
     port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
     assert port == 9102 and env_of(d)["METRICS_PORT"] == "9102"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, probe
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 9102}, probe
     assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9102"
-    assert autoscaler.metrics_url("10.1.2.3", settings.metrics_port) == "http://10.1.2.3:9102/metrics"
+    scraped = render.health_port(spec, settings.metrics_port)  # autoscaler.step scrapes this port
+    assert autoscaler.metrics_url("10.1.2.3", scraped) == "http://10.1.2.3:9102/metrics"
     companions = render.companions(OWNER, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
     for svc in (o for o in companions if o["kind"] == "Service"):
-        assert {"name": "metrics", "port": 9102, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+        assert {"name": "metrics", "port": 9102, "targetPort": 9102, "protocol": "TCP"} in svc["spec"]["ports"]
     (policy,) = [o for o in companions if o["kind"] == "NetworkPolicy"]
     (metrics_rule,) = [r for r in policy["spec"]["ingress"] if r["ports"] == [{"port": 9102, "protocol": "TCP"}]]
     assert metrics_rule["from"] == [OPERATOR.peer()]

@@ -54,20 +54,33 @@ def test_the_served_task_is_the_task_label_of_model_info():
     assert autoscaler.read_exposition(exposition(rate=1, arrival=1, queued=0, offered=1, limit=1))[1] is None
 
 
-def test_a_real_servers_metrics_say_its_task():
-    """The contract with the server: `python -m embedserve` on the packaged model exports the
-    shared signal and the task label the operator reads (status.task)."""
-    from tests.conftest import ServerProcess
-    import urllib.request
+GUARDS = {"none": {}, "auth": {"auth": {"apiKeySecretRef": {"name": "k"}}}, "tls": {"tls": {"secretRef": {"name": "t"}}},
+          "networkPolicy": {"networkPolicy": {"enabled": True}}}
 
-    server = ServerProcess().wait_ready(300)
+
+async def test_a_real_server_is_scraped_where_health_port_says_and_its_metrics_say_its_task():
+    """The contract with the server: `python -m embedserve` on the packaged model, bound as the
+    operator renders it (the API on 8001, at a pod's address of its own; METRICS_PORT), exports the
+    shared signal and the task label the operator reads (status.task) on the port the autoscaler
+    scrapes for each kind of spec: the API port without a guard, the metrics port with one."""
+    from embedop import render, spec as specs
+    from tests.conftest import ServerProcess, pod_addresses
+
+    (ip,) = pod_addresses(render.HTTP_PORT)
+    server = ServerProcess({"BIND_HOST": ip, "HTTP_HEALTH_PORT": str(render.HTTP_PORT)}).wait_ready(300)
+    ports = {}
     try:
-        text = urllib.request.urlopen(server.http + "/metrics", timeout=10).read().decode()
+        async with aiohttp.ClientSession() as session:
+            for guard, fields in GUARDS.items():
+                port = ports[guard] = render.health_port(specs.defaulted({"model": "m", **fields}), server.metrics_port)
+                errors = {}
+                (sample,) = await autoscaler.scrape(session, [kubelet_pod(ip=ip)], port, 10, errors)
+                assert sample.scraped, (guard, errors)
+                assert sample.task == "embed", guard  # scraped: the shared signal was there (REQUIRED)
     finally:
         server.stop()
-    values, task = autoscaler.read_exposition(text)
-    assert set(autoscaler.REQUIRED) <= set(values)
-    assert task == "embed"
+    assert ports == {"none": render.HTTP_PORT, "auth": server.metrics_port, "tls": server.metrics_port,
+                     "networkPolicy": server.metrics_port}
 
 
 def test_a_missing_metric_is_left_out():

@@ -16,7 +16,7 @@ from bench.operator_load import exposition, serve_metrics
 from embedop import autoscale, autoscaler, reconcile, render, spec as specs, status
 from embedop.cache import Cluster
 from embedop.kube import Kube
-from tests.conftest import free_port
+from tests.conftest import pod_addresses
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator import emulator as emulator_module
 from tests.operator.emulator import new_service, service_path
@@ -138,11 +138,12 @@ def test_spec_task_status_task_and_the_mismatch_with_the_real_operator(emulator,
     is not a cross-encoder, or a rollout is under way) shows as status.task embed and TaskMismatch;
     once the pod serves rerank the condition clears; spec.task removed: TASK leaves the pods, the
     task the pod serves stays (inferred)."""
-    name, ip, port = "reranker", "127.0.0.51", free_port()
+    name, port = "reranker", render.HTTP_PORT  # no guard: the operator reads the pods on the API port
+    (ip,) = pod_addresses(port)
     served = {"task": "embed"}
     server = serve_metrics(ip, port, lambda: exposition(1000, 500, task=served["task"]))
     op = OperatorProcess(emulator.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log",
-                         env={"EMBEDOP_METRICS_PORT": str(port), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+                         env={"EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
     try:
         emulator.request("POST", service_path(NS), new_service(name, {
             "model": "BAAI/bge-reranker-base", "task": "rerank", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},

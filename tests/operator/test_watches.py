@@ -11,13 +11,11 @@ import time
 import pytest
 
 from bench.operator_load import others, requests_between, settled
-from tests.conftest import free_port
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
 NS = "default"
-PORT = free_port()
 OURS = "app.kubernetes.io/managed-by=embedop"
 
 
@@ -25,15 +23,14 @@ OURS = "app.kubernetes.io/managed-by=embedop"
 def fleet(emulator, tmp_path_factory):
     others(emulator, 10)
     d = tmp_path_factory.mktemp("watches")
-    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log",
-                         env={"EMBEDOP_METRICS_PORT": str(PORT), "EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log", env={"EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
     # Mode off, with an empty env value (stored without it) and no excludeTokens (once rendered
     # as EXCLUDE_TOKENS="": the drift check never matched, and every resync applied again).
     emulator.request("POST", service_path(NS), new_service("fixed", {
         "model": "m", "replicas": 1, "autoscaling": {"mode": "off"}, "resources": {"gpu": 0},
         "env": [{"name": "EMPTY", "value": ""}]}))
     # The same answer at every scrape: not even the once-a-minute refresh of the measured rates.
-    servers = settled(emulator, ["busy-a", "busy-b"], PORT, interval_s=1, live=False)
+    servers = settled(emulator, ["busy-a", "busy-b"], interval_s=1, live=False)
     eventually(lambda: emulator.get(service_path(NS, "fixed")).get("status", {}).get("observedGeneration"))
     yield op
     op.stop()
