@@ -132,7 +132,9 @@ class FrontEnds:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        # A front end drains for up to `grace`, then flushes its spans (tracing.shutdown, at most
+        # FLUSH_S): killed only after both, or the slowest requests' spans are the ones lost.
+        deadline = time.monotonic() + grace + tracing.FLUSH_S
         for p in self.procs:
             try:
                 await asyncio.to_thread(p.wait, max(0.1, deadline - time.monotonic()))
@@ -187,15 +189,22 @@ def main() -> int:
     level = os.environ.get("LOG_LEVEL", "INFO")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # gRPC's C core writes its own lines (e.g. one per failed TLS handshake, at INFO) to stderr,
+    # past our handler and LOG_FORMAT: only its errors, unless the operator asks (front ends inherit it).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         settings = Settings.from_env()
-        check_files(settings)  # the keys and certificates, before any front end starts
     except ConfigError as e:
         # In the format asked for, if that much can be read (a bad LOG_FORMAT itself: text).
         logs.configure("json" if os.environ.get("LOG_FORMAT", "").strip().lower() == "json" else "text", level)
         log.error("configuration error: %s", e)
         return 2
-    logs.setup(settings, level)
+    logs.setup(settings, level)  # before the file checks: their warnings in LOG_FORMAT too
+    try:
+        check_files(settings)  # the keys and certificates, before any front end starts
+    except ConfigError as e:
+        log.error("configuration error: %s", e)
+        return 2
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     count = frontend_count(settings)

@@ -95,7 +95,10 @@ def setup(settings, service_version: str = "") -> bool:
     return True
 
 
-def shutdown(timeout_s: float = 2.0) -> None:
+FLUSH_S = 2.0  # the most a graceful stop waits for queued spans to be exported
+
+
+def shutdown(timeout_s: float = FLUSH_S) -> None:
     """At a graceful stop: export what is still queued, waiting at most `timeout_s` (a collector
     that does not answer must not hold the pod's exit; the exporting thread is a daemon)."""
     global tracer
@@ -184,7 +187,8 @@ def stages(rec: Recorder, end: float) -> list[tuple[str, float, float, dict, boo
                  "embedfleet.admission.held_ms": (stop - start) * 1000 if decision == "held" else 0.0}
         if rec.booked_ms is not None:
             attrs["embedfleet.admission.booked_ms"] = rec.booked_ms
-        out.append(("admission", start, stop, attrs, decision == "refused"))
+        # A refusal is the caller's outcome, not an error (outcomes._outcome): said by `decision`.
+        out.append(("admission", start, stop, attrs, False))
     if rec.tokenization is not None:
         start, stop, requests, waited_s = rec.tokenization
         out.append(("tokenization", start, stop, {"embedfleet.tokenization.requests": requests,

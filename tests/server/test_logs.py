@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -87,3 +88,38 @@ def test_by_default_a_refusal_logs_one_text_line_with_the_callers_trace_id_and_a
     assert len(lines) == 1, lines  # the served request (answered first) wrote none
     assert " INFO embedserve.requests: Embed INVALID_ARGUMENT in " in lines[0]
     assert lines[0].endswith(f"texts[1] is empty or whitespace only (trace {trace_id})")
+
+
+def test_json_holds_from_the_first_line_with_keys_and_tls_and_a_plain_text_caller(tmp_path):
+    """The start-up's own file checks warn in JSON (they once ran before the format was set up),
+    and gRPC's C core, which writes past our handler, writes nothing for a plain-text caller at
+    the TLS port (it had written one line per failed handshake)."""
+    import socket
+
+    from tests.conftest import ServerProcess
+    from tests.server.mounted_secret import Pki
+
+    files = Pki(tmp_path).server_files()
+    for name in ("tls.crt", "tls.key"):
+        (tmp_path / name).write_bytes(files[name])
+    (tmp_path / "keys").write_text("key-one,key-two\n")  # one key with a comma: warned of, by line
+    server = ServerProcess({"MODEL_PATH": "sim:50000", "LOG_FORMAT": "json", "API_KEYS_FILE": str(tmp_path / "keys"),
+                            "TLS_CERT_FILE": str(tmp_path / "tls.crt"), "TLS_KEY_FILE": str(tmp_path / "tls.key")})
+    try:
+        server.wait_ready()
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5) as plain:
+                plain.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 64)
+                plain.settimeout(5)
+                try:
+                    plain.recv(100)  # the server's TLS alert, or its close
+                except OSError:
+                    pass
+    finally:
+        assert server.stop() == 0
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    not_json = [line for line in lines if not line.startswith("{")]
+    assert not not_json, not_json[:5]
+    records = [json.loads(line) for line in lines]
+    assert any(re.search(r"API_KEYS_FILE .*lines? 1\b.*comma", r["message"]) for r in records), records[:5]
+    assert not any("key-one" in line or "key-two" in line for line in lines)

@@ -229,7 +229,11 @@ def main() -> int:
     logs.setup(settings, os.environ.get("LOG_LEVEL", "INFO"), process="frontend")
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
-    asyncio.run(_serve(settings, os.environ["EMBEDSERVE_IPC"]))
+    try:
+        asyncio.run(_serve(settings, os.environ["EMBEDSERVE_IPC"]))
+    except Exception as e:  # noqa: BLE001 - one line in LOG_FORMAT, not Python's traceback print; restarted by the model process
+        log.error("front end failed: %s", e, exc_info=True)
+        return 1
     return 0
 
 

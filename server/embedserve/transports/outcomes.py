@@ -18,6 +18,21 @@ def _metadata(metadata, key: str) -> str | None:
     return next((v for k, v in metadata or () if k == key), None)
 
 
+REFUSAL = "embedfleet.refusal"  # why a request was refused (its span's status stays unset)
+
+
+def _outcome(attributes: dict, reason: str, answered_error: bool, server_error: bool) -> tuple[dict, str | None]:
+    """(span attributes, error status message or None). OpenTelemetry's conventions for server
+    spans: only the server's own failures are errors (gRPC's INTERNAL, UNAVAILABLE, ... ; HTTP
+    5xx); a refusal (bad input, overload, no key: 4xx, INVALID_ARGUMENT, RESOURCE_EXHAUSTED) is the
+    caller's outcome, so span-derived error rates do not count it; its reason is an attribute."""
+    if not answered_error:
+        return attributes, None
+    if server_error:
+        return attributes, reason
+    return {**attributes, REFUSAL: reason[:tracing.REASON_CHARS]}, None
+
+
 def grpc_begin(service: str, rpc: str, metadata) -> tracing.Recorder | None:
     carrier = {k: v for k, v in metadata or () if k in ("traceparent", "tracestate")}
     return tracing.begin(f"{service}/{rpc}", carrier, {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc})
@@ -29,7 +44,8 @@ def grpc_end(rpc: str, code, duration_s: float, reason: str, rec: tracing.Record
     an exception no status maps (INTERNAL, logged as an error)."""
     failed = code.name != "OK"
     if rec is not None:
-        tracing.finish(rec, {"rpc.grpc.status_code": code.value[0]}, (reason or code.name) if failed else None)
+        tracing.finish(rec, *_outcome({"rpc.grpc.status_code": code.value[0]}, reason or code.name,
+                                      failed, bug or code.name in logs.FAILED_GRPC))
     level = logs.grpc_level(code.name, bug)
     if level is not None:
         trace_id = tracing.trace_id(rec) or tracing.traceparent_trace_id(_metadata(metadata, "traceparent"))
@@ -72,7 +88,8 @@ def http_end(request, path: str, status: int, duration_s: float, rec: tracing.Re
         reason = request.scope.get(REASON_KEY) or (f"{type(bug).__name__}: {bug}" if bug is not None else
                                                    _phrase(status))
     if rec is not None:
-        tracing.finish(rec, {"http.response.status_code": status}, reason if failed else None)
+        tracing.finish(rec, *_outcome({"http.response.status_code": status}, reason, failed,
+                                      status >= 500 or bug is not None))
     if path in QUIET_PATHS:
         return
     level = logs.http_level(status, bug is not None)
