@@ -101,7 +101,7 @@ def test_no_key_configured_is_no_check():
     assert auth.from_settings(Settings.from_env({})) is None
 
 
-def test_with_nothing_configured_nothing_is_in_the_request_path():
+async def test_with_nothing_configured_nothing_is_in_the_request_path():  # grpc.aio builds its server on the running loop
     """No key, no TLS: no middleware, no interceptor, no reload task, plain ports (the host path
     costs what it did before keys and TLS existed)."""
     from embedserve.app import Server
