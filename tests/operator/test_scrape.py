@@ -54,17 +54,12 @@ def test_the_served_task_is_the_task_label_of_model_info():
     assert autoscaler.read_exposition(exposition(rate=1, arrival=1, queued=0, offered=1, limit=1))[1] is None
 
 
-def test_a_real_servers_metrics_say_its_task():
-    """The contract with the server: `python -m embedserve` on the packaged model exports the
-    shared signal and the task label the operator reads (status.task)."""
-    from tests.conftest import ServerProcess
+def test_a_real_servers_metrics_say_its_task(default_server):
+    """The contract with the server: `python -m embedserve` on the packaged model (the session's
+    server) exports the shared signal and the task label the operator reads (status.task)."""
     import urllib.request
 
-    server = ServerProcess().wait_ready(300)
-    try:
-        text = urllib.request.urlopen(server.http + "/metrics", timeout=10).read().decode()
-    finally:
-        server.stop()
+    text = urllib.request.urlopen(default_server.http + "/metrics", timeout=10).read().decode()
     values, task = autoscaler.read_exposition(text)
     assert set(autoscaler.REQUIRED) <= set(values)
     assert task == "embed"
