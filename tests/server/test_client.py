@@ -164,7 +164,9 @@ async def until_queued(server: ServerProcess) -> None:
 async def test_the_client_fails_fast_when_its_deadline_cannot_be_met():
     """A slow device and a short deadline: what cannot be served in time fails at once (no
     waiting out the deadline), and the server books nothing it would hold for nobody."""
-    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300"}).wait_ready()
+    # Its text: 42 tokens, bucket 64, at SIM's cap; one row in the others (the largest batch, the
+    # reorder window's, is still 256 tokens): at 300 tokens/s the warm-up slept ~3 s more on them.
+    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "BATCH_CAPS": "16:1,32:1,64:4,128:1,256:1,512:1"}).wait_ready()
 
     async def timed(client):
         t0 = time.perf_counter()

@@ -51,16 +51,19 @@ def pod(host: str, port: int, **env) -> ServerProcess:
 
 
 async def test_a_client_connected_before_a_scale_up_sends_the_new_pod_its_share(dns, port):
-    first = pod("127.0.0.2", port).wait_ready()
-    second = None
+    # The new pod's process starts with the first (the client knows pods only through DNS: the
+    # scale-up, as it sees it, is the new endpoint's arrival there).
+    first, second = pod("127.0.0.2", port), pod("127.0.0.3", port)
     try:
+        first.wait_ready()
+        second.wait_ready()
         dns.records[NAME] = ["127.0.0.2"]
         async with Client(dns.target(NAME, port)) as client:
             stop = asyncio.Event()
             load = asyncio.ensure_future(steady_load(client, stop))
             while served(first) < 10:  # connected, serving through the first pod only
                 await asyncio.sleep(0.05)
-            second = await asyncio.to_thread(lambda: pod("127.0.0.3", port).wait_ready())
+            assert served(second) == 0
             dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]  # the headless Service's new endpoint
             await asyncio.sleep(2 * AGE_S)  # within two connection ages the client has re-resolved
             before = served(first), served(second)
@@ -73,8 +76,7 @@ async def test_a_client_connected_before_a_scale_up_sends_the_new_pod_its_share(
         assert 0.3 <= new_share <= 0.7, (before, after)  # a fair share: about half
     finally:
         for server in (first, second):
-            if server:
-                server.stop()
+            server.stop()
 
 
 async def test_sigterm_to_one_of_two_pods_under_steady_load_loses_no_request(dns, port):
@@ -282,7 +284,10 @@ async def test_an_http_client_retrying_a_draining_pod_reaches_another():
     from tests.server.test_client import until_queued
 
     one_service = {**SIM, "SERVED_MODEL_NAME": "m"}
-    leaving = ServerProcess({**one_service, "MODEL_PATH": "sim:500"})  # slow: its queue takes seconds to drain
+    # Slow: its queue (8 rows cut to 256 tokens, one a batch) takes seconds to drain. One row in
+    # the other buckets too (SIM's are 256 tokens at most): at 500 tokens/s the warm-up slept
+    # ~2 s more through SIM's caps there.
+    leaving = ServerProcess({**one_service, "MODEL_PATH": "sim:500", "BATCH_CAPS": "16:1,32:1,64:1,128:1,256:1,512:1"})
     staying = ServerProcess(one_service)
     try:
         for p in (leaving, staying):

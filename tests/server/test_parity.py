@@ -52,18 +52,30 @@ PACKED = {"ATTENTION": "packed", "STATIC_SHAPES": "true", "MAX_TOKENS_PER_BATCH"
 
 
 @pytest.fixture(scope="module")
+def dense_variant(model_dir, tmp_path_factory):
+    """CLS and mean pooling under a Dense layer: one directory, served padded and packed."""
+    return variant(model_dir, tmp_path_factory.mktemp("cls+mean-dense"), ("cls", "mean"), dense=True)
+
+
+@pytest.fixture(scope="module")
 def served(request, model_dir, tmp_path_factory):
     """(server, the reference SentenceTransformer loaded from the same directory)."""
     from sentence_transformers import SentenceTransformer
 
+    if request.param == "packaged":
+        # The packaged model as shipped is the session's default server: the test's texts (two
+        # rows of bucket 16, one of 64, two of 256) batch alike under its caps and CAPS.
+        server = request.getfixturevalue("default_server")
+        assert server.health()[1]["attention"] == "padded"
+        yield server, SentenceTransformer(model_dir, device="cpu")
+        return
     out = tmp_path_factory.mktemp(request.param)
     path = {
-        "packaged": lambda: model_dir,
         "cls-no-normalize": lambda: variant(model_dir, out, "cls", normalize=False, max_seq_length=128),
         "max": lambda: variant(model_dir, out, "max"),
-        "cls+mean-dense": lambda: variant(model_dir, out, ("cls", "mean"), dense=True),
+        "cls+mean-dense": lambda: request.getfixturevalue("dense_variant"),
         "prompts": lambda: variant(model_dir, out, "weightedmean", prompts=PROMPTS, default="query"),
-        "packed": lambda: variant(model_dir, out, ("cls", "mean"), dense=True),
+        "packed": lambda: request.getfixturevalue("dense_variant"),
     }[request.param]()
     env = PACKED if request.param == "packed" else {}
     server = ServerProcess({"MODEL_PATH": path, "BATCH_CAPS": CAPS, "MAX_DRAIN_TIME_MS": "600000", **env}).wait_ready()

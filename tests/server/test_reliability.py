@@ -37,36 +37,39 @@ def serving(target) -> int:
         channel.close()
 
 
-def test_oversized_message_is_refused_by_grpc_and_the_server_keeps_serving():
+@pytest.fixture(scope="module")
+def sim_server():
+    """One server for the two tests below, each of which leaves it serving: a 1 MiB message
+    limit (what the device-fault test sends is bytes)."""
     server = ServerProcess({"MODEL_PATH": "sim:50000", "BATCH_CAPS": CAPS, "GRPC_MAX_MESSAGE_BYTES": str(1 << 20)}).wait_ready()
-    try:
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 8 << 20)]))
+    yield server
+    assert server.stop() == 0
+
+
+def test_oversized_message_is_refused_by_grpc_and_the_server_keeps_serving(sim_server):
+    server = sim_server
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 8 << 20)]))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(pb.EmbedRequest(texts=["x" * (2 << 20)]))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.Embed(pb.EmbedRequest(texts=["still serving"])).shape == [1, 384]
+
+
+def test_device_faults_fail_only_their_batch_then_probes_report_unhealthy_until_recovery(sim_server):
+    server = sim_server
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
+    for i in range(3):
         with pytest.raises(grpc.RpcError) as e:
-            stub.Embed(pb.EmbedRequest(texts=["x" * (2 << 20)]))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert stub.Embed(pb.EmbedRequest(texts=["still serving"])).shape == [1, 384]
-    finally:
-        assert server.stop() == 0
-
-
-def test_device_faults_fail_only_their_batch_then_probes_report_unhealthy_until_recovery():
-    server = ServerProcess({"MODEL_PATH": "sim:50000", "BATCH_CAPS": CAPS}).wait_ready()
-    try:
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
-        for i in range(3):
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Infer(infer_request([101, FAIL_TOKEN, 102]))
-            assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated device fault" in e.value.details()
-            if i < 2:
-                assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
-        code, fields = server.health()
-        assert code == 503 and fields["status"] == "degraded"
-        assert serving(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
-        # still accepting: the next good batch succeeds and clears the failure state
-        assert stub.Infer(infer_request([101, 2000, 102])).shape == [1, 384]
-        assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        assert server.stop() == 0
+            stub.Infer(infer_request([101, FAIL_TOKEN, 102]))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "simulated device fault" in e.value.details()
+        if i < 2:
+            assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
+    code, fields = server.health()
+    assert code == 503 and fields["status"] == "degraded"
+    assert serving(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+    # still accepting: the next good batch succeeds and clears the failure state
+    assert stub.Infer(infer_request([101, 2000, 102])).shape == [1, 384]
+    assert server.health()[0] == 200 and serving(server.target) == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_a_storm_of_cancelled_requests_leaves_the_queue_and_never_reaches_the_device():
@@ -95,7 +98,9 @@ async def test_a_storm_of_cancelled_requests_leaves_the_queue_and_never_reaches_
 
 
 async def test_sigterm_drains_in_flight_requests_and_exits_zero():
-    server = ServerProcess({"MODEL_PATH": "sim:400", "BATCH_CAPS": "16:4,32:4,64:4,128:4,256:2,512:1",
+    # Its texts: 55 tokens, bucket 64. One row in the others: at 400 tokens/s the warm-up sleeps
+    # through every bucket's cap at least twice (4 rows at 128 and 2 at 256 were ~4 s of it).
+    server = ServerProcess({"MODEL_PATH": "sim:400", "BATCH_CAPS": "16:1,32:1,64:4,128:1,256:1,512:1",
                             "MAX_DRAIN_TIME_MS": "600000", "SHUTDOWN_GRACE_S": "20"}).wait_ready()
     channel = grpc.aio.insecure_channel(server.target)
     stub = pb_grpc.InferenceStub(channel)

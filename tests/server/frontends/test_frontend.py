@@ -25,6 +25,16 @@ from tests.conftest import ServerProcess, counter, make_text
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:8,128:8,256:4,512:2"}
 
 
+def slow_device(rate: int, bucket: int, rows: int | None = None) -> dict:
+    """A simulated device of `rate` tokens/s: the one bucket the test's texts use keeps SIM's
+    cap (or `rows`), the others one row. The warm-up runs every bucket's cap at least twice: at
+    300 tokens/s SIM's caps everywhere slept ~20 s before the test began. The test's rows batch
+    as with SIM's caps and the warm-up measures the same device rate."""
+    caps = dict(c.split(":") for c in SIM["BATCH_CAPS"].split(","))
+    return {"MODEL_PATH": f"sim:{rate}",
+            "BATCH_CAPS": ",".join(f"{b}:{(rows or c) if int(b) == bucket else 1}" for b, c in caps.items())}
+
+
 @pytest.fixture(scope="module")
 def fronted():
     server = ServerProcess({**SIM, "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
@@ -215,7 +225,9 @@ def test_when_the_model_process_is_gone_the_front_ends_answer_what_waits_and_exi
     the container goes with it; under an init process, or anywhere else, its front ends would
     hold the ports and leave their callers waiting forever. They answer UNAVAILABLE (503) and
     exit instead."""
-    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    # Its 8 texts of 122 tokens: bucket 128, in four batches of two (held as long as in one of
+    # eight, whose warm-up at SIM's cap alone slept 7 s).
+    server = ServerProcess({**slow_device(300, 128, rows=2), "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
     fronts = children(server.proc.pid)
     try:
         with ThreadPoolExecutor(1) as pool:  # ~800 tokens on a 300 tokens/s device: held for seconds
@@ -236,7 +248,8 @@ def test_when_the_model_process_is_gone_the_front_ends_answer_what_waits_and_exi
 async def test_one_admission_view_across_front_ends_and_cancellation_reaches_the_model():
     """A slow device and a small budget: whichever front end a request lands on, the model
     process refuses what does not fit; a caller that gives up takes its rows out of the queue."""
-    server = ServerProcess({**SIM, "MODEL_PATH": "sim:300", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "150"}).wait_ready()
+    # Its texts of 33-50 tokens: bucket 64. The reorder window is half the 150 ms budget either way.
+    server = ServerProcess({**slow_device(300, 64), "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "150"}).wait_ready()
     try:
         rng = np.random.default_rng(0)
         texts = [make_text(rng, 30) for _ in range(40)]
@@ -263,7 +276,8 @@ async def test_one_admission_view_across_front_ends_and_cancellation_reaches_the
 
 
 async def test_sigterm_drains_the_front_ends_then_the_model_and_loses_nothing():
-    server = ServerProcess({**SIM, "MODEL_PATH": "sim:2000", "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
+    # Its texts of 62 tokens: bucket 64.
+    server = ServerProcess({**slow_device(2000, 64), "FRONTENDS": "2", "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
     channel = grpc.aio.insecure_channel(server.target)
     stub = pb_grpc.InferenceStub(channel)
     calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=[f"in flight {i} " * 20]), timeout=30))
