@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from embedserve.client import Client
-from tests.conftest import ServerProcess, counter, free_port, rejections
+from tests.conftest import ONE_ROW_CAPS, ServerProcess, counter, free_port, rejections
 
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 NAME = "pods.test"
@@ -287,7 +287,7 @@ async def test_an_http_client_retrying_a_draining_pod_reaches_another():
     # Slow: its queue (8 rows cut to 256 tokens, one a batch) takes seconds to drain. One row in
     # the other buckets too (SIM's are 256 tokens at most): at 500 tokens/s the warm-up slept
     # ~2 s more through SIM's caps there.
-    leaving = ServerProcess({**one_service, "MODEL_PATH": "sim:500", "BATCH_CAPS": "16:1,32:1,64:1,128:1,256:1,512:1"})
+    leaving = ServerProcess({**one_service, "MODEL_PATH": "sim:500", "BATCH_CAPS": ONE_ROW_CAPS})
     staying = ServerProcess(one_service)
     try:
         for p in (leaving, staying):

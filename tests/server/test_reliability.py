@@ -14,7 +14,7 @@ from bench.loadgen import call, open_loop
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.model.simulated import FAIL_TOKEN
-from tests.conftest import ServerProcess, counter, make_text
+from tests.conftest import ONE_ROW_CAPS, ServerProcess, counter, make_text
 
 CAPS = "16:8,32:8,64:8,128:4,256:2,512:1"
 
@@ -74,7 +74,7 @@ def test_device_faults_fail_only_their_batch_then_probes_report_unhealthy_until_
 
 async def test_a_storm_of_cancelled_requests_leaves_the_queue_and_never_reaches_the_device():
     # 200 tokens/s: 60 requests of ~60 tokens would keep the device busy for ~18 s.
-    server = ServerProcess({"MODEL_PATH": "sim:200", "BATCH_CAPS": "16:1,32:1,64:1,128:1,256:1,512:1",
+    server = ServerProcess({"MODEL_PATH": "sim:200", "BATCH_CAPS": ONE_ROW_CAPS,
                             "MAX_DRAIN_TIME_MS": "600000"}).wait_ready()
     try:
         channel = grpc.aio.insecure_channel(server.target)
@@ -181,7 +181,7 @@ def test_model_code_from_the_repository_never_runs_unless_trusted(tmp_path, mode
     config = json.loads((repo / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}
     (repo / "config.json").write_text(json.dumps(config))
-    server = ServerProcess({"MODEL_PATH": str(repo)}).wait_ready()
+    server = ServerProcess({"MODEL_PATH": str(repo), "BATCH_CAPS": ONE_ROW_CAPS}).wait_ready()
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
     assert stub.Embed(pb.EmbedRequest(texts=["served by the built-in BertModel"])).shape == [1, 384]
     assert server.stop() == 0

@@ -11,7 +11,7 @@ from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
 from embedserve.model.source import ModelSourceError, needed, resolve
-from tests.conftest import ServerProcess, free_port
+from tests.conftest import ONE_ROW_CAPS, ServerProcess, free_port
 
 # What serving needs of the packaged model (its README, .gitattributes and data_config.json are
 # not weights, configuration or tokenizer... data_config.json is JSON, so it comes along).
@@ -70,7 +70,8 @@ def test_s3_errors_are_clear(s3, tmp_path):
 
 
 def test_server_serves_a_model_from_s3(s3, tmp_path, reference):
-    server = ServerProcess({**s3, "MODEL_PATH": "s3://models/minilm/v1", "MODEL_CACHE_DIR": str(tmp_path)}).wait_ready()
+    server = ServerProcess({**s3, "MODEL_PATH": "s3://models/minilm/v1", "MODEL_CACHE_DIR": str(tmp_path),
+                            "BATCH_CAPS": ONE_ROW_CAPS}).wait_ready()
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
         out = decode_embeddings(stub.Embed(pb.EmbedRequest(texts=["served from s3"])))
