@@ -58,8 +58,9 @@ class Settings:
     http_port: int = 8001
     """HTTP_HEALTH_PORT: the API's HTTP port (the JSON API, and /health and /metrics too, behind
     the key and TLS when those are on: callers and gateways may health-check the port they use)."""
-    host: str = "0.0.0.0"
-    """BIND_HOST: the address the servers bind."""
+    host: str = ""
+    """BIND_HOST: the address the servers bind; empty (the default): every address, IPv4 and IPv6
+    (a dual-stack `::` socket, or 0.0.0.0 on a host without IPv6), so IPv6-only pods are reachable."""
     # Who may call: the metrics port, API keys, TLS (transports/auth.py, tls.py, metrics_port.py).
     metrics_port: int = 8002
     """METRICS_PORT: plain-text HTTP serving only GET /health and GET /metrics, never behind a key

@@ -83,6 +83,16 @@ def test_operator_pod_is_locked_down():
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["resources"]["limits"]
 
 
+@pytest.mark.parametrize("host, bound", [("0.0.0.0", "0.0.0.0"), ("[::]", "::")])
+def test_the_operators_health_endpoint_binds_the_family_asked_for(host, bound):
+    """kopf binds the --liveness URL's host (urlsplit's hostname): IPv6-only clusters need [::]."""
+    import urllib.parse
+
+    d = next(o for o in render({"probeHost": host}) if o["kind"] == "Deployment")
+    liveness = next(a for a in d["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--liveness="))
+    assert urllib.parse.urlsplit(liveness.partition("=")[2]).hostname == bound
+
+
 def is_hook(o):
     return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
 

@@ -15,7 +15,7 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, outcomes
+from embedserve.transports import addresses, encodings, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -200,7 +200,7 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{host}:{port}"
+    address = addresses.grpc_address(host, port)
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")

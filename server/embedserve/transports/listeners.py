@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from embedserve.transports import auth, grpc_server, http_api, http_server, metrics_port, reloads, tls
+from embedserve.transports import addresses, auth, grpc_server, http_api, http_server, metrics_port, reloads, tls
 from embedserve.transports.hub import Hub
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ class Transports:
     def __init__(self, hub: Hub, reuse_port: bool = False):
         s = hub.settings
         self.hub = hub
+        host = addresses.bind_host(s.host)
         held_s = (s.reservation_horizon_ms + s.max_drain_time_ms) / 1000
         if s.max_connection_age_s > 0 and s.max_connection_age_grace_s < held_s:
             log.warning("MAX_CONNECTION_AGE_GRACE_S (%.1f) is below RESERVATION_HORIZON_MS + MAX_DRAIN_TIME_MS "
@@ -37,15 +38,15 @@ class Transports:
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
                                                  s.quantize_range, lambda: hub.model_dimension)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
-            servicer, s.host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
+            servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
             credentials=self.tls.grpc_credentials() if self.tls else None)
         self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
         api = auth.HttpKeys(self.api, self.keys, http_api.API_PATHS) if keyed else self.api
         self.http = http_server.HttpServer(
-            http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), s.host, s.http_port,
+            http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), host, s.http_port,
             reuse_port, self.tls.http_context if self.tls else None)
-        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), s.host, s.metrics_port, reuse_port)
+        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), host, s.metrics_port, reuse_port)
         self._reloads = [c.reload for c in (self.keys, self.tls) if c is not None]
         self._reloading: asyncio.Task | None = None
 
