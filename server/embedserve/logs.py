@@ -91,12 +91,48 @@ def setup(settings, level: str, process: str = "") -> None:
     access = settings.access_log
 
 
+class PerSecond:
+    """At most `limit` refusal lines a second: under overload a process refuses thousands of
+    requests a second, and writing a line for each (synchronously, on the event loop that serves
+    them) would cost the loop time and flood the node's log pipeline with one message. What is
+    left out is counted and said in one line when the next second's first refusal is logged;
+    the metrics count every refusal."""
+
+    def __init__(self, limit: int, clock=time.monotonic):
+        self.limit, self.clock = limit, clock
+        self.window = -1.0
+        self.logged = self.skipped = 0
+
+    def take(self) -> int | None:
+        """None: leave this line out; else how many were left out before it (0: none)."""
+        now = self.clock()
+        if now - self.window >= 1.0:
+            self.window, self.logged = now, 0
+        if self.logged >= self.limit:
+            self.skipped += 1
+            return None
+        self.logged += 1
+        skipped, self.skipped = self.skipped, 0
+        return skipped
+
+
+REFUSAL_LINES_PER_S = 50
+refusals = PerSecond(REFUSAL_LINES_PER_S)
+
+
 def request_line(what: dict, status: str | int, duration_s: float, reason: str, trace_id: str, level: int) -> None:
     """One request's line: `what` names it ({"rpc": "Embed"} or {"method": "POST", "route":
     "/v1/embeddings"}), `status` the gRPC code name or the HTTP status, `reason` the message it
-    was answered with ("" when served)."""
+    was answered with ("" when served). Refusals: at most REFUSAL_LINES_PER_S a second."""
     if not REQUESTS.isEnabledFor(level):
         return
+    if level == _REFUSED and reason:
+        skipped = refusals.take()
+        if skipped is None:
+            return
+        if skipped:
+            REQUESTS.log(_REFUSED, "%d more refused requests were not logged (at most %d lines a second; "
+                         "embedfleet_requests_total counts every one)", skipped, REFUSAL_LINES_PER_S)
     reason = reason[:REASON_CHARS]
     duration_ms = round(duration_s * 1000, 3)
     name = what.get("rpc") or f"{what.get('method', '')} {what.get('route', '')}"

@@ -123,3 +123,18 @@ def test_json_holds_from_the_first_line_with_keys_and_tls_and_a_plain_text_calle
     records = [json.loads(line) for line in lines]
     assert any(re.search(r"API_KEYS_FILE .*lines? 1\b.*comma", r["message"]) for r in records), records[:5]
     assert not any("key-one" in line or "key-two" in line for line in lines)
+
+
+def test_refusal_lines_are_bounded_per_second_and_what_is_left_out_is_counted(monkeypatch, caplog):
+    now = [100.0]
+    monkeypatch.setattr(logs, "refusals", logs.PerSecond(3, clock=lambda: now[0]))
+    caplog.set_level(logging.INFO, logger="embedserve.requests")
+    refuse = lambda: logs.request_line({"rpc": "Embed"}, "RESOURCE_EXHAUSTED", 0.001, "overloaded", "", logging.INFO)
+    for _ in range(10):
+        refuse()
+    logs.request_line({"rpc": "Embed"}, "INTERNAL", 0.001, "model failed", "", logging.WARNING)  # failures: always
+    assert [r.levelno for r in caplog.records] == [logging.INFO] * 3 + [logging.WARNING]
+    now[0] += 1.0
+    refuse()
+    assert caplog.records[-2].getMessage().startswith("7 more refused requests were not logged")
+    assert "overloaded" in caplog.records[-1].getMessage()
