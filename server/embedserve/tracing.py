@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 
@@ -57,7 +58,8 @@ def setup(settings, service_version: str = "") -> bool:
     if not settings.tracing:
         return False
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+    from opentelemetry.sdk.resources import (SERVICE_INSTANCE_ID, SERVICE_NAME, SERVICE_VERSION, OTELResourceDetector,
+                                             Resource)
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -78,6 +80,10 @@ def setup(settings, service_version: str = "") -> bool:
     resource = Resource.create({SERVICE_VERSION: service_version} if service_version else {})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # OTEL_SERVICE_NAME unset
         resource = resource.merge(Resource({SERVICE_NAME: "embedserve"}))
+    if SERVICE_INSTANCE_ID not in OTELResourceDetector().detect().attributes:  # OTEL_RESOURCE_ATTRIBUTES
+        # The host name: in Kubernetes the pod's name, so a trace names the replica that served it
+        # (the SDK's default is a random id per process: front ends of one pod would differ).
+        resource = resource.merge(Resource({SERVICE_INSTANCE_ID: socket.gethostname()}))
     resource = HashedOnce(resource)
     # Sampler: OTEL_TRACES_SAMPLER (parent-based, always on). Not shut down at exit by the SDK
     # (up to 30 s against a collector that does not answer): `shutdown` flushes, bounded.

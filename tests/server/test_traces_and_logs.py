@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import time
 
 import grpc
@@ -107,6 +108,7 @@ def test_a_grpc_request_continues_the_callers_trace_through_every_stage(server, 
     assert root.name == "embedfleet.v1.Inference/Embed" and root.parent_span_id == parent
     assert root.attributes["rpc.grpc.status_code"] == 0 and root.status_code != ERROR
     assert root.resource["service.name"] == "embedserve"
+    assert root.resource["service.instance.id"] == socket.gethostname()  # in Kubernetes, the pod's name
     stages = assert_children_of(root, kids, trace_id)
     assert sorted(stages) == sorted(STAGES), sorted(stages)
     admission, tokenization, queue, answer = (stages[n][0] for n in ("admission", "tokenization", "queue wait", "answer"))
