@@ -239,3 +239,20 @@ def test_a_collector_that_does_not_answer_costs_requests_nothing_and_the_stop_tw
         code = server.stop()
     assert code == 0 and time.monotonic() - t0 < 1 + 2 + 3, server.log()[-2000:]  # grace, flush, the rest
     assert "spans not exported within 2 s of the stop are dropped" in server.log()
+
+
+def test_a_method_outside_http_is_other_in_its_span(server, sink):
+    """OpenTelemetry's HTTP conventions: a caller's own method token names no span."""
+    import http.client
+    import urllib.parse
+
+    trace_id, _, header = caller_context()
+    url = urllib.parse.urlsplit(server.http)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    conn.request("BREW", "/v1/embeddings", headers={"traceparent": header})
+    assert conn.getresponse().status == 405
+    conn.close()
+    spans = sink.wait_for(lambda s: [x for x in s.trace(trace_id) if x.kind == SERVER_KIND], what="the request span")
+    assert spans[0].name == "HTTP /v1/embeddings"
+    assert spans[0].attributes["http.request.method"] == "_OTHER"
+    assert spans[0].attributes["http.request.method_original"] == "BREW"

@@ -52,10 +52,19 @@ def grpc_end(rpc: str, code, duration_s: float, reason: str, rec: tracing.Record
         logs.request_line({"rpc": rpc}, code.name, duration_s, reason, trace_id, level)
 
 
+# OpenTelemetry's HTTP conventions: a method outside these is `_OTHER` (its own token kept in
+# http.request.method_original), so a caller cannot mint span names.
+HTTP_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
+
+
 def http_begin(request, path: str) -> tracing.Recorder | None:
     """The request's span; its Recorder waits in the ASGI scope for the route's Caller."""
-    rec = tracing.begin(f"{request.method} {path}", request.headers, {
-        "http.request.method": request.method, "http.route": path, "url.path": path})
+    method = request.method
+    attributes = {"http.request.method": method, "http.route": path, "url.path": path}
+    if method not in HTTP_METHODS:
+        attributes.update({"http.request.method": "_OTHER", "http.request.method_original": method[:64]})
+        method = "HTTP"
+    rec = tracing.begin(f"{method} {path}", request.headers, attributes)
     request.scope[tracing.SCOPE_KEY] = rec
     return rec
 
