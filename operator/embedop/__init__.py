@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: seventeen modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: eighteen modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -9,6 +9,7 @@ Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   render     spec → the manifests of what a service owns
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
   render_network   spec.networkPolicy → the service's NetworkPolicy
+  render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
 

@@ -2,7 +2,7 @@
 (client-go's informers), so that a settled service costs no API request at all.
 
 The owned kinds (Deployments, their Pods, Services, PodDisruptionBudgets, HorizontalPodAutoscalers,
-NetworkPolicies)
+NetworkPolicies, InferencePools where the cluster has their CRD: OPTIONAL_WATCHED)
 are listed and watched with a server-side label selector, the operator's managed-by label: the
 API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
 EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here).
@@ -25,13 +25,22 @@ import random
 from typing import Callable
 
 from embedop import crd
-from embedop.kube import Gone, Kube, Retryable
+from embedop import render_gateway
+from embedop.kube import Gone, Kube, NotFound, Retryable
 from embedop.render import MANAGED_BY
 
 log = logging.getLogger(__name__)
 
 # The kinds listed and watched by the operator's label (the pods carry it through the template).
-WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy")
+WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
+           render_gateway.KIND)
+# Kinds of a CRD a cluster may not have installed (the Gateway API Inference Extension's): the API
+# answers their list 404. Then none exists, which is what the empty copy says: the informer counts
+# as listed (the handlers do not wait for it, and the reconcile's "is there one of ours to delete?"
+# stays a read of the copy, no API call) and lists again every ABSENT_RECHECK_S, quietly, so a CRD
+# installed later is picked up without a restart. Only a service that asks for one gets told.
+OPTIONAL_WATCHED = (render_gateway.KIND,)
+ABSENT_RECHECK_S = 60.0
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed where it stopped
 BACKOFF_S = (0.5, 30.0)  # first and largest wait before listing again after a failure
 
@@ -91,6 +100,7 @@ class Informer:
         self.kube, self.kind, self.store, self.on_change = kube, kind, store, on_change
         self.namespaces = namespaces or [None]
         self.synced = asyncio.Event()  # every namespace listed once
+        self.absent: bool | None = None  # an OPTIONAL_WATCHED kind the API does not serve (None: not known yet)
         self._listed: set[str | None] = set()
 
     async def run(self) -> None:
@@ -106,16 +116,39 @@ class Informer:
             except Gone:  # compacted away while we were not looking: list again, at once
                 continue
             except Exception as e:  # noqa: BLE001 - an informer never gives up; it lists again
+                if isinstance(e, NotFound) and self.kind in OPTIONAL_WATCHED:  # the CRD is not installed
+                    failures = 0
+                    self._absent(namespace, e)
+                    await asyncio.sleep(ABSENT_RECHECK_S * random.uniform(0.8, 1.2))
+                    continue
                 failures += 1
                 wait = getattr(e, "retry_after", None) or min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (failures - 1))
                 log.warning("watching %s: %s; listing again in %.1f s", self.kind, e, wait)
                 await asyncio.sleep(wait * random.uniform(0.8, 1.2))
+
+    def _absent(self, namespace: str | None, error: Exception) -> None:
+        """The API does not serve this kind (its CRD is not installed, or was deleted, which
+        deletes every object of it): none exists."""
+        if self.absent is not True:
+            log.info("%s is not served by this cluster (%s): its CRD is not installed; services that do not ask for "
+                     "one are unaffected; checking again every %.0f s", self.kind, error, ABSENT_RECHECK_S)
+        self.absent = True
+        before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
+        self.store.replace(namespace, [])
+        for k in before:
+            self.on_change(self.kind, "DELETED", {"metadata": {"namespace": k[0], "name": k[1]}})
+        self._listed.add(namespace)
+        if len(self._listed) == len(self.namespaces):
+            self.synced.set()
 
     async def _list(self, namespace: str | None) -> str | None:
         # The first list from the API server's watch cache; a list again, consistent (it must not
         # go back before what the copies already hold).
         objects, version = await self.kube.list_versioned(self.kind, namespace, MANAGED_BY,
                                                           cached=namespace not in self._listed)
+        if self.absent:
+            log.info("%s is served by this cluster now (its CRD was installed)", self.kind)
+        self.absent = False
         before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
         self.store.replace(namespace, objects)
         for k in before - set(self.store.objects):  # deleted while we were not watching

@@ -148,6 +148,23 @@ NETWORK_POLICY = obj(
     })
 
 
+ROUTING = string(
+    "How requests reach the pods. service: the Services the operator renders (clients balance over them). gateway: "
+    "also an InferencePool (inference.networking.k8s.io/v1, the Gateway API Inference Extension) named like the "
+    "service, selecting its pods on the HTTP API port: a Gateway's HTTPRoute names the pool, and the cluster's "
+    "endpoint picker routes each request by the pods' embedfleet_queued_requests / embedfleet_running_requests. The "
+    "InferencePool CRD, the endpoint picker and the Gateway are the cluster's to install (docs/gateway.md); without "
+    "the CRD the service reports Degraded. Back to service: the pool is deleted.", "service", enum=["service", "gateway"])
+ENDPOINT_PICKER = obj(
+    "The endpoint picker the InferencePool names (spec.routing gateway): a Service in front of the cluster's "
+    "endpoint picker (EPP) deployment, which the operator does not deploy.", {
+        "name": string("The picker's Service, in the service's namespace (default: the service's name + \"-epp\").",
+                       minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN),
+        "port": integer("The picker Service's gRPC ext-proc port (the Service's port, not its target port).", 9002, 1, 65535),
+        "failureMode": string("When the picker does not answer: FailClose refuses the request; FailOpen lets the "
+                              "Gateway pick a pod itself.", "FailClose", enum=["FailOpen", "FailClose"]),
+    }, default={})
+
 SPEC = obj(
     "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
     {
@@ -249,6 +266,8 @@ SPEC = obj(
         "auth": AUTH,
         "tls": TLS,
         "networkPolicy": NETWORK_POLICY,
+        "routing": ROUTING,
+        "endpointPicker": ENDPOINT_PICKER,
     },
     required=["model"],
 )

@@ -26,7 +26,7 @@ from lightkube.core.selector import build_selector
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import CascadeType, PatchType, on_error_raise
 
-from embedop import crd
+from embedop import crd, render_gateway
 
 FIELD_MANAGER = "embedop"
 # Applies only spec.replicas once, before the first apply without it (mode hpa): the count keeps an
@@ -40,6 +40,8 @@ KINDS = {
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+    # spec.routing gateway (render_gateway); its CRD may not be installed (cache.OPTIONAL_WATCHED).
+    render_gateway.KIND: (render_gateway.GROUP, render_gateway.VERSION, render_gateway.PLURAL),
     "Pod": ("", "v1", "pods"),
     "Lease": ("coordination.k8s.io", "v1", "leases"),
     crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
@@ -54,14 +56,16 @@ CALLS = {
     # get: the live object (count, resourceVersion); patch: server-side apply, which the API
     # authorizes as create when the object does not exist yet.
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-                                                      "NetworkPolicy")
+                                                      "NetworkPolicy", render_gateway.KIND)
       for v in ("get", "create", "patch")),
     ("autoscaling", "horizontalpodautoscalers", "delete"),  # when a service leaves hpa mode
     ("networking.k8s.io", "networkpolicies", "delete"),  # when a service's networkPolicy is disabled
+    (render_gateway.GROUP, render_gateway.PLURAL, "delete"),  # when a service's routing goes back to service
     # The owned kinds are listed and watched by the operator's label (cache.py): the reconcile
     # and the autoscaler read those copies, never the API, while nothing changes.
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
-                                                      "HorizontalPodAutoscaler", "NetworkPolicy") for v in ("list", "watch")),
+                                                      "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
+      for v in ("list", "watch")),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
     # Leader election (leader.py), in the operator's own namespace.

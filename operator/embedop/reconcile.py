@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render, render_network, spec as specs, status
+from embedop import crd, render, render_gateway, render_network, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -321,7 +321,13 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
             continue
         if drifted(obj, current):
-            current = await cluster.apply(obj)
+            try:
+                current = await cluster.apply(obj)
+            except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
+                if obj["kind"] != render_gateway.KIND:
+                    raise
+                outcome.rejected = render_gateway.missing_crd_message(str(e))  # Degraded and an Event, the rest applied
+                continue
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current

@@ -7,7 +7,7 @@ import dataclasses
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render_network, render_security
+from embedop import crd, render_gateway, render_network, render_security
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
@@ -357,8 +357,12 @@ def network_policy(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
                                          metrics_port, operator)
 
 
+def inference_pool(owner: Owner, spec: dict) -> dict:
+    return render_gateway.inference_pool(_meta(owner), selector(owner.name), spec, HTTP_PORT)
+
+
 # Companions rendered only when the spec asks for them: one the spec no longer asks for is deleted.
-OPTIONAL_KINDS = ("HorizontalPodAutoscaler", "NetworkPolicy")
+OPTIONAL_KINDS = ("HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
 
 
 def companions(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
@@ -371,6 +375,8 @@ def companions(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
         objects.append(horizontal_pod_autoscaler(owner, spec))
     if (spec.get("networkPolicy") or {}).get("enabled"):
         objects.append(network_policy(owner, spec, metrics_port, operator))
+    if spec.get("routing") == "gateway":
+        objects.append(inference_pool(owner, spec))
     return objects
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from lightkube.models import core_v1, networking_v1
 
-from embedop import crd, render, render_security
+from embedop import crd, render, render_gateway, render_security
 
 # Spec fields of Kubernetes types the CRD leaves open (by path), and the model each must fit.
 KUBERNETES_TYPES = {
@@ -130,4 +130,6 @@ def warnings(spec: dict) -> list[str]:
         out.append("networkPolicy: autoscaling.mode hpa reads the pods' metrics through Prometheus, and "
                    "networkPolicy.metricsFrom is empty: the policy keeps Prometheus from the metrics port, and the "
                    "HorizontalPodAutoscaler gets no metrics (it holds the count); add Prometheus's pods to metricsFrom")
+    if spec.get("routing") == "gateway":
+        out += render_gateway.warnings(spec)
     return out

@@ -49,6 +49,7 @@ def signal(server: Observed) -> dict:
     snap, now = server.estimator.snapshot(), server.estimator.clock()
     service, engine, placement = server.service, server.engine, server.placement
     runner = engine.worker.runner if engine else None
+    queued, running = service.requests() if service else (0, 0)
     info = {}
     if engine and engine.dim:
         head = server.head.describe() if server.head else {}
@@ -64,6 +65,8 @@ def signal(server: Observed) -> dict:
         "reserved_tokens": service.gate.book.reserved(now) if service else 0.0,
         "estimated_drain_seconds": min(snap.drain_s, 1e9),
         "offered_tokens": server.estimator.offered_total,
+        "queued_requests": queued,
+        "running_requests": running,
         # the queue admission lets grow (None: throughput admission off, or not loaded yet)
         "admission_backlog_limit_seconds": service.policy.backlog_limit_s if service and service.policy.throughput else None,
         "gpu_memory_bytes": runner.memory() if runner else {},
@@ -80,7 +83,21 @@ _GAUGES = (  # One unit: real (unpadded) tokens. Padding is the server's own cos
     ("queued_tokens", "Real tokens admitted and not yet computed"),
     ("reserved_tokens", "Real tokens booked for requests that found no room in the drain budget (held, or told retry-after-ms)"),
     ("estimated_drain_seconds", "Seconds to compute the queue: queued_tokens / service_rate"),
+    # The Gateway API Inference Extension's model-server protocol (TotalQueuedRequests,
+    # TotalRunningRequests): its endpoint picker is told these names (docs/gateway.md). In
+    # requests, not tokens: the tokens above say more, but the picker's scorers read these.
+    ("queued_requests", "Admitted requests not yet answered and none of whose rows is on the device now "
+     "(the Inference Extension's TotalQueuedRequests)"),
+    ("running_requests", "Requests with rows in the batch on the device now (the Inference Extension's "
+     "TotalRunningRequests)"),
 )
+
+
+# A front end's signal before the model process first answers (FRONTENDS > 1): idle, unknown model.
+IDLE_SIGNAL = {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0, "queued_tokens": 0,
+               "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0, "offered_tokens": 0.0,
+               "queued_requests": 0, "running_requests": 0, "admission_backlog_limit_seconds": None,
+               "gpu_memory_bytes": {}, "model": {}}
 
 
 class _SignalCollector(Collector):

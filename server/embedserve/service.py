@@ -3,6 +3,7 @@ translate wire formats and map the errors of embedserve.errors to their status c
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Executor
 from typing import Callable
@@ -55,6 +56,7 @@ class EmbeddingService(PreTokenized):
         self.task, self.activation = task, activation
         self.head = head  # prompts (None: the simulated device's tests, no prompts)
         self.started_at = time.monotonic()
+        self.admitted = 0  # requests past admission and not yet answered (`requests`)
 
     def refusal(self) -> Exception | None:
         if (error := self.engine.lost) is not None:  # for good: a hung device, the batcher or worker gone
@@ -94,22 +96,23 @@ class EmbeddingService(PreTokenized):
         await self.gate.admit(r.key, estimate, caller)
         if trace is not None:
             trace.admitted()
-        if chars(r) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
-            request = self.intake.put(r, round(estimate), trace)
+        with self._admitted():
+            if chars(r) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
+                request = self.intake.put(r, round(estimate), trace)
+                return Result(await self._wait(request, t0), request.tokens)
+            # The estimate stays in the backlog until the real rows replace it, so requests admitted
+            # while this one is being tokenized see it.
+            self.estimator.enqueued(round(estimate))
+            try:
+                started = time.monotonic() if trace is not None else 0.0
+                ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
+                if trace is not None:
+                    trace.tokenized(started)
+                request = self.engine.submit(ids, lengths, trace)
+            finally:
+                self.estimator.dequeued(round(estimate))
+            self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths, r.query))
             return Result(await self._wait(request, t0), request.tokens)
-        # The estimate stays in the backlog until the real rows replace it, so requests admitted
-        # while this one is being tokenized see it.
-        self.estimator.enqueued(round(estimate))
-        try:
-            started = time.monotonic() if trace is not None else 0.0
-            ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
-            if trace is not None:
-                trace.tokenized(started)
-            request = self.engine.submit(ids, lengths, trace)
-        finally:
-            self.estimator.dequeued(round(estimate))
-        self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths, r.query))
-        return Result(await self._wait(request, t0), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         """Token rows a front end prepared (FRONTENDS > 1): admitted on their real tokens."""
@@ -125,9 +128,32 @@ class EmbeddingService(PreTokenized):
         await self.gate.admit(key, float(lengths.sum()), caller)
         if trace is not None:
             trace.admitted()
-        # The request's bytes are a read-only view: batch assembly copies the rows out of them.
-        request = self.engine.submit(ids, lengths, trace)
-        return Result(await self._wait(request, t0), request.tokens)
+        with self._admitted():
+            # The request's bytes are a read-only view: batch assembly copies the rows out of them.
+            request = self.engine.submit(ids, lengths, trace)
+            return Result(await self._wait(request, t0), request.tokens)
+
+    @contextlib.contextmanager
+    def _admitted(self):
+        """Around a request from its admission to its answer: what the request gauges count."""
+        self.admitted += 1
+        try:
+            yield
+        finally:
+            self.admitted -= 1
+
+    def requests(self) -> tuple[int, int]:
+        """(queued, running), the Inference Extension's model-server gauges
+        (TotalQueuedRequests, TotalRunningRequests): running, the requests with a row in the batch
+        on the device now; queued, every other admitted request not yet answered (waiting to be
+        tokenized, in the buckets, in a batch the worker has not started, or with rows computed
+        and others still waiting). Read from the engine's own state at the moment asked, never a
+        copy: the device runs one batch at a time (the worker thread), so `worker.running` is
+        exactly what is being computed. A request held for booked room is not admitted yet (it
+        shows in reserved_tokens)."""
+        on_device = self.engine.worker.running
+        running = len({id(r) for r, _, _ in on_device[0].routes if not r.done}) if on_device else 0
+        return max(0, self.admitted - running), running
 
     def require_task(self, task: str) -> None:
         require_task(self.task, task)

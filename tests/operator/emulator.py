@@ -213,6 +213,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             merged = data if current is None else kmock_dicts.patch_dict(current, data)
             if data.get("kind") in VALIDATED:
                 self._validate(merged)
+            elif data.get("kind") == "InferencePool":  # a CRD's object: its schema and CEL rules
+                from tests.operator import inference_pool_schema
+
+                if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}):
+                    raise api_error(422, "Invalid", f"InferencePool.{merged['metadata'].get('name')} is invalid: {refused}")
             for policy in policies:
                 if refusal := policy(merged):
                     raise api_error(403, "Forbidden", f'admission webhook "validate.kyverno.svc" denied the request: {refusal}')
@@ -244,6 +249,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
     async def _create(self, request) -> aiohttp.web.StreamResponse:
         """What kmock does for a POST, for a server-side apply that creates."""
+        res = request.resource
+        if f"{res.group}/{res.version}/{res.plural}" not in self.resources and f"{res.version}/{res.plural}" not in self.resources:
+            # A kind whose CRD is not installed: the real API server has no such path (kmock's own
+            # create answers a POST so; an apply reaches here).
+            raise api_error(404, "NotFound", "the server could not find the requested resource")
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             if key in self._objects:  # deleted earlier
@@ -321,9 +331,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
 
 class Emulator:
-    def __init__(self, subject: str = "operator", with_crd: bool = True):
-        """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD)."""
-        self.subject, self.with_crd = subject, with_crd
+    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool = False):
+        """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD).
+        inference_pools: the Gateway API Inference Extension's InferencePool CRD is installed (by
+        default not, as in most clusters: its list and writes are 404, as a real API server's)."""
+        self.subject, self.with_crd, self.inference_pools = subject, with_crd, inference_pools
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -349,6 +361,10 @@ class Emulator:
                     verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
                     subresources={"status", "scale"},
                 )
+            if self.inference_pools:
+                k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+                    kind="InferencePool", namespaced=True, shortnames={"infpool"},
+                    verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()

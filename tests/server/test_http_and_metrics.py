@@ -28,6 +28,8 @@ METRICS = {
     "embedfleet_queued_tokens": "gauge",
     "embedfleet_reserved_tokens": "gauge",
     "embedfleet_estimated_drain_seconds": "gauge",
+    "embedfleet_queued_requests": "gauge",
+    "embedfleet_running_requests": "gauge",
     "embedfleet_admission_backlog_limit_seconds": "gauge",
     "embedfleet_requests_total": "counter",
     "embedfleet_rejected_requests_total": "counter",

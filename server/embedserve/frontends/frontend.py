@@ -23,7 +23,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import NotReady, from_wire
 from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
-from embedserve.metrics import Metrics
+from embedserve.metrics import IDLE_SIGNAL, Metrics
 from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
@@ -105,10 +105,7 @@ class Frontend:
         self._missed = 0  # state requests unanswered in a row
 
     def _signal(self) -> dict:
-        return self.state["signal"] or {"service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
-                                        "queued_tokens": 0, "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0,
-                                        "offered_tokens": 0.0, "admission_backlog_limit_seconds": None,
-                                        "gpu_memory_bytes": {}, "model": {}}
+        return self.state["signal"] or IDLE_SIGNAL
 
     @property
     def healthy(self) -> bool:

@@ -1,0 +1,159 @@
+"""spec.routing gateway → an InferencePool (the Gateway API Inference Extension), rendered and
+checked against the real CRD's v1 schema (vendored: tests/operator/fixtures), then through the
+real operator process and the emulator's API: with the CRD installed the pool is made, owned, kept
+and deleted when routing goes back to service; without it (most clusters) every other service is
+served as before and the one that asks for a pool is Degraded with a message naming the CRD.
+(Garbage collection and a real Gateway: tests/cluster/test_gateway_on_cluster.py.)"""
+
+import copy
+
+import pytest
+
+from embedop import render, render_gateway, spec as specs
+from embedop.kube import CALLS
+from tests.operator import emulator as em
+from tests.operator import inference_pool_schema as schema
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import Emulator, new_service, service_path
+
+NS = "default"
+OWNER = render.Owner("search", NS, "uid-1")
+SPEC = {"model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"}, "autoscaling": {"mode": "off"},
+        "routing": "gateway"}
+
+
+def pool_of(spec: dict) -> dict:
+    (pool,) = [o for o in render.companions(OWNER, specs.defaulted(spec)) if o["kind"] == "InferencePool"]
+    return pool
+
+
+def test_the_pool_validates_against_the_real_crd_and_says_what_the_protocol_asks():
+    pool = pool_of(SPEC)
+    assert schema.problems(pool) == []
+    assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1", "InferencePool")
+    assert pool["metadata"]["name"] == "search" and pool["metadata"]["namespace"] == NS
+    (ref,) = pool["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("EmbeddingService", "search", "uid-1", True)
+    deployment = render.deployment(OWNER, specs.defaulted(SPEC), "img", 1, 30)
+    # The pods' labels: the Deployment's selector, which every pod's template carries.
+    assert pool["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    # The HTTP API port alone (the Gateway routes HTTP; gRPC's port would be handed HTTP/1.1).
+    assert pool["spec"]["targetPorts"] == [{"number": render.HTTP_PORT}]
+    ports = {p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert render.HTTP_PORT in ports and render.GRPC_PORT not in {p["number"] for p in pool["spec"]["targetPorts"]}
+    assert pool["spec"]["appProtocol"] == "http"
+    assert pool["spec"]["appProtocol"] in schema.SPEC["properties"]["appProtocol"]["enum"]
+    assert pool["spec"]["endpointPickerRef"] == {"name": "search-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
+    assert "kind" not in pool["spec"]["endpointPickerRef"]  # the CRD's default, Service: port.number required
+
+
+def test_the_endpoint_picker_is_the_specs():
+    pool = pool_of({**SPEC, "endpointPicker": {"name": "shared-epp", "port": 9100, "failureMode": "FailOpen"}})
+    assert schema.problems(pool) == []
+    assert pool["spec"]["endpointPickerRef"] == {"name": "shared-epp", "port": {"number": 9100}, "failureMode": "FailOpen"}
+
+
+@pytest.mark.parametrize("break_it, found", [
+    (lambda p: p["spec"].update(targetPorts=[{"number": 8000 + i} for i in range(9)]), "targetPorts"),
+    (lambda p: p["spec"].update(targetPorts=[]), "targetPorts"),
+    (lambda p: p["spec"].update(targetPorts=[{"number": 8001}, {"number": 8001}]), "unique"),
+    (lambda p: p["spec"]["endpointPickerRef"].pop("port"), "port is required"),
+    (lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Retry"), "failureMode"),
+    (lambda p: p["spec"].update(appProtocol="grpc"), "appProtocol"),
+    (lambda p: p["spec"].pop("selector"), "selector"),
+    (lambda p: p["spec"]["endpointPickerRef"].pop("name"), "name"),
+], ids=["9 ports", "no port", "a port twice", "picker Service without port", "failureMode", "appProtocol",
+        "no selector", "picker without name"])
+def test_the_check_refuses_what_the_api_server_would(break_it, found):
+    """The validation can fail: each fact the CRD states, broken once."""
+    pool = copy.deepcopy(pool_of(SPEC))
+    break_it(pool)
+    assert any(found in p for p in schema.problems(pool)), schema.problems(pool)
+
+
+def test_routing_service_renders_no_pool_and_the_kind_is_optional():
+    assert not [o for o in render.companions(OWNER, specs.defaulted({**SPEC, "routing": "service"}))
+                if o["kind"] == "InferencePool"]
+    assert specs.defaulted({"model": "m"})["routing"] == "service"
+    assert "InferencePool" in render.OPTIONAL_KINDS  # deleted when the spec stops asking
+
+
+@pytest.mark.parametrize("extra, said", [
+    ({}, []), ({"auth": {"apiKeySecretRef": {"name": "k"}}}, ["metrics port"]),
+    ({"networkPolicy": {"enabled": True}}, ["networkPolicy.from"]),
+])
+def test_what_a_gateway_spec_may_get_wrong_is_warned_not_refused(extra, said):
+    spec = specs.defaulted({**SPEC, **extra})
+    assert specs.problems(spec) == []
+    gateway = [w for w in specs.warnings(spec) if w.startswith("routing gateway")]
+    assert len(gateway) == len(said) and all(s in w for s, w in zip(said, gateway))
+
+
+POOL = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/routed"
+EVENTS = f"/api/v1/namespaces/{NS}/events"
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """An API server with the InferencePool CRD installed, and an operator."""
+    with Emulator(inference_pools=True) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def routed(pools, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gateway")
+    op = OperatorProcess(pools.kubeconfig(d / "kubeconfig"), d / "operator.log")
+    created = pools.request("POST", service_path(NS), new_service("routed", SPEC, NS))
+    yield created
+    op.stop()
+
+
+def test_routing_gateway_makes_the_pool_owned_and_back_to_service_deletes_it(pools, routed):
+    pool = eventually(lambda: pools.get(POOL))
+    (ref,) = pool["metadata"]["ownerReferences"]
+    assert ref["uid"] == routed["metadata"]["uid"] and ref["controller"] is True
+    assert schema.problems(pool) == []
+    pools.merge_patch(POOL, {"spec": {"endpointPickerRef": {"failureMode": "FailOpen"}}})  # a hand edit: reverted
+    eventually(lambda: pools.get(POOL)["spec"]["endpointPickerRef"]["failureMode"] == "FailClose")
+    pools.merge_patch(service_path(NS, "routed"), {"spec": {"routing": "service"}})
+    eventually(lambda: pools.get(POOL) is None)
+    assert any(d[1:4] == ("inferencepools", NS, "routed") for d in em.deletes)
+    assert pools.get(f"/apis/apps/v1/namespaces/{NS}/deployments/routed")  # the rest stays
+    pools.merge_patch(service_path(NS, "routed"), {"spec": {"routing": "gateway"}})
+    eventually(lambda: pools.get(POOL))
+    calls = em.recorded["operator"]
+    assert {c for c in calls if c[1] == "inferencepools"} >= {
+        ("inference.networking.k8s.io", "inferencepools", v) for v in ("list", "watch", "create", "patch", "delete")}
+    assert calls <= CALLS, calls - CALLS
+
+
+def test_without_the_crd_other_services_are_served_and_the_one_asking_is_degraded(emulator, tmp_path_factory):
+    """Most clusters have no InferencePool CRD: its list is a 404, which must cost the other services
+    nothing, and a service asking for a pool is told why there is none."""
+    d = tmp_path_factory.mktemp("no-gateway-crd")
+    op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log")
+    try:
+        emulator.request("POST", service_path(NS), new_service("plain", {**SPEC, "routing": "service"}, NS))
+        emulator.request("POST", service_path(NS), new_service("wants-pool", SPEC, NS))
+        eventually(lambda: emulator.get(f"/apis/apps/v1/namespaces/{NS}/deployments/plain"))
+        eventually(lambda: emulator.get(f"/apis/apps/v1/namespaces/{NS}/deployments/wants-pool"))  # the rest applied
+
+        def degraded():
+            conditions = (emulator.get(service_path(NS, "wants-pool")).get("status") or {}).get("conditions") or []
+            return [c for c in conditions if c["type"] == "Degraded" and c["status"] == "True"]
+        (condition,) = eventually(degraded)
+        assert render_gateway.CRD_NAME in condition["message"] and "spec.routing" in condition["message"]
+        events = eventually(lambda: [e for e in emulator.get(EVENTS)["items"] if e["involvedObject"]["name"] == "wants-pool"
+                                     and render_gateway.CRD_NAME in e.get("message", "")])
+        assert events[0]["type"] == "Warning"
+        plain = (emulator.get(service_path(NS, "plain")).get("status") or {}).get("conditions") or []
+        assert not [c for c in plain if c["type"] == "Degraded" and c["status"] == "True"], plain
+        assert op.proc.poll() is None  # no crash loop
+        assert "InferencePool is not served by this cluster" in op.log()
+        assert "watching InferencePool" not in op.log()  # no warning-and-backoff loop for an absent CRD
+    finally:
+        for name in ("plain", "wants-pool"):
+            emulator.request("DELETE", service_path(NS, name))
+        op.stop()
