@@ -2,8 +2,8 @@
 (client-go's informers), so that a settled service costs no API request at all.
 
 The owned kinds (Deployments, their Pods, Services, PodDisruptionBudgets, HorizontalPodAutoscalers,
-NetworkPolicies)
-are listed and watched with a server-side label selector, the operator's managed-by label: the
+NetworkPolicies, the
+Jobs that fill a pre-filled model cache) are listed and watched with a server-side label selector, the operator's managed-by label: the
 API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
 EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here).
 
@@ -31,7 +31,7 @@ from embedop.render import MANAGED_BY
 log = logging.getLogger(__name__)
 
 # The kinds listed and watched by the operator's label (the pods carry it through the template).
-WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy")
+WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy", "Job")
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed where it stopped
 BACKOFF_S = (0.5, 30.0)  # first and largest wait before listing again after a failure
 

@@ -41,6 +41,7 @@ KINDS = {
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     "Pod": ("", "v1", "pods"),
+    "Job": ("batch", "v1", "jobs"),  # a pre-filled model cache's fill (render_cache)
     "Lease": ("coordination.k8s.io", "v1", "leases"),
     crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
 }
@@ -64,6 +65,9 @@ CALLS = {
                                                       "HorizontalPodAutoscaler", "NetworkPolicy") for v in ("list", "watch")),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
+    # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
+    # pod template is immutable), watched by the operator's label for its completion.
+    *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch")),
     # Leader election (leader.py), in the operator's own namespace.
     *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write
