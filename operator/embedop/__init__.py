@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: eighteen modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -10,6 +10,7 @@ Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
   render_network   spec.networkPolicy → the service's NetworkPolicy
   render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
+  render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
 
@@ -19,6 +20,7 @@ I/O, from the edge in:
              guarded writes through one Cluster (the leader check before each)
   leader     leader election on a coordination.k8s.io Lease
   reconcile  one reconcile: render, apply what drifted, report status
+  fill       a pre-filled model cache's Job: read, and whether the pods wait for it
   autoscaler one autoscaling step: scrape the pods, decide, scale, record
   fleet      one task per service: reconciles and autoscaler steps, kicked by watch events
   handlers   the only module with kopf handlers: startup, the services' events

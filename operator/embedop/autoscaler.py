@@ -24,7 +24,7 @@ import logging
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedop import autoscale, crd, render, reconcile, spec as specs, status
+from embedop import autoscale, crd, fill as fills, render, reconcile, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import Conflict, Rejected
@@ -212,8 +212,11 @@ async def _scale(cluster: Cluster, settings: OperatorSettings, body: dict, spec:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     for _ in range(reconcile.CONFLICT_RETRIES):
         deployment, _ = reconcile.deployment_for(settings, body, spec, live, desired)
+        # While a model cache's fill runs, the count changes but the pods stay on the revision they have.
+        fill = await fills.read(cluster, settings, reconcile.owner_of(body), spec,
+                                deployment["spec"]["template"]["spec"]["containers"][0]["image"])
         try:
-            refused = await reconcile.apply_deployment(cluster, deployment, live)
+            refused = await reconcile.apply_deployment(cluster, deployment, live, hold=bool(fill and fill.holds))
         except Conflict:
             live = await cluster.get("Deployment", namespace, name, fresh=True)
             if live is None or live["spec"].get("replicas") != current:

@@ -2,8 +2,8 @@
 (client-go's informers), so that a settled service costs no API request at all.
 
 The owned kinds (Deployments, their Pods, Services, PodDisruptionBudgets, HorizontalPodAutoscalers,
-NetworkPolicies, InferencePools where the cluster has their CRD: OPTIONAL_WATCHED)
-are listed and watched with a server-side label selector, the operator's managed-by label: the
+NetworkPolicies, InferencePools where the cluster has their CRD: OPTIONAL_WATCHED, the Jobs that
+fill a pre-filled model cache) are listed and watched with a server-side label selector, the operator's managed-by label: the
 API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
 EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here).
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # The kinds listed and watched by the operator's label (the pods carry it through the template).
 WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
-           render_gateway.KIND)
+           render_gateway.KIND, "Job")
 # Kinds of a CRD a cluster may not have installed (the Gateway API Inference Extension's): the API
 # answers their list 404. Then none exists, which is what the empty copy says: the informer counts
 # as listed (the handlers do not wait for it, and the reconcile's "is there one of ours to delete?"

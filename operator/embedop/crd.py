@@ -169,6 +169,9 @@ SPEC = obj(
     "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
     {
         "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
+        "modelRevision": string("The hub revision of a repo id model (MODEL_REVISION): a branch, tag or commit; default main. "
+                                "A revision a cache has fetched is read back with no hub call (a branch stays at the commit "
+                                "first fetched): set this to move a fleet to another commit.", maxLength=256, pattern=r"^[^\s]+$"),
         "task": string("What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), "
                        "sparse (SPLADE vectors) or classify (labels). Unset: the server infers it from the model's "
                        "files. status.task says what the pods serve; a disagreement with this is the TaskMismatch condition.",
@@ -232,10 +235,35 @@ SPEC = obj(
         }, default={}, **{"x-kubernetes-validations": [
             {"rule": "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
              "message": "maxSurge and maxUnavailable cannot both be 0: the rollout could never progress"}]}),
-        "modelCache": obj("Where servers keep downloaded models.", {
+        "modelCache": obj("Where servers find the model's files (MODEL_CACHE_DIR, mounted at /models): by default an emptyDir "
+                          "per pod, which each pod fills from the hub or S3; a claim (claimName) shared by the pods, or "
+                          "filled once by the operator (prefill); or an image volume holding the model (image).", {
             "sizeLimit": quantity("Size of the emptyDir cache when no claim is given.", "20Gi"),
-            "claimName": string("An existing PersistentVolumeClaim to use as the cache instead.", maxLength=253),
-        }, default={}),
+            "claimName": string("An existing PersistentVolumeClaim to use as the cache instead, mounted read-write: "
+                                "ReadWriteMany lets every pod on every node share it (the first downloads, the others "
+                                "find the model; concurrent downloads are safe).", maxLength=253),
+            "prefill": _t("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
+                          "python -m embedserve.prefetch) once per model and revision, and the pods mount it read-only "
+                          "with HF_HUB_OFFLINE=1, so a new pod never downloads. The pods move to a new model or revision "
+                          "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded). "
+                          "The claim must let the Job write and the pods read at once (ReadWriteMany)."),
+            "image": obj("An image volume (an OCI image or artifact holding the model, as KServe's modelcar) mounted "
+                         "read-only at /model-image; MODEL_PATH is that directory (plus path) and clients still name the "
+                         "model spec.model. Needs Kubernetes 1.31+ with the ImageVolume feature gate enabled on the API "
+                         "server and the kubelets (alpha in 1.31-1.32, beta from 1.33) and a container runtime that "
+                         "supports image volumes (containerd 2.1+, CRI-O 1.31+). The cache itself stays a writable emptyDir of sizeLimit.", {
+                "reference": string("The image reference, e.g. registry.example/models/bge-base:v1.5.", minLength=1,
+                                    maxLength=512, pattern=r"^[^\s]+$"),
+                "pullPolicy": string("Always, Never or IfNotPresent (default: IfNotPresent; Always for a :latest tag "
+                                     "is the kubelet's own rule only when unset, so set it).", enum=["Always", "Never", "IfNotPresent"]),
+                "path": string("The model's directory inside the image, relative (e.g. models/bge); default: its root.",
+                               maxLength=512, pattern=r"^[^/].*$"),
+            }, required=["reference"]),
+        }, default={}, **{"x-kubernetes-validations": [
+            {"rule": "!(has(self.image) && has(self.claimName))",
+             "message": "image and claimName are exclusive (the image holds the model; the cache stays an emptyDir)"},
+            {"rule": "!(has(self.prefill) && self.prefill && !has(self.claimName))",
+             "message": "prefill needs claimName: the claim the fill Job writes and the pods read"}]}),
         "nodeSelector": {"type": "object", "description": "Node labels the server pods must match.",
                          "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "description": "Tolerations of the server pods (e.g. for GPU node taints).",

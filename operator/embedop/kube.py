@@ -43,6 +43,7 @@ KINDS = {
     # spec.routing gateway (render_gateway); its CRD may not be installed (cache.OPTIONAL_WATCHED).
     render_gateway.KIND: (render_gateway.GROUP, render_gateway.VERSION, render_gateway.PLURAL),
     "Pod": ("", "v1", "pods"),
+    "Job": ("batch", "v1", "jobs"),  # a pre-filled model cache's fill (render_cache)
     "Lease": ("coordination.k8s.io", "v1", "leases"),
     crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
 }
@@ -68,6 +69,9 @@ CALLS = {
       for v in ("list", "watch")),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
+    # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
+    # pod template is immutable), watched by the operator's label for its completion.
+    *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch")),
     # Leader election (leader.py), in the operator's own namespace.
     *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write

@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render, render_gateway, render_network, spec as specs, status
+from embedop import crd, fill as fills, render, render_gateway, render_network, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -50,6 +50,7 @@ class Outcome:
     foreign: list[str] = dataclasses.field(default_factory=list)  # "Kind/name" taken by someone else
     warnings: list[str] = dataclasses.field(default_factory=list)  # spec.warnings: said, never refused
     scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
+    fill: fills.Fill | None = None  # a pre-filled model cache's Job, while the pods wait for it
 
 
 # The fields we write that the API server stores as resource.Quantity, rewritten in its canonical
@@ -176,11 +177,19 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     return obj, notice
 
 
-async def apply_deployment(cluster: Cluster, deployment: dict, live: dict | None) -> str | None:
+async def apply_deployment(cluster: Cluster, deployment: dict, live: dict | None, hold: bool = False) -> str | None:
     """Apply the Deployment. When admission refuses the whole spec (a Kyverno or Gatekeeper
     policy, a quota) and only the count had to change, the count changes anyway, through the
     scale subresource: scaling must not stop because of an unrelated rule. → the refusal's
-    message when that fallback was taken; Rejected when the count could not change either."""
+    message when that fallback was taken; Rejected when the count could not change either.
+    `hold`: the pod template waits (a model cache's fill, fill.py): only the count changes, through
+    the scale subresource, and a Deployment that does not exist yet is not created."""
+    if hold:
+        count = deployment["spec"].get("replicas")
+        if live is not None and count is not None and count != live["spec"].get("replicas"):
+            meta = live["metadata"]
+            await cluster.scale_deployment(meta["namespace"], meta["name"], count, meta["resourceVersion"])
+        return None
     try:
         await cluster.apply(deployment)
         return None
@@ -296,6 +305,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
     owner = owner_of(body)
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
+    hold = await _fill(cluster, settings, owner, spec, deployment, outcome)
     # Whether we own the count must match whether we send it: after a mode switch, an apply takes
     # it (from the HPA's controller, kubectl scale, our own scale-subresource fallback) or, in
     # mode hpa, releases it after the handover.
@@ -303,7 +313,9 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     if ownership_differs and "replicas" not in deployment["spec"] and not owns_replicas(live, HANDOVER_MANAGER):
         live = await hand_over_replicas(cluster, live)
         deployment["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
-    if ownership_differs or drifted(deployment, live):
+    if hold:
+        await apply_deployment(cluster, deployment, live, hold=True)
+    elif ownership_differs or drifted(deployment, live):
         try:
             outcome.scaled = await apply_deployment(cluster, deployment, live)
         except Rejected as e:
@@ -340,6 +352,23 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     return hpa
 
 
+async def _fill(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, deployment: dict,
+                outcome: Outcome) -> bool:
+    """A pre-filled model cache's Job: created when missing (once: a Job's template is immutable,
+    and its name is the digest of what it fills), never changed. → whether the Deployment waits."""
+    fill = await fills.read(cluster, settings, owner, spec, deployment["spec"]["template"]["spec"]["containers"][0]["image"])
+    if fill is None:
+        return False
+    if not_ours(fill.job, owner):
+        outcome.foreign.append(f"Job/{fill.name}")
+        return True
+    if fill.job is None:
+        fill = fills.of(fill.rendered, await cluster.apply(stamped(fill.rendered)), spec)
+        outcome.applied.append(f"Job/{fill.name}")
+    outcome.fill = fill if fill.holds else None
+    return fill.holds
+
+
 def _unguarded(obj: dict) -> dict:
     meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
     return {**obj, "metadata": meta}
@@ -371,7 +400,8 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
         conditions = [c for c in previous.get("conditions") or []
                       if autoscaled or c.get("type") not in status.AUTOSCALER_CONDITIONS]
         new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions,
-                                     rejected=outcome.rejected, foreign=outcome.foreign)
+                                     rejected=outcome.rejected, foreign=outcome.foreign,
+                                     fill=(outcome.fill.state, outcome.fill.message) if outcome.fill else None)
         new["selector"] = render.selector_string(owner.name)
         if (desired := desired_replicas(spec, deployment, hpa)) is not None:
             new["desiredReplicas"] = desired

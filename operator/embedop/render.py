@@ -7,7 +7,7 @@ import dataclasses
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render_gateway, render_network, render_security
+from embedop import crd, render_cache, render_gateway, render_network, render_security
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
@@ -16,7 +16,7 @@ GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8001, 8002
 MANAGED_BY = {"app.kubernetes.io/managed-by": "embedop"}
 SERVICE_LABEL = "embedfleet.dev/service"
 METRICS_LABEL = "embedfleet.dev/metrics"
-MODEL_CACHE = "/models"
+MODEL_CACHE = render_cache.MODEL_CACHE
 # The metric an HPA scales on (served by prometheus-adapter from the servers' own gauges):
 # offered tokens/s over capacity tokens/s, per pod. The target is spec.autoscaling.targetUtilization.
 HPA_METRIC = "embedfleet_load_ratio"
@@ -98,8 +98,7 @@ def server_env(spec: dict, grace_seconds: int, metrics_port: int = METRICS_PORT)
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
     values = {
-        "MODEL_PATH": spec["model"],
-        "MODEL_CACHE_DIR": MODEL_CACHE,
+        **render_cache.env(spec),  # MODEL_PATH, MODEL_CACHE_DIR, and what the cache's kind adds
         # Unset: the server infers the task from the model's files (TASK=auto, its default).
         **({"TASK": spec["task"]} if spec.get("task") else {}),
         "GRPC_PORT": GRPC_PORT,
@@ -196,19 +195,13 @@ def rollout(spec: dict) -> dict:
 
 
 def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
-    cache = spec["modelCache"]
-    cache_volume = (
-        {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
-        if cache.get("claimName")
-        else {"name": "model-cache", "emptyDir": {"sizeLimit": str(cache["sizeLimit"])}}
-    )
     pod = {
         "terminationGracePeriodSeconds": grace_seconds,
         # OnRootMismatch: a model cache volume of many files is not walked and re-owned at every start.
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "volumes": [cache_volume, {"name": "tmp", "emptyDir": {}}, *render_security.volumes(spec)],
+        "volumes": [*render_cache.volumes(spec), {"name": "tmp", "emptyDir": {}}, *render_security.volumes(spec)],
         "enableServiceLinks": False,
     }
     # The production pod fields, passed through as the spec states them (validated by the CRD's
@@ -251,7 +244,7 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         # Endpoints are removed asynchronously: keep serving a few seconds before SIGTERM.
         "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", "import time; time.sleep(5)"]}}},
-        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"},
+        "volumeMounts": [*render_cache.mounts(spec), {"name": "tmp", "mountPath": "/tmp"},
                          *render_security.mounts(spec)],
         "securityContext": {
             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -286,6 +279,20 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
     if replicas is not None:  # None: the HorizontalPodAutoscaler owns the count
         body["spec"]["replicas"] = replicas
     return body
+
+
+def fill_job_name(owner: Owner, spec: dict, grace_seconds: int) -> str | None:
+    """The name of the Job that fills spec.modelCache's claim for this spec, or None (no fill)."""
+    return render_cache.fill_job_name(owner.name, spec, server_env(spec, grace_seconds))
+
+
+def fill_job(owner: Owner, spec: dict, image: str, grace_seconds: int, metrics_port: int = METRICS_PORT) -> dict | None:
+    """The Job that fills a pre-filled spec.modelCache claim (render_cache.fill_job), or None."""
+    if (name := fill_job_name(owner, spec, grace_seconds)) is None:
+        return None
+    pod = deployment(owner, spec, image, None, grace_seconds, metrics_port)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    return render_cache.fill_job(_meta(owner, name), spec, image, container["env"], pod, container)
 
 
 def _ports(spec: dict, metrics_port: int) -> list[dict]:

@@ -78,10 +78,11 @@ def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
 
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
                     previous: list[dict], now: str | None = None, rejected: str | None = None,
-                    foreign: list[str] | None = None) -> dict:
+                    foreign: list[str] | None = None, fill: tuple[str, str] | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
     is the API's message when it refused an object the spec rendered; `foreign`, the objects of
-    the service's names that someone else owns (never applied over)."""
+    the service's names that someone else owns (never applied over); `fill`, (state, message) of
+    a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing)."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
     replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
@@ -99,6 +100,10 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                              generation, previous, now)
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
+    elif fill and fill[0] == "Failed":
+        degraded = condition("Degraded", True, "ModelCacheFillFailed", fill[1], generation, previous, now)
+    elif fill:  # no Deployment yet is expected while its pods wait for the cache
+        degraded = condition("Degraded", False, "FillingModelCache", "", generation, previous, now)
     elif deployment is None:
         degraded = condition("Degraded", True, "DeploymentMissing", "the Deployment does not exist yet", generation, previous, now)
     elif failing:
@@ -108,6 +113,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
         degraded = condition("Degraded", False, "AsExpected", "", generation, previous, now)
     healthy = deployment is not None and not problems
     progressing = healthy and (updated < wanted or ready < wanted or replicas > wanted)
+    filling = bool(fill) and fill[0] != "Failed" and not problems
     is_ready = healthy and ready >= max(wanted, 1)
     return {
         "replicas": replicas,
@@ -115,6 +121,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
         "conditions": merge_conditions(previous, [
             condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
                       f"{ready}/{wanted} replicas ready", generation, previous, now),
+            condition("Progressing", True, "FillingModelCache", fill[1], generation, previous, now) if filling else
             condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
                       f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
             degraded,

@@ -30,6 +30,10 @@ class Settings:
     """MODEL_PATH: a local directory, a HuggingFace repo id, an s3://bucket/prefix URI, or
     `sim:<tokens_per_second>` (simulated accelerator, tests only). Default: the packaged
     all-MiniLM-L6-v2."""
+    model_revision: str = ""
+    """MODEL_REVISION: the hub revision of a MODEL_PATH repo id: a branch, tag or commit (default:
+    main). Once a revision has been fetched into MODEL_CACHE_DIR, it is read from there with no
+    hub call at all (a filled volume serves without the network); a new revision is fetched."""
     model_cache_dir: str = "/tmp/model_cache"
     """MODEL_CACHE_DIR: where hub and s3 downloads are kept."""
     device: str = "auto"
@@ -217,6 +221,7 @@ class Settings:
         s = _Reader(env)
         settings = cls(
             model_path=s.str("MODEL_PATH", d.model_path),
+            model_revision=s.str("MODEL_REVISION", d.model_revision),
             model_cache_dir=s.str("MODEL_CACHE_DIR", d.model_cache_dir),
             device=s.str("DEVICE", d.device),
             dtype=s.choice("DTYPE", d.dtype, ("auto", "float32", "float16", "bfloat16")),

@@ -44,7 +44,7 @@ def prepare(s: Settings) -> Prepared:
 
     sim = simulated.parse(s.model_path) is not None
     # The simulator borrows the packaged tokenizer.
-    model_dir = str(resolve("" if sim else s.model_path, s.model_cache_dir, s.trust_remote_code))
+    model_dir = str(resolve("" if sim else s.model_path, s.model_cache_dir, s.trust_remote_code, s.model_revision))
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     hf_tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     said = declared.read(model_dir)

@@ -60,7 +60,7 @@ faults: dict[tuple[str, str], list[int]] = {}
 TIMEOUT = 0  # a fault that is a slow answer instead of an error status
 RETRY_AFTER_S = 8  # what an injected 429 asks (longer than the operator's own back-off, 5 s)
 APPLY = "application/apply-patch+yaml"
-VALIDATED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy"}
+VALIDATED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy", "Job"}
 
 
 def api_error(status: int, reason: str, message: str) -> kmock.KubernetesError:

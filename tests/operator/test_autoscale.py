@@ -376,3 +376,40 @@ def test_a_long_interval_still_looks_ahead_on_a_ramp():
     history = History(capacity=CAP, startup_s=60.0, demand=((910.0, 1000.0), (940.0, 1500.0), (970.0, 2000.0)))
     d = run(pods(6, 2500 / 6), 6, history)
     assert d.forecast > d.demand
+
+
+def started_pod(name: str, startup_s: float) -> dict:
+    """A Pod as the API keeps it: created, started, and Ready `startup_s` after its creation."""
+    t = lambda s: f"2026-01-01T00:{int(s) // 60:02d}:{int(s) % 60:02d}Z"
+    return {"metadata": {"name": name, "creationTimestamp": t(0)},
+            "status": {"phase": "Running", "podIP": "10.0.0.1", "startTime": t(1),
+                       "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": t(startup_s)}],
+                       "containerStatuses": [{"name": "server", "started": True, "restartCount": 0,
+                                              "state": {"running": {"startedAt": t(2)}}}]}}
+
+
+def test_a_fleet_that_starts_warm_looks_less_far_ahead():
+    """The same sustained ramp (3% per 15 s read) on two fleets of 6 pods, one whose pods were
+    Ready 8 s after creation (a warm start: cached model, reused warm-up), one 40 s (cold): the
+    start-up each decision uses is the one measured from the pods' timestamps, and the warm fleet's
+    forecast adds a start-up's worth of trend that much smaller, so it starts fewer pods ahead."""
+    from embedop.autoscaler import pod_view
+
+    def fleet(startup_s):
+        views = [pod_view(started_pod(f"p{i}", startup_s)) for i in range(6)]
+        assert {v.startup_s for v in views} == {startup_s}
+        return lambda demand: [PodSample(v.name, True, True, CAP, demand / 6, startup_s=v.startup_s) for v in views]
+
+    decided = {}
+    for startup_s in (8.0, 40.0):
+        pods_at, history, now, demand = fleet(startup_s), History(capacity=CAP), 1000.0, 2650.0
+        for _ in range(6):
+            d = decide(pods_at(demand), 6, POLICY, history, now)
+            history, now, demand = d.history, now + 15, demand * 1.03
+        assert d.history.startup_s == startup_s  # measured, not DEFAULT_STARTUP_S
+        decided[startup_s] = d
+    warm, cold = decided[8.0], decided[40.0]
+    assert warm.demand == pytest.approx(cold.demand)
+    slope = (cold.forecast - cold.demand) / (40.0 + 15)  # the trend, looked ahead over start-up + interval
+    assert slope > 0 and warm.forecast - warm.demand == pytest.approx(slope * (8.0 + 15), rel=1e-6)
+    assert warm.desired < cold.desired, (warm.desired, cold.desired)

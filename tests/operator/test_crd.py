@@ -157,6 +157,9 @@ CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     ("env", [{"name": "HTTP_HEALTH_PORT", "value": "9000"}], "spec.env cannot override them", "HTTP_HEALTH_PORT"),
     ("env", [{"name": "GRPC_PORT", "value": "9001"}], "spec.env cannot override them", "GRPC_PORT"),
     ("env", [{"name": "METRICS_PORT", "value": "9002"}], "spec.env cannot override them", "METRICS_PORT"),
+    ("modelCache", {"image": {"reference": "r/m:1"}, "claimName": "c"}, "image and claimName are exclusive",
+     "image and claimName are exclusive"),
+    ("modelCache", {"prefill": True}, "prefill needs claimName", "prefill needs claimName"),
 ]
 
 

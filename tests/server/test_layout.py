@@ -27,7 +27,7 @@ LAYERS = [
     {"embedserve.service"},
     {"embedserve.metrics"},
     {"embedserve.transports"},
-    {"embedserve.frontends", "embedserve.prepare"},
+    {"embedserve.frontends", "embedserve.prepare", "embedserve.prefetch"},
     {"embedserve.app"},
     {"embedserve.__main__"},
 ]

@@ -5,7 +5,9 @@ Every failure raises ModelSourceError with a message that says what to do.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
+import json
 import os
 from pathlib import Path
 
@@ -26,8 +28,10 @@ def packaged_model_dir() -> Path:
         ) from None
 
 
-def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False) -> Path:
-    """MODEL_PATH → a local directory holding config, tokenizer and weights."""
+def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False, revision: str = "") -> Path:
+    """MODEL_PATH (and MODEL_REVISION, for a hub repo id) → a local directory holding config,
+    tokenizer and weights. A local directory (a volume the operator mounted) is never looked up
+    anywhere else; neither is a hub revision this cache has fetched before (`fetched`)."""
     if model_path in ("", PACKAGED_MODEL):
         return packaged_model_dir()
     if model_path.startswith("s3://"):
@@ -37,7 +41,7 @@ def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False) ->
         return local
     if model_path.startswith((".", "/", "~")) or local.exists():
         raise ModelSourceError(f"MODEL_PATH={model_path!r}: no such model directory")
-    return fetch_hub(model_path, cache_dir, trust_remote_code)
+    return fetch_hub(model_path, cache_dir, trust_remote_code, revision)
 
 
 # What serving needs of a model repository: configuration, tokenizer, the sentence-transformers
@@ -65,17 +69,66 @@ def needed(files: list[str], trust_remote_code: bool = False) -> list[str]:
     return [f for f in kept if not (f.endswith(".bin") and f.rpartition("/")[0] in with_safetensors)]
 
 
-def fetch_hub(repo_id: str, cache_dir: str, trust_remote_code: bool = False) -> Path:
+# Beside the hub's own layout in MODEL_CACHE_DIR: one file per (repo, revision, code allowed) that
+# was fetched completely, naming its snapshot. The hub's layout alone cannot say that: a snapshot
+# directory exists from its first file on, so a pod that starts while another one (sharing a
+# ReadWriteMany cache) is still downloading would load half a model.
+FETCHED = "embedfleet-fetched"
+
+
+def _fetched_file(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool) -> Path:
+    key = json.dumps([repo_id, revision or "main", trust_remote_code])
+    return Path(cache_dir) / FETCHED / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def fetched(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revision: str = "") -> Path | None:
+    """The snapshot of `repo_id` at `revision` that this cache holds complete, read with no network
+    call: a filled volume (a pre-filled claim, one a previous pod filled) serves whether or not the
+    hub is reachable. A branch (main) stays at the commit first fetched: set MODEL_REVISION to
+    move a fleet to another one."""
+    try:
+        record = json.loads(_fetched_file(cache_dir, repo_id, revision, trust_remote_code).read_text())
+        snapshot = Path(cache_dir) / record["snapshot"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return snapshot if snapshot.is_dir() else None
+
+
+def _record_fetched(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool, snapshot: Path) -> None:
+    path = _fetched_file(cache_dir, repo_id, revision, trust_remote_code)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"repo": repo_id, "revision": revision or "main",
+                                   "snapshot": str(snapshot.resolve().relative_to(Path(cache_dir).resolve()))}))
+        tmp.replace(path)  # atomic: a reader sees no record or a whole one
+    except (OSError, ValueError):  # a read-only cache, or a snapshot outside it: found through the hub next time
+        pass
+
+
+def fetch_hub(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revision: str = "") -> Path:
+    """The hub's snapshot of `repo_id` at `revision` (empty: main), what serving needs of it only.
+    Several pods may download into one shared cache at once: huggingface_hub takes a file lock per
+    file (MODEL_CACHE_DIR/.locks) and moves each file into place whole."""
+    if (done := fetched(repo_id, cache_dir, trust_remote_code, revision)) is not None:
+        return done
     from huggingface_hub import HfApi, snapshot_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    at = f"@{revision}" if revision else ""
     try:
-        # Offline there is no listing: whatever the cache holds is what was downloaded before.
-        patterns = None if offline else needed(HfApi().list_repo_files(repo_id), trust_remote_code)
-        return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns))
-    except Exception as e:  # offline, unknown repo, auth: all mean "not available here"
+        # Offline there is no listing: whatever the cache holds of that revision is what was
+        # downloaded before (the ref of a branch or tag names its commit's snapshot).
+        patterns = None if offline else needed(HfApi().list_repo_files(repo_id, revision=revision or None),
+                                               trust_remote_code)
+        snapshot = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache_dir,
+                                          allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo or revision, auth: all mean "not available here"
         hint = " (HF_HUB_OFFLINE is set and the model is not in MODEL_CACHE_DIR)" if offline else ""
-        raise ModelSourceError(f"MODEL_PATH={repo_id!r}: cannot fetch from the hub{hint}: {e}") from e
+        raise ModelSourceError(f"MODEL_PATH={repo_id!r}{at}: cannot fetch from the hub{hint}: {e}") from e
+    if not offline:
+        _record_fetched(cache_dir, repo_id, revision, trust_remote_code, snapshot)
+    return snapshot
 
 
 def fetch_s3(uri: str, cache_root: Path, trust_remote_code: bool = False) -> Path:

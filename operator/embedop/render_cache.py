@@ -1,0 +1,181 @@
+"""spec.modelCache → the pod's model cache volumes, mounts and server settings, and the Job that
+fills a pre-filled claim. Pure: dicts in, dicts out.
+
+Four kinds (`kind`):
+- emptyDir (no claim, no image): each pod downloads into its own cache of sizeLimit;
+- claim: an existing PersistentVolumeClaim, mounted read-write; ReadWriteMany lets every pod on
+  every node share it: the first pod downloads, later ones find the model (the server's source
+  reads a fetched model back with no network call; concurrent downloads are safe, huggingface_hub
+  locks each file);
+- prefilled (claim + prefill): the operator fills the claim once per model revision with a Job
+  running the server image's `python -m embedserve.prefetch`; the server pods mount it read-only,
+  with HF_HUB_OFFLINE=1, and are not rolled onto a revision before its Job has succeeded;
+- image: a Kubernetes image volume (an OCI artifact holding the model, as KServe's modelcar),
+  mounted read-only; MODEL_PATH is the mounted directory, and the cache stays a writable emptyDir
+  (the warm-start file and torch.compile caches live there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+MODEL_CACHE = "/models"  # MODEL_CACHE_DIR
+MODEL_IMAGE = "/model-image"  # where an image volume's artifact is mounted
+CACHE_VOLUME, IMAGE_VOLUME = "model-cache", "model-image"
+FILL_LABEL = "embedfleet.dev/model-cache-fill"  # on fill Jobs: the spec digest they fill for
+# The settings that decide what a fill downloads: a Job (its pod template immutable) per distinct set.
+FILLED_BY = ("MODEL_PATH", "MODEL_REVISION", "TRUST_REMOTE_CODE")
+FILL_BACKOFF_LIMIT = 4
+FILL_DEADLINE_S = 6 * 3600  # a download that runs longer than this has failed
+
+
+def kind(cache: dict) -> str:
+    if cache.get("image"):
+        return "image"
+    if cache.get("claimName"):
+        return "prefilled" if cache.get("prefill") else "claim"
+    return "emptyDir"
+
+
+def problems(spec: dict) -> list[str]:
+    cache = spec["modelCache"]
+    out = []
+    if cache.get("image") and cache.get("claimName"):
+        out.append("modelCache: image and claimName are exclusive (the image holds the model; the cache stays an emptyDir)")
+    if cache.get("prefill") and not cache.get("claimName"):
+        out.append("modelCache.prefill needs claimName: the claim the fill Job writes and the pods read")
+    path = (cache.get("image") or {}).get("path") or ""
+    if path.startswith("/") or ".." in path.split("/"):
+        out.append(f"modelCache.image.path {path!r}: a relative path inside the image, without ..")
+    return out
+
+
+def volumes(spec: dict) -> list[dict]:
+    cache = spec["modelCache"]
+    k = kind(cache)
+    if k in ("claim", "prefilled"):
+        claim = {"claimName": cache["claimName"], **({"readOnly": True} if k == "prefilled" else {})}
+        return [{"name": CACHE_VOLUME, "persistentVolumeClaim": claim}]
+    out = [{"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": str(cache["sizeLimit"])}}]
+    if k == "image":
+        image = cache["image"]
+        out.append({"name": IMAGE_VOLUME, "image": {"reference": image["reference"],
+                                                     "pullPolicy": image.get("pullPolicy") or "IfNotPresent"}})
+    return out
+
+
+def mounts(spec: dict) -> list[dict]:
+    k = kind(spec["modelCache"])
+    out = [{"name": CACHE_VOLUME, "mountPath": MODEL_CACHE, **({"readOnly": True} if k == "prefilled" else {})}]
+    if k == "image":
+        out.append({"name": IMAGE_VOLUME, "mountPath": MODEL_IMAGE, "readOnly": True})
+    return out
+
+
+def model_dir(spec: dict) -> str:
+    """Where an image volume's model is, inside the pod: the mount plus the optional path in the artifact."""
+    path = (spec["modelCache"].get("image") or {}).get("path") or ""
+    return f"{MODEL_IMAGE}/{path.strip('/')}" if path.strip("/") else MODEL_IMAGE
+
+
+def env(spec: dict) -> dict:
+    """The server settings the cache decides (render.server_env puts them in place)."""
+    k = kind(spec["modelCache"])
+    if k == "image":
+        # Clients keep naming the model as spec.model says, not after the mount's directory.
+        return {"MODEL_PATH": model_dir(spec), "SERVED_MODEL_NAME": spec["model"], "MODEL_CACHE_DIR": MODEL_CACHE}
+    values = {"MODEL_PATH": spec["model"], "MODEL_CACHE_DIR": MODEL_CACHE}
+    if spec.get("modelRevision"):
+        values["MODEL_REVISION"] = spec["modelRevision"]
+    if k == "prefilled":
+        values["HF_HUB_OFFLINE"] = "1"  # read-only: what the Job fetched is all there is
+    return values
+
+
+def fill_digest(spec: dict, server_env: list[dict]) -> str:
+    """What a fill is for: the claim, and the settings (as the pods get them, spec.env included)
+    that decide what is downloaded."""
+    wanted = [e for e in server_env if e["name"] in FILLED_BY]
+    key = json.dumps([spec["modelCache"]["claimName"], sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def fill_job_name(service: str, spec: dict, server_env: list[dict]) -> str | None:
+    """`<service>-fill-<digest>` (at most 63 characters, as a Job's name must be, for its pods'
+    job-name label), or None when the spec has no claim to fill."""
+    if kind(spec["modelCache"]) != "prefilled":
+        return None
+    return f"{service[:63 - 16]}-fill-{fill_digest(spec, server_env)}"
+
+
+def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: dict, container: dict) -> dict | None:
+    """The Job that fills the claim: the server image and the servers' own settings (their
+    credentials, spec.env and envFrom included) but HF_HUB_OFFLINE, the claim mounted read-write.
+    `meta`: the owned-object metadata (named by fill_job_name); `pod` and `container`: the server
+    pod's spec and container, whose security and scheduling fields it keeps. Its pod template is
+    immutable, and so is its name for one digest: a changed model is a new Job. No
+    ttlSecondsAfterFinished: the Job stays (owned by the service) as the record that this
+    revision was filled, so it runs once."""
+    if meta is None or kind(spec["modelCache"]) != "prefilled":
+        return None
+    digest = fill_digest(spec, server_env)
+    job_env = [e for e in server_env if e["name"] != "HF_HUB_OFFLINE"]
+    filler = {
+        "name": "fill", "image": image, "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["python", "-m", "embedserve.prefetch"],
+        "env": job_env,
+        **({"envFrom": container["envFrom"]} if container.get("envFrom") else {}),
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}},
+        "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": container["securityContext"],
+    }
+    kept = ("securityContext", "nodeSelector", "tolerations", "affinity", "imagePullSecrets", "serviceAccountName",
+            "priorityClassName")
+    pod_spec = {k: pod[k] for k in kept if k in pod}
+    labels = {**meta["labels"], FILL_LABEL: digest}
+    # Its pod must not carry the server pods' selector labels: the Services would send it requests,
+    # the PodDisruptionBudget count it and the autoscaler scrape it.
+    pod_labels = {"app.kubernetes.io/name": "embedserve-fill",
+                  "app.kubernetes.io/instance": meta["labels"]["app.kubernetes.io/instance"], FILL_LABEL: digest}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {**meta, "labels": labels},
+        "spec": {
+            "backoffLimit": FILL_BACKOFF_LIMIT,
+            "activeDeadlineSeconds": FILL_DEADLINE_S,
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {**pod_spec, "restartPolicy": "Never", "enableServiceLinks": False, "containers": [filler],
+                         "volumes": [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": spec["modelCache"]["claimName"]}},
+                                     {"name": "tmp", "emptyDir": {}}]},
+            },
+        },
+    }
+
+
+def fill_state(job: dict | None) -> str:
+    """A fill Job's state as its controller writes it: Complete (condition Complete, or
+    SuccessCriteriaMet, or a succeeded pod), Failed (condition Failed: backoffLimit or the deadline
+    exceeded), else Running (Missing when there is no Job)."""
+    if job is None:
+        return "Missing"
+    st = job.get("status") or {}
+    true = {c.get("type") for c in st.get("conditions") or [] if c.get("status") == "True"}
+    if true & {"Complete", "SuccessCriteriaMet"} or int(st.get("succeeded") or 0) > 0:
+        return "Complete"
+    if true & {"Failed", "FailureTarget"}:
+        return "Failed"
+    return "Running"
+
+
+def fill_message(job: dict | None, name: str, spec: dict) -> str:
+    rev = f"@{spec['modelRevision']}" if spec.get("modelRevision") else ""
+    what = f"{spec['model']}{rev} into claim {spec['modelCache']['claimName']}"
+    state = fill_state(job)
+    if state == "Failed":
+        cond = next((c for c in (job.get("status") or {}).get("conditions") or []
+                     if c.get("type") in ("Failed", "FailureTarget") and c.get("status") == "True"), {})
+        return (f"Job {name} failed to fill {what}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip()
+                + f"; see `kubectl logs job/{name}`, fix the cause and delete the Job to run it again")
+    return f"Job {name} is filling {what}; the pods move to it once it has succeeded"

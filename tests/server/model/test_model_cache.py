@@ -1,0 +1,126 @@
+"""A hub model in a filled MODEL_CACHE_DIR, as the operator's fill Job leaves it (the real
+huggingface_hub client against a hub on loopback, through `python -m embedserve.prefetch`): read
+back with no network call, whether the hub is unreachable or HF_HUB_OFFLINE says so, read-only,
+at the revision MODEL_REVISION names."""
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve.client import decode_embeddings
+from tests.conftest import ONE_ROW_CAPS, ServerProcess
+from tests.server.model.fake_hub import FakeHub, SilentPort
+
+REPO = "org/minilm"
+PACKAGED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "vocab.txt", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+            "1_Pooling/config.json")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run(module_code: list[str], env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": f"{ROOT / 'server'}:{ROOT}", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}
+    return subprocess.run([sys.executable, *module_code], env=full, capture_output=True, text=True, timeout=timeout)
+
+
+RESOLVE = ("import os, sys; from embedserve.model.source import resolve; "
+           "print(resolve(os.environ['MODEL_PATH'], os.environ['MODEL_CACHE_DIR'], False, os.environ.get('MODEL_REVISION', '')))")
+
+
+def read_only(root: Path) -> None:
+    """As a readOnly volume mount: nothing under it can be written."""
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+@pytest.fixture(scope="module")
+def filled(model_dir, tmp_path_factory):
+    """The cache the fill Job leaves: revision v1 is the packaged model; main is something else
+    (a newer commit the fleet must not pick up), and the repository carries an ONNX export."""
+    files = {name: (Path(model_dir) / name).read_bytes() for name in PACKAGED}
+    hub = FakeHub(REPO, {"v1": {**files, "onnx/model.onnx": b"export"},
+                         "main": {**files, "config.json": b'{"model_type": "not-this-one"}'}})
+    cache = tmp_path_factory.mktemp("filled")
+    job = run(["-m", "embedserve.prefetch"], {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "MODEL_PATH": REPO,
+                                              "MODEL_REVISION": "v1", "MODEL_CACHE_DIR": str(cache)})
+    hub.close()
+    assert job.returncode == 0, job.stderr
+    snapshot = Path(job.stdout.strip().splitlines()[-1])
+    assert snapshot.parent.name == "snapshots" and snapshot.name == hub.refs["v1"]  # the commit v1 names
+    assert not any("onnx" in path for path in hub.requests if "/resolve/" in path)  # only what serving needs
+    read_only(cache)
+    yield cache, snapshot
+    for p in [cache, *cache.rglob("*")]:  # let pytest clean up
+        if not p.is_symlink():
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+def test_prefetch_downloads_the_revision_asked_for(filled, model_dir):
+    _, snapshot = filled
+    assert sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()) == sorted(PACKAGED)
+    assert (snapshot / "config.json").read_bytes() == (Path(model_dir) / "config.json").read_bytes()
+
+
+def test_a_filled_cache_is_read_without_any_network_call(filled):
+    """HF_HUB_OFFLINE unset and the hub's address answering nothing: a client that asked it
+    anything would hang until its timeout, and the port would have seen the connection."""
+    cache, snapshot = filled
+    hub = SilentPort()
+    try:
+        started = time.monotonic()
+        out = run(["-c", RESOLVE], {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "MODEL_PATH": REPO,
+                                    "MODEL_REVISION": "v1", "MODEL_CACHE_DIR": str(cache)})
+        took = time.monotonic() - started
+    finally:
+        hub.close()
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == snapshot
+    assert hub.accepted == 0 and took < 20, (hub.accepted, took)
+
+
+def test_offline_reads_the_snapshot_of_the_revision(filled):
+    cache, snapshot = filled
+    out = run(["-c", RESOLVE], {"HF_HUB_OFFLINE": "1", "MODEL_PATH": REPO, "MODEL_REVISION": "v1",
+                                "MODEL_CACHE_DIR": str(cache)})
+    assert out.returncode == 0 and Path(out.stdout.strip()) == snapshot, out.stderr
+    # A revision this cache never fetched is not another one's snapshot: a clear error.
+    out = run(["-c", RESOLVE], {"HF_HUB_OFFLINE": "1", "MODEL_PATH": REPO, "MODEL_REVISION": "v2",
+                                "MODEL_CACHE_DIR": str(cache)})
+    assert out.returncode != 0 and "'org/minilm'@v2: cannot fetch from the hub (HF_HUB_OFFLINE is set" in out.stderr
+
+
+def test_prefetch_fails_with_the_reason(tmp_path):
+    hub = FakeHub(REPO, {"main": {"config.json": b"{}"}})
+    try:
+        job = run(["-m", "embedserve.prefetch"], {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "MODEL_PATH": REPO,
+                                                  "MODEL_REVISION": "no-such-tag", "MODEL_CACHE_DIR": str(tmp_path)})
+    finally:
+        hub.close()
+    assert job.returncode == 1 and "prefetch failed: MODEL_PATH='org/minilm'@no-such-tag" in job.stderr
+
+
+def test_a_server_serves_from_a_read_only_filled_cache_with_the_hub_unreachable(filled, reference):
+    cache, _ = filled
+    hub = SilentPort()
+    server = ServerProcess({"MODEL_PATH": REPO, "MODEL_REVISION": "v1", "MODEL_CACHE_DIR": str(cache),
+                            "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "BATCH_CAPS": ONE_ROW_CAPS,
+                            "WARM_START": "false"})
+    try:
+        server.wait_ready()
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.target))
+        out = decode_embeddings(stub.Embed(pb.EmbedRequest(texts=["from a mounted cache"])))
+        assert np.abs(out - reference.embed(["from a mounted cache"])).max() <= 1e-5
+        assert hub.accepted == 0
+    finally:
+        hub.close()
+        assert server.stop() == 0
