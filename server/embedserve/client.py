@@ -321,8 +321,12 @@ class Client:
         return pods
 
     def _pick(self, pods: list[Pod], avoid: Pod | None) -> Pod:
-        """Least-drain's choice (client_routing.pick), away from `avoid` when another pod is there."""
+        """Least-drain's choice (client_routing.pick), away from `avoid` and from pods whose
+        connection failed (keepalive's verdict on a frozen pod, a refused connect) while others
+        are there."""
         choices = [p for p in pods if p is not avoid] or pods
+        failed = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        choices = [p for p in choices if p.channel.get_state() != failed] or choices
         now = time.monotonic()
         self._turn += 1
         return choices[client_routing.pick([p.view(now) for p in choices], self._turn, self._rng)]
@@ -345,10 +349,11 @@ class Client:
         try:
             if delay is not None:
                 await asyncio.wait(tries, timeout=delay)
-                if not first.done() and client_routing.may_hedge(self._hedge_tokens):
+                others = [p for p in await self.pods.current() if p is not pod]
+                if not first.done() and others and client_routing.may_hedge(self._hedge_tokens):
                     self._hedge_tokens -= 1
                     self.hedges += 1
-                    second = self._pick([p for p in await self._live_pods()], pod)
+                    second = self._pick(others, None)
                     left = None if remaining is None else remaining - (time.monotonic() - now)
                     tries.add(asyncio.ensure_future(self._send(second, rpc, request, left, metadata)))
             pending = set(tries)
