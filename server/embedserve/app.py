@@ -154,6 +154,9 @@ class Server:
         """What probes see: ready, not draining, and the model not failing batch after batch."""
         return self.ready and not self.draining and not (self.engine and self.engine.failing)
 
+    def drain_s(self) -> float:
+        return self.estimator.snapshot(latency=False).drain_s
+
     def health_fields(self) -> dict:
         snap, snap_time = self.estimator.snapshot(), self.estimator.clock()
         status = self.service.status() if self.service else "starting"

@@ -1,16 +1,30 @@
 """Python client for embedfleet servers, and `python -m embedserve.client TEXT...`.
 
-In a cluster, target the headless Service as `dns:///NAME:50051`: the channel resolves every pod
-and balances round-robin; servers close connections after MAX_CONNECTION_AGE_S, and each close
-makes the channel resolve again, so pods added by a scale-up take their share.
+In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`routing=`):
+
+- "least-drain" (the default): one channel per pod address the name resolves to, resolved again
+  every second and whenever a pod's connection closes (servers close theirs after
+  MAX_CONNECTION_AGE_S), so pods added by a scale-up get calls within a second or two, and pods
+  gone from DNS get none (the calls already there finish). Every answer, refusals included,
+  carries its pod's backlog (`embedfleet-drain-ms`, model time queued ahead there); each call
+  goes to the better of two pods drawn at random by that estimate, aged (halved every second
+  without news, forgotten after 5 s, so a pod left alone because it was slow is tried again),
+  with this client's own calls in flight there deciding between near-equal ones; round robin
+  while no pod's estimate is known. A try that outlives its pod's estimate twice over plus
+  0.25 s is sent once more to another pod (a hedge: the calls are idempotent) when the deadline
+  leaves room; the first answer wins and the other try is cancelled. Hedges are held to a tenth
+  of calls (10 at once): a fleet slow everywhere is not sent twice its load. Decisions:
+  embedserve.client_routing; pods and resolution: embedserve.client_pods.
+- "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
+  Client did before; servers' connection ages make it resolve again).
 
 A call the server cannot start within its drain budget waits on the server for the room booked
 for it (metadata embedfleet-queue: wait), as long as that moment lies within the reservation
 horizon and the call's deadline (`timeout_s`). Within that deadline the call retries
-RESOURCE_EXHAUSTED after the server's retry-after-ms; a refusal for sustained overload
-(`grpc-retry-pushback-ms` negative) only once, at once, on the pod round robin picks next; and UNAVAILABLE
-or CANCELLED (a pod draining or gone) at once on the next pod, with a short backoff if every pod
-says so. A pod that stops answering without closing its connection (frozen, partitioned) is
+RESOURCE_EXHAUSTED after the server's retry-after-ms (least-drain: on the pod that booked the
+room); a refusal for sustained overload (`grpc-retry-pushback-ms` negative) only once, at once, on
+another pod; and UNAVAILABLE or CANCELLED (a pod draining or gone) at once on another pod, with a
+short backoff if every pod says so. A pod that stops answering without closing its connection (frozen, partitioned) is
 noticed by keepalive within about 10 s, and its calls end UNAVAILABLE and are retried likewise.
 Retries after a refusal are marked so servers do not count them as new demand.
 
@@ -34,6 +48,8 @@ import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve import client_routing
+from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
 
 # A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
 # is retried elsewhere, a third of the default 30 s deadline. 5 s for the answer is generous:
@@ -135,35 +151,90 @@ def _pem(path: str | None) -> bytes | None:
         return f.read()
 
 
-def channel(target: str, tls: bool = False, ca_file: str | None = None, client_cert_file: str | None = None,
-            client_key_file: str | None = None) -> grpc.aio.Channel:
-    """A channel with the Client's options: TLS when `tls`, a CA file or a client certificate is
-    given (verified against `ca_file`, else the system's roots), plain text otherwise."""
+def credentials(tls: bool = False, ca_file: str | None = None, client_cert_file: str | None = None,
+                client_key_file: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS when `tls`, a CA file or a client certificate is given (verified against `ca_file`,
+    else the system's roots); None: plain text."""
     if (client_cert_file is None) != (client_key_file is None):
         raise ValueError("give client_cert_file and client_key_file together")
     if not (tls or ca_file or client_cert_file):
-        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    credentials = grpc.ssl_channel_credentials(root_certificates=_pem(ca_file), private_key=_pem(client_key_file),
-                                               certificate_chain=_pem(client_cert_file))
-    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca_file), private_key=_pem(client_key_file),
+                                        certificate_chain=_pem(client_cert_file))
+
+
+def channel(target: str, tls: bool = False, ca_file: str | None = None, client_cert_file: str | None = None,
+            client_key_file: str | None = None, options=CHANNEL_OPTIONS) -> grpc.aio.Channel:
+    """A channel with the Client's options (round robin over what `target` resolves to), TLS as
+    `credentials` says."""
+    creds = credentials(tls, ca_file, client_cert_file, client_key_file)
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, creds, options=options)
+
+
+def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    """One pod's channel (least-drain): the Client's options, one address, and the target's own
+    name as :authority and as the name its TLS certificate is verified for."""
+    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.lb_policy_name"] + [("grpc.default_authority", target.authority)]
+    if creds is None:
+        return grpc.aio.insecure_channel(channel_target(address, target.port), options=options)
+    name = target.name or target.addresses[0]
+    return grpc.aio.secure_channel(channel_target(address, target.port), creds,
+                                   options=options + [("grpc.ssl_target_name_override", name)])
+
+
+ROUTINGS = ("least-drain", "round-robin")
+
+
+class _Failed(Exception):
+    """A try's error and the pod it came from (least-drain's retry avoids, or returns to, it)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, pod: Pod | None):
+        super().__init__(error)
+        self.error, self.pod = error, pod
+
+
+def _no_pod(target: str, cause: Exception | None) -> grpc.aio.AioRpcError:
+    """No pod resolved (DNS has none, or no answer): UNAVAILABLE, as gRPC's channel says it."""
+    details = f"no pod resolved for {target}" + (f": {cause}" if cause else "")
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class Client:
-    """Async client. `timeout_s` is each call's deadline, retries included (None: no deadline);
-    `max_attempts` optionally bounds the tries too (None: as many as the deadline allows).
+    """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
+    deadline); `max_attempts` optionally bounds the tries too (None: as many as the deadline
+    allows). `routing`: "least-drain" (default) or "round-robin" (the module's docstring; a
+    target of another scheme than dns:, ipv4:, ipv6: or host:port is one channel either way).
     `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
-    `client_cert_file`, `client_key_file`: see `channel`. A wrong or missing key ends a call
+    `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
     UNAUTHENTICATED, which is never retried."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
-                 client_cert_file: str | None = None, client_key_file: str | None = None):
+                 client_cert_file: str | None = None, client_key_file: str | None = None,
+                 routing: str = "least-drain"):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
-        self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
-        self.stub = pb_grpc.InferenceStub(self.channel)
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r}: expected one of {', '.join(ROUTINGS)}")
+        self.target = target
+        parsed = parse_target(target) if routing == "least-drain" else None
+        self.routing = routing if routing == "round-robin" or parsed is not None else "round-robin"
+        creds = credentials(tls, ca_file, client_cert_file, client_key_file)
+        self.pods: Pods | None = None
+        self.stub = None
+        if parsed is not None:
+            self.pods = Pods(parsed, lambda address: pod_channel(parsed, address, creds))
+        else:
+            self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
+            self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._turn = 0  # picks so far: round robin's position while no pod's estimate is known
+        self._rng = random.Random()
+        self._hedge_tokens = client_routing.HEDGE_BURST
+        self.hedges = 0  # tries sent as hedges, since start (tests and benches read it)
 
     async def __aenter__(self) -> "Client":
         return self
@@ -172,19 +243,22 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.pods is not None:
+            await self.pods.close()
+        else:
+            await self.channel.close()
 
     async def embed(self, texts: list[str], dimensions: int = 0, encoding: str = "float",
                     prompt_name: str = "") -> np.ndarray:
         """→ float32 [rows, dimensions] (0: the model's default), or quantized (`encoding` int8,
         uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)])."""
         request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name)
-        return decode_embeddings(await self._call(self.stub.Embed, request))
+        return decode_embeddings(await self._call("Embed", request))
 
     async def embed_sparse(self, texts: list[str], prompt_name: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
         """A sparse (SPLADE) server: per text, its non-zero vocabulary ids and their weights."""
         request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name)
-        return decode_sparse(await self._call(self.stub.EmbedSparse, request))
+        return decode_sparse(await self._call("EmbedSparse", request))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
                     encoding: str = "float") -> np.ndarray:
@@ -192,22 +266,30 @@ class Client:
         mask = np.ascontiguousarray(attention_mask, dtype="<i4")
         request = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape),
                                   dimensions=dimensions, encoding=_encoding(encoding))
-        return decode_embeddings(await self._call(self.stub.Infer, request))
+        return decode_embeddings(await self._call("Infer", request))
 
     async def rerank(self, query: str, texts: list[str], truncate: bool | None = None,
                      raw_scores: bool = False) -> np.ndarray:
         """A reranking server's score of each text against the query: float32 [len(texts)], in the
         order of texts (not sorted). `truncate` None: the server's TRUNCATE. Retried as `embed` is."""
         request = pb.RerankRequest(query=query, texts=texts, truncate=truncate, raw_scores=raw_scores)
-        response = await self._call(self.stub.Rerank, request)
+        response = await self._call("Rerank", request)
         return np.asarray(response.scores, dtype=np.float32)
 
     async def health(self) -> pb.HealthCheckResponse:
-        return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._auth)
+        """One pod's health (least-drain: the pod a call would go to now)."""
+        if self.pods is None:
+            return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._auth)
+        try:
+            pod = self._pick(await self._live_pods(), None)
+            return await self._send(pod, "HealthCheck", pb.HealthCheckRequest(), self.timeout_s, self._auth)
+        except _Failed as f:
+            raise f.error from None
 
-    async def _call(self, method, request):
+    async def _call(self, rpc: str, request):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         refused = unavailable = final = attempt = 0
+        last: tuple[grpc.StatusCode, Pod | None] | None = None  # the last try's error, and its pod
         while True:
             attempt += 1
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -215,8 +297,11 @@ class Client:
             # demand; one that a draining pod turned away was never counted, and is.
             metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM, *self._auth)
             try:
-                return await method(request, timeout=remaining, metadata=metadata)
-            except grpc.aio.AioRpcError as e:
+                if self.pods is None:
+                    return await getattr(self.stub, rpc)(request, timeout=remaining, metadata=metadata)
+                return await self._try(rpc, request, remaining, metadata, last)
+            except (grpc.aio.AioRpcError, _Failed) as caught:
+                e, pod = (caught.error, caught.pod) if isinstance(caught, _Failed) else (caught, None)
                 wait = self._wait_before_retry(e, unavailable, final)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
@@ -225,23 +310,93 @@ class Client:
                     final += is_final(e)
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
                 if wait is None or out_of_time or attempt == self.max_attempts:
-                    raise
+                    raise e from None
+                last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)
+
+    async def _live_pods(self) -> list[Pod]:
+        pods = await self.pods.current()
+        if not pods:
+            raise _Failed(_no_pod(self.target, self.pods.error), None)
+        return pods
+
+    def _pick(self, pods: list[Pod], avoid: Pod | None) -> Pod:
+        """Least-drain's choice (client_routing.pick), away from `avoid` and from pods whose
+        connection failed (keepalive's verdict on a frozen pod, a refused connect) while others
+        are there."""
+        choices = [p for p in pods if p is not avoid] or pods
+        failed = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        choices = [p for p in choices if p.channel.get_state() != failed] or choices
+        now = time.monotonic()
+        self._turn += 1
+        return choices[client_routing.pick([p.view(now) for p in choices], self._turn, self._rng)]
+
+    async def _try(self, rpc: str, request, remaining: float | None, metadata, last):
+        """One try on the pod least-drain picks (after a refusal with booked room: the pod that
+        booked it; after a pod said go elsewhere: another), hedged on a second pod when it is late."""
+        pods = await self._live_pods()
+        code, was = last or (None, None)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and was in pods:
+            pod = was
+        else:
+            pod = self._pick(pods, was)
+        self._hedge_tokens = client_routing.hedge_tokens(self._hedge_tokens)
+        first = asyncio.ensure_future(self._send(pod, rpc, request, remaining, metadata))
+        now = time.monotonic()
+        delay = client_routing.hedge_delay_s(pod.drain_ms, now - pod.heard_at, remaining) \
+            if len(pods) > 1 and client_routing.may_hedge(self._hedge_tokens) else None
+        tries = {first}
+        try:
+            if delay is not None:
+                await asyncio.wait(tries, timeout=delay)
+                others = [p for p in await self.pods.current() if p is not pod]
+                if not first.done() and others and client_routing.may_hedge(self._hedge_tokens):
+                    self._hedge_tokens -= 1
+                    self.hedges += 1
+                    second = self._pick(others, None)
+                    left = None if remaining is None else remaining - (time.monotonic() - now)
+                    tries.add(asyncio.ensure_future(self._send(second, rpc, request, left, metadata)))
+            pending = set(tries)
+            while pending:  # the first success; if every try fails, the first try's error
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+            return first.result()
+        finally:
+            for task in tries:
+                task.cancel()  # the slower try: the server drops its rows from the queue
+            await asyncio.gather(*tries, return_exceptions=True)
+
+    async def _send(self, pod: Pod, rpc: str, request, timeout: float | None, metadata):
+        """One call on one pod, counted in flight there; its answer's drain estimate noted."""
+        pod.in_flight += 1
+        try:
+            call = getattr(pod.stub, rpc)(request, timeout=timeout, metadata=metadata)
+            response = await call
+            pod.heard(client_routing.drain_ms(await call.trailing_metadata()), time.monotonic())
+            return response
+        except grpc.aio.AioRpcError as e:
+            pod.heard(client_routing.drain_ms(e.trailing_metadata()), time.monotonic())
+            raise _Failed(e, pod) from None
+        finally:
+            pod.in_flight -= 1
+            self.pods.settled(pod)
 
     @staticmethod
     def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:
         """Seconds to wait before the next try; None: do not retry."""
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(error):
-            # Sustained overload on that pod. The pod round_robin picks next may have room (one a
-            # scale-up just added; the same pod behind a single address): once, at once, no more.
+            # Sustained overload on that pod. Another pod may have room (one a scale-up just
+            # added; the same pod behind a single address): once, at once, no more.
             return 0.0 if final == 0 else None
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             booked = retry_after_s(error)
             # Back on time: the room is booked for a grace after the moment, not before it.
             return None if booked is None else booked * random.uniform(1.0, 1.05)
         if error.code() in ELSEWHERE:
-            # round_robin sends the next try to the next pod: at once the first time; backing off
-            # only when every pod keeps saying no (all draining, warming up, or gone).
+            # The next try goes to another pod: at once the first time; backing off only when
+            # every pod keeps saying no (all draining, warming up, or gone).
             first, most = UNAVAILABLE_BACKOFF_S
             return 0.0 if unavailable == 0 else min(most, first * 2 ** unavailable) * random.uniform(0.5, 1.0)
         return None

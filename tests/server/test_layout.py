@@ -21,7 +21,10 @@ SUBPACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" an
 # service, which admits and batches, which runs the model); what wires the stages sits on top.
 LAYERS = [
     {"embedserve", "embedserve.errors", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
-     "embedserve.client", "embedserve.tracing", "embedserve.logs"},
+     "embedserve.client_routing", "embedserve.tracing", "embedserve.logs"},
+    # The Client is no stage of the server: its decisions, its pods, and the façade over both.
+    {"embedserve.client_pods"},
+    {"embedserve.client"},
     {"embedserve.model", "embedserve.admission"},
     {"embedserve.batching"},
     {"embedserve.service"},

@@ -14,10 +14,16 @@ from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
 
 
+DRAIN_CAP_S = 1e6  # an infinite drain (no service rate yet) as JSON can carry it: past drain.UNKNOWN_MS
+
+
 class ModelDoor:
     def __init__(self, server, path: str):
         self.server = server
-        self.door = ipc.Door(path, {"hello": self.hello, "rows": self.rows, "state": self.state})
+        # Every reply carries the backlog as it is when sent: a front end answers its caller with
+        # it (transports/drain.py), and a queue building shows at once, not 0.25 s later.
+        self.door = ipc.Door(path, {"hello": self.hello, "rows": self.rows, "state": self.state},
+                             stamp=lambda: {"drain_s": min(server.drain_s(), DRAIN_CAP_S)})
 
     @property
     def heard(self) -> dict[int, float]:

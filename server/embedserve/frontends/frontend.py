@@ -111,6 +111,12 @@ class Frontend:
     def healthy(self) -> bool:
         return self.service is not None and not self.draining and self.state["healthy"]
 
+    def drain_s(self) -> float:
+        """The model process's, as its latest reply over the link stamped it (every reply does,
+        a request's answer and the state alike: transports/drain.py). Before any, 0: nothing is
+        queued before the model is ready (what one process answers while it warms up)."""
+        return self.link.stamp.get("drain_s", 0.0)
+
     def health_fields(self) -> dict:
         return {**self.state["health"], "frontend_pid": os.getpid(),
                 "frontend_in_flight_requests": self.service.in_flight if self.service else 0}

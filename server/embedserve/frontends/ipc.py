@@ -55,11 +55,14 @@ class _Endpoint:
 
 class Door(_Endpoint):
     """The model process's side: every request runs as its own task; a `cancel` message (the
-    caller went away) cancels that task, so its rows leave the queue."""
+    caller went away) cancels that task, so its rows leave the queue. `stamp()`, when given, is
+    read as each reply is sent and travels with it (header "stamp"): the model process's state
+    at answer time, which a front end's state copy (refreshed every STATE_EVERY_S) is not."""
 
-    def __init__(self, path: str, handlers: dict[str, Handler]):
+    def __init__(self, path: str, handlers: dict[str, Handler], stamp: Callable[[], dict] | None = None):
         super().__init__(zmq.ROUTER)
         self.handlers = handlers
+        self.stamp = stamp
         self.socket.bind(address(path))
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         # Sender pid → when a message naming it (hello, state) last arrived: stamped on receipt,
@@ -94,6 +97,8 @@ class Door(_Endpoint):
             log.exception("ipc %s failed", header.get("op"))
             reply, data = {"error": "internal", "message": str(e)}, b""
         reply["id"] = header.get("id", 0)
+        if self.stamp is not None:
+            reply["stamp"] = self.stamp()
         await self.socket.send_multipart([peer, json.dumps(reply).encode(), data], copy=False)
 
 
@@ -107,6 +112,7 @@ class Link(_Endpoint):
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._gone: Exception | None = None  # fail_all's error: every later call raises it at once
+        self.stamp: dict = {}  # the latest reply's stamp (Door): replies arrive in the order sent
 
     async def call(self, header: dict, payload: bytes = b"") -> tuple[dict, memoryview]:
         if self._gone is not None:  # sent, it would wait in ZeroMQ's queue for a peer that never comes
@@ -142,6 +148,8 @@ class Link(_Endpoint):
         while True:
             header, payload = await self.socket.recv_multipart(copy=False)
             h = json.loads(header.bytes)
+            if "stamp" in h:
+                self.stamp = h["stamp"]
             future = self._waiting.get(h["id"])
             if future is not None and not future.done():
                 future.set_result((h, payload.buffer))

@@ -15,7 +15,7 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import addresses, encodings, outcomes
+from embedserve.transports import addresses, drain, encodings, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -48,8 +48,10 @@ _STATUS = (
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
-                 quantize_range: float = 1.0, model_dimension: Callable[[], int] = lambda: 0):
+                 quantize_range: float = 1.0, model_dimension: Callable[[], int] = lambda: 0,
+                 drain_s: Callable[[], float] = lambda: 0.0):
         self._service = get_service  # None until start-up has built it
+        self._drain_s = drain_s  # the pod's backlog in seconds of model time, as it is now (drain.py)
         self._model_dimension = model_dimension  # the most `dimensions` may ask (0: not known yet)
         self._health_fields = health_fields
         self._observe = observe
@@ -89,6 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
+        context.set_trailing_metadata(self._drain())
         return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
 
     async def _call(self, rpc: str, context, run, respond, task: str = "embed"):
@@ -106,7 +109,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             service.require_task(task)
             finish = respond(service)
             out = (await run(service, caller(context, trace))).rows
-            context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),))
+            context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),
+                                           *self._drain()))
             return finish(out)
         except tuple(e for e, _ in _STATUS) as e:
             code, reason = next(c for t, c in _STATUS if isinstance(e, t)), str(e)
@@ -116,19 +120,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # sends a negative pushback: gRPC's (and our Client's) "do not retry".
                 pushback = "-1" if e.final else str(e.retry_after_ms)
                 context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),
-                                               ("grpc-retry-pushback-ms", pushback)))
+                                               ("grpc-retry-pushback-ms", pushback), *self._drain()))
+            else:
+                context.set_trailing_metadata(self._drain())
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code, reason = grpc.StatusCode.CANCELLED, "cancelled by the caller"
             raise
         except Exception as e:
             code, reason, bug = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}", True
+            context.set_trailing_metadata(self._drain())
             raise
         finally:
             elapsed = time.perf_counter() - t0
             self._observe(rpc, code.name, elapsed)
             if trace is not None or code is not grpc.StatusCode.OK or logs.access:
                 outcomes.grpc_end(rpc, code, elapsed, reason, trace, context.invocation_metadata(), bug)
+
+    def _drain(self) -> tuple[tuple[str, str], ...]:
+        """The pod's backlog as the answer leaves, for the caller's balancing (drain.py)."""
+        return ((drain.HEADER, drain.drain_ms(self._drain_s())),)
 
     def _embedding(self, request, service) -> Callable:
         """Embed's and Infer's rows → response; the encoding and dimensions refused before any work."""

@@ -61,6 +61,10 @@ class Hub(Protocol):
 
     def health_fields(self) -> dict: ...
 
+    def drain_s(self) -> float:
+        """Seconds of model time queued ahead now (queued real tokens / service rate; inf: no rate
+        measured yet): every answer carries it (transports/drain.py)."""
+
     async def refresh(self) -> None:
         """Bring the state /health and /metrics answer with up to date (a front end asks the model
         process for it)."""

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from embedserve.transports import addresses, auth, grpc_server, http_api, http_server, metrics_port, reloads, tls
+from embedserve.transports import addresses, auth, drain, grpc_server, http_api, http_server, metrics_port, reloads, tls
 from embedserve.transports.hub import Hub
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,14 @@ class Transports:
         for reason in auth.MESSAGES if keyed else ():
             hub.metrics.auth_refused(reason, 0)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 s.quantize_range, lambda: hub.model_dimension)
+                                                 s.quantize_range, lambda: hub.model_dimension, hub.drain_s)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
             credentials=self.tls.grpc_credentials() if self.tls else None)
         self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
-        api = auth.HttpKeys(self.api, self.keys, http_api.API_PATHS) if keyed else self.api
+        api = drain.DrainHeader(self.api, hub.drain_s, http_api.API_PATHS)
+        api = auth.HttpKeys(api, self.keys, http_api.API_PATHS) if keyed else api
         self.http = http_server.HttpServer(
             http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), host, s.http_port,
             reuse_port, self.tls.http_context if self.tls else None)

@@ -1,0 +1,125 @@
+"""Least-drain routing (embedserve.client, the default) over real gRPC: two server processes behind
+one name on a real DNS server on loopback, as pods behind a headless Service, one of them slower
+(the simulated device at a third of the rate). The faster pod takes most calls; a pod added to
+DNS gets calls, a pod removed gets no more, and none is lost; a pod that freezes (SIGSTOP) has
+its calls hedged on the other within their deadline, well before keepalive would end them."""
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from embedserve.client import Client
+from tests.conftest import ServerProcess, counter, free_port, pod_addresses
+from tests.server.test_fleet import steady_load
+
+FAST, SLOW = 12000, 4000  # tokens/s: 3x apart
+CAPS = "16:8,32:8,64:4,128:2,256:1,512:1"
+NAME = "pods.test"
+
+
+def served(server) -> float:
+    return counter(server.http, "embedfleet_requests_total", code="OK", rpc="Embed")
+
+
+@pytest.fixture(scope="module")
+def pods():
+    """(fast, slow), one port at two loopback addresses; connections age out every 2 s, as the
+    per-pod channels must survive (a GOAWAY is a reconnect, not a lost pod)."""
+    port = free_port()
+    hosts = pod_addresses(port, 2)
+    started = [ServerProcess({"MODEL_PATH": f"sim:{rate}", "BATCH_CAPS": CAPS, "BIND_HOST": host,
+                              "GRPC_PORT": str(port), "MAX_CONNECTION_AGE_S": "2", "MAX_DRAIN_TIME_MS": "600000"})
+               for host, rate in zip(hosts, (FAST, SLOW))]
+    try:
+        for p in started:
+            p.wait_ready()
+        yield started
+    finally:
+        for p in started:
+            p.proc.send_signal(signal.SIGCONT)  # a stopped process acts on no SIGTERM
+            p.stop()
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.05)
+
+
+async def share_of_the_fast_pod(dns, pods, routing: str) -> float:
+    """12 callers in a closed loop for 3 s: → the fast pod's share of the calls served."""
+    fast, slow = pods
+    dns.records[NAME] = [fast.host, slow.host]
+    texts = iter([f"request {i}: " + "word " * 100 for i in range(100_000)])  # ~100 tokens each
+    async with Client(dns.target(NAME, fast.grpc_port), routing=routing) as client:
+        before = served(fast), served(slow)
+        stop = asyncio.Event()
+
+        async def caller():
+            while not stop.is_set():
+                await client.embed([next(texts)])
+
+        load = [asyncio.ensure_future(caller()) for _ in range(12)]
+        await asyncio.sleep(3.0)
+        stop.set()
+        await asyncio.gather(*load)  # every call answered: none raised
+    to_fast, to_slow = served(fast) - before[0], served(slow) - before[1]
+    print(f"{routing}: fast pod {to_fast:.0f} calls, slow pod {to_slow:.0f}; {client.hedges} hedges")
+    assert to_fast + to_slow > 100
+    return to_fast / (to_fast + to_slow)
+
+
+async def test_the_faster_pod_takes_most_calls(dns, pods):
+    assert await share_of_the_fast_pod(dns, pods, "least-drain") >= 0.62
+    assert await share_of_the_fast_pod(dns, pods, "round-robin") <= 0.55  # what it replaces: a half each
+
+
+async def test_a_pod_added_to_dns_gets_calls_and_one_removed_gets_none_and_none_is_lost(dns, pods):
+    first, second = pods
+    dns.records[NAME] = [first.host]
+    async with Client(dns.target(NAME, first.grpc_port)) as client:
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(steady_load(client, stop, callers=6))
+        await until(lambda: served(second) > 0 or served(first) > 20)
+        base = served(second)
+        dns.records[NAME] = [first.host, second.host]  # the scale-up's new endpoint
+        await until(lambda: served(second) >= base + 20, timeout_s=5.0)  # resolved again within a second or so
+        dns.records[NAME] = [second.host]  # the first pod leaves the Service
+        await asyncio.sleep(1.5)  # resolved again (every second), its last calls answered
+        gone = served(first)
+        await asyncio.sleep(1.0)
+        stop.set()
+        outcomes = await load
+    assert served(first) == gone  # no call for a pod DNS no longer names
+    assert set(outcomes) == {"OK"} and len(outcomes) > 50, [o for o in outcomes if o != "OK"][:3]
+
+
+async def test_a_frozen_pods_calls_are_hedged_within_their_deadline(dns, pods):
+    """A frozen pod closes nothing and answers nothing: without a hedge its calls waited for
+    keepalive (~10 s) or their deadline. Here they are sent to the other pod a quarter second
+    after the frozen one's (idle) estimate, and all end well within a 3 s deadline."""
+    frozen, healthy = pods
+    dns.records[NAME] = [frozen.host, healthy.host]
+    async with Client(dns.target(NAME, frozen.grpc_port), timeout_s=3.0) as client:
+        for i in range(10):  # both pods known and connected
+            await client.embed([f"warm {i}"])
+        frozen.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            durations = []
+
+            async def one(i):
+                start = time.monotonic()
+                await client.embed([f"frozen {i}: " + "word " * 20])
+                durations.append(time.monotonic() - start)
+
+            await asyncio.gather(*(one(i) for i in range(8)))
+            elapsed = time.monotonic() - t0
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+    print(f"8 calls with one pod frozen: {elapsed:.2f} s, longest {max(durations):.2f} s, {client.hedges} hedges")
+    assert client.hedges >= 1
+    assert max(durations) < 2.0, durations
