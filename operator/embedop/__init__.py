@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-one modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -11,6 +11,7 @@ Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   render_network   spec.networkPolicy → the service's NetworkPolicy
   render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
   render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job
+  drift      whether a live object still is what we render (as the API server stores it)
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
 

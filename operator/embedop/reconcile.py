@@ -10,8 +10,7 @@ and is recomputed from fresh reads. (Kubernetes' documentation advises controlle
 resourceVersion in an apply because the object's status moves it often; only the Deployment's
 apply carries one, for the count's sake, and a conflict costs a re-read.)
 
-Drift is judged against what the API server stores, not what we send: it drops empty values
-(omitempty), adds defaults and writes quantities canonically (subset). An object of an owned kind
+Drift is judged against what the API server stores, not what we send (drift.py). An object of an owned kind
 and name that this service does not own (someone else's Service, PDB, HPA or Deployment) is never
 applied over: SSA would take it over, rewrite its selector and have it garbage-collected with the
 service. It is reported instead (Degraded, reason NotOwned)."""
@@ -21,14 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import dataclasses
-import decimal
-import hashlib
-import json
 from typing import Awaitable, Callable
 
-from lightkube.utils.quantity import parse_quantity
-
-from embedop import crd, fill as fills, render, render_gateway, render_network, spec as specs, status
+from embedop import crd, drift, fill as fills, render, render_gateway, render_network, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -51,73 +45,6 @@ class Outcome:
     warnings: list[str] = dataclasses.field(default_factory=list)  # spec.warnings: said, never refused
     scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
     fill: fills.Fill | None = None  # a pre-filled model cache's Job, while the pods wait for it
-
-
-# The fields we write that the API server stores as resource.Quantity, rewritten in its canonical
-# form ("2.5" → "2500m", "1024Mi" → "1Gi", "1000m" → "1"): compared as quantities. Everything else
-# is compared exactly (an env value "1k" is not "1000", false is not 0). Suffixes of the path of
-# dict keys (list positions left out); "*" is any key.
-QUANTITY_PATHS = (("resources", "requests", "*"), ("resources", "limits", "*"), ("emptyDir", "sizeLimit"),
-                  ("target", "averageValue"), ("target", "value"))
-
-
-def _is_quantity(path: tuple[str, ...]) -> bool:
-    return any(len(path) >= len(q) and all(k in ("*", p) for k, p in zip(q, path[-len(q):])) for q in QUANTITY_PATHS)
-
-
-def _same_scalar(a, b, path: tuple[str, ...] = ()) -> bool:
-    if not _is_quantity(path):
-        return a == b and isinstance(a, bool) == isinstance(b, bool)
-    if str(a) == str(b):
-        return True
-    try:
-        qa, qb = parse_quantity(str(a)), parse_quantity(str(b))
-    except (ValueError, decimal.InvalidOperation):
-        return False
-    return qa is not None and qa == qb
-
-
-def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
-    """Whether every field we set has our value as the server stores it: it may add defaults of
-    its own, writes quantities in its canonical form, and omits empty strings, lists and maps (an
-    env entry's `value: ""` comes back without its value; a NetworkPolicy peer's `matchExpressions: []`
-    without it). `path`: where `desired` sits in its object."""
-    if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v in ("", [], {})
-                                                for k, v in desired.items())
-    if isinstance(desired, list):
-        if not isinstance(actual, list):
-            return False
-        if desired and all(isinstance(d, dict) and "name" in d for d in desired):
-            # A list keyed under server-side apply (env, containers, ports, volumes, volumeMounts,
-            # ownerReferences): entries another manager added (a mutating webhook's sidecar,
-            # `kubectl set env`) stay whatever we apply, and are not ours to judge. (An entry we
-            # stopped sending is caught by the applied-render stamp: see `drifted`.)
-            return all(any(isinstance(a, dict) and a.get("name") == d["name"] and subset(d, a, path) for a in actual)
-                       for d in desired)
-        return len(desired) == len(actual) and all(subset(d, a, path) for d, a in zip(desired, actual))
-    return _same_scalar(desired, actual, path)
-
-
-# On each object we apply: a digest of what we sent. A field or list entry we stop sending (an env
-# entry removed from the spec) is removed by our next apply, but a check of what we send against
-# what is stored cannot see it missing; the digest of the last apply says the render changed.
-APPLIED = f"{crd.GROUP}/applied"
-
-
-def stamped(obj: dict) -> dict:
-    """`obj` with the digest of itself (resourceVersion and the digest left out) as APPLIED."""
-    meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
-    meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k != APPLIED}
-    digest = hashlib.sha256(json.dumps({**obj, "metadata": meta}, sort_keys=True).encode()).hexdigest()[:16]
-    out = {**obj, "metadata": {**obj["metadata"], "annotations": {**meta["annotations"], APPLIED: digest}}}
-    return out
-
-
-def drifted(desired: dict, live: dict | None) -> bool:
-    """Whether `desired` (stamped) must be applied: the object is missing, or a field we send no
-    longer has our value as the API stores it, the stamp included (our render changed)."""
-    return live is None or not subset(_unguarded(desired), live)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -171,7 +98,7 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
     live_count = live["spec"].get("replicas") if live else (body.get("status") or {}).get("desiredReplicas")
     image, notice = render.server_image(spec, live, settings.server_image, (body.get("status") or {}).get("defaultImage"))
     replicas = render.deployment_replicas(spec, live_count, decision, exists=live is not None)
-    obj = stamped(render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port))
+    obj = drift.stamped(render.deployment(owner_of(body), spec, image, replicas, settings.grace_seconds, settings.metrics_port))
     if live is not None:
         obj["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     return obj, notice
@@ -315,7 +242,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         deployment["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     if hold:
         await apply_deployment(cluster, deployment, live, hold=True)
-    elif ownership_differs or drifted(deployment, live):
+    elif ownership_differs or drift.drifted(deployment, live):
         try:
             outcome.scaled = await apply_deployment(cluster, deployment, live)
         except Rejected as e:
@@ -327,12 +254,12 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
                 outcome.rejected = outcome.scaled
     hpa = None
     companions = render.companions(owner, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
-    for obj in map(stamped, companions):
+    for obj in map(drift.stamped, companions):
         current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
         if not_ours(current, owner):
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
             continue
-        if drifted(obj, current):
+        if drift.drifted(obj, current):
             try:
                 current = await cluster.apply(obj)
             except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
@@ -363,15 +290,10 @@ async def _fill(cluster: Cluster, settings: OperatorSettings, owner: render.Owne
         outcome.foreign.append(f"Job/{fill.name}")
         return True
     if fill.job is None:
-        fill = fills.of(fill.rendered, await cluster.apply(stamped(fill.rendered)), spec)
+        fill = fills.of(fill.rendered, await cluster.apply(drift.stamped(fill.rendered)), spec)
         outcome.applied.append(f"Job/{fill.name}")
     outcome.fill = fill if fill.holds else None
     return fill.holds
-
-
-def _unguarded(obj: dict) -> dict:
-    meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
-    return {**obj, "metadata": meta}
 
 
 def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> int | None:
@@ -433,7 +355,7 @@ async def update_status(cluster: Cluster, namespace: str, name: str, compute: Ca
         fresh = (None if fresh_read else pending.pop() if pending else None) or await cluster.get(
             crd.KIND, namespace, name, fresh=fresh_read)
         new = {k: v for k, v in compute(fresh).items() if k not in UNSTORED} if _alive(fresh) else {}
-        if new and status.differs(new, fresh.get("status") or {}, subset):
+        if new and status.differs(new, fresh.get("status") or {}, drift.subset):
             try:
                 stored = await cluster.patch_status(namespace, name, new, fresh["metadata"]["resourceVersion"])
             except NotFound:  # deleted since it was read: nothing left to report on

@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from embedop import crd, reconcile, render, spec as specs
+from embedop import crd, drift, render, spec as specs
 from embedop.config import OperatorSettings
 from embedserve.config import ConfigError, Settings
 
@@ -125,11 +125,11 @@ def test_removing_spec_task_is_drift_that_removes_the_env():
     """The applied-render stamp changes with TASK gone, so the next apply (which no longer sends the
     entry) removes it, though every field still sent matches the live Deployment."""
     def stamped(spec):
-        return reconcile.stamped(render.deployment(OWNER, specs.defaulted(spec), "img", 1, 45))
+        return drift.stamped(render.deployment(OWNER, specs.defaulted(spec), "img", 1, 45))
     live = stamped({"model": "m", "task": "rerank"})
-    assert not reconcile.drifted(stamped({"model": "m", "task": "rerank"}), live)
-    assert reconcile.drifted(stamped({"model": "m"}), live)
-    assert reconcile.drifted(stamped({"model": "m", "task": "embed"}), live)
+    assert not drift.drifted(stamped({"model": "m", "task": "rerank"}), live)
+    assert drift.drifted(stamped({"model": "m"}), live)
+    assert drift.drifted(stamped({"model": "m", "task": "embed"}), live)
 
 
 def test_spec_env_overrides_ours():
@@ -287,7 +287,7 @@ def container(**fields):
     ({"podSelector": {"matchLabels": {"a": "b"}}}, {"podSelector": {}}, False),
 ])
 def test_drift_compares_quantities_as_quantities_and_the_rest_exactly(desired, actual, same):
-    assert reconcile.subset(desired, actual) is same
+    assert drift.subset(desired, actual) is same
 
 
 @pytest.mark.parametrize("name, live, decision, replicas", [

@@ -6,7 +6,7 @@ these specs.)"""
 
 import pytest
 
-from embedop import autoscaler, reconcile, render, render_network, spec as specs
+from embedop import autoscaler, drift, reconcile, render, render_network, spec as specs
 from embedop.config import OperatorSettings
 
 OWNER = render.Owner("svc", "ns", "0b0c7e8e-0000-4000-8000-000000000001")
@@ -159,7 +159,7 @@ def test_a_stored_policy_without_its_empty_lists_is_not_drift():
     read as drift at every check."""
     peer = {"podSelector": {"matchLabels": {"app": "a"}, "matchExpressions": []}}
     (policy,) = policy_of({"enabled": True, "from": [peer]})
-    desired = reconcile.stamped(policy)
-    stored = reconcile.stamped(policy)
+    desired = drift.stamped(policy)
+    stored = drift.stamped(policy)
     stored["spec"]["ingress"][0]["from"] = [{"podSelector": {"matchLabels": {"app": "a"}}}]
-    assert not reconcile.drifted(desired, stored)
+    assert not drift.drifted(desired, stored)
