@@ -68,6 +68,10 @@ class ServerProcess:
             "HTTP_HEALTH_PORT": str(free_port()),
             "METRICS_PORT": str(free_port()),  # not its default: servers of parallel tests would share it
             "BATCH_CAPS": TEST_BATCH_CAPS,
+            # Every test server measures its own warm-up, as before warm starts: servers of other
+            # tests (other rates, simulated devices, a loaded host) share the default cache
+            # directory. The warm start's tests turn it on, each with a directory of its own.
+            "WARM_START": "false",
             "LOG_LEVEL": "INFO",
             **(env or {}),
         }
