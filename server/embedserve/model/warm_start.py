@@ -287,11 +287,16 @@ class WarmStart:
         self.path: Path | None = None
 
     def warm(self, runner: Runner, plan: WarmupPlan) -> WarmupResult:
-        if not self.enabled:
+        try:
+            key = self._key() if self.enabled else None
+        except Exception as e:  # noqa: BLE001 - an unreadable model directory, a device without a name: serve anyway
+            log.warning("warm start: no key for this model and device (%s: %s); measuring, saving nothing",
+                        type(e).__name__, e)
+            key = None
+        if key is None:
             result = self._measure(runner, plan)
             self.state = "measured"
             return result
-        key = self._key()
         self.path = file_for(self.cache_dir, key)
         found = self._read(key, plan)
         if found is not None:

@@ -243,3 +243,14 @@ def test_packed_measurements_round_trip_and_are_checked_against_the_plan():
                                                       probe)))
         with pytest.raises(Unusable, match="token budget"):
             warm_start.decode(bad, key(plan=plan), plan)
+
+
+def test_a_key_that_cannot_be_made_measures_and_saves_nothing(tmp_path, caplog):
+    def no_key():
+        raise OSError("the model directory went away")
+
+    ws = WarmStart(tmp_path, no_key)
+    result = ws.warm(Recording(), PLAN)
+    assert ws.state == "measured" and set(result.caps) == set(PLAN.buckets) and not any(tmp_path.iterdir())
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "went away" in warning
