@@ -302,7 +302,10 @@ class WarmStart:
         found = self._read(key, plan)
         if found is not None:
             result, probe = found
-            problem = verify(runner, plan, result, probe)
+            try:
+                problem = verify(runner, plan, result, probe)
+            except Exception as e:  # noqa: BLE001 - the sweep decides whether this device can serve at all
+                problem = f"a checked batch failed ({type(e).__name__}: {e})"
             if problem is None:
                 self.state = "reused"
                 log.info("warm start: reused the warm-up measured before (%s), checked %s: no sweep", self.path,
@@ -345,6 +348,7 @@ class WarmStart:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A name of its own: pods sharing the volume are often all pid 1.
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from pods running as another user
             with os.fdopen(fd, "w") as f:
                 json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
                 f.flush()

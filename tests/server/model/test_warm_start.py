@@ -254,3 +254,22 @@ def test_a_key_that_cannot_be_made_measures_and_saves_nothing(tmp_path, caplog):
     assert ws.state == "measured" and set(result.caps) == set(PLAN.buckets) and not any(tmp_path.iterdir())
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "went away" in warning
+
+
+class FailingOnce(Recording):
+    """A device whose first batch fails (a checked one), then recovers."""
+
+    def run(self, batch):
+        if not self.shapes:
+            self.shapes.append((0, 0))
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().run(batch)
+
+
+def test_a_checked_batch_that_fails_is_a_warning_and_the_sweep_decides(warmed, caplog):
+    cache, _, path, _ = warmed
+    _, ws, runner = start(cache, runner=FailingOnce())
+    assert ws.state == "measured" and len(runner.shapes) > len(PLAN.buckets) + 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(path) in warning and "illegal memory access" in warning
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by pods of other users on a shared volume
