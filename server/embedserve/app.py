@@ -15,14 +15,14 @@ import torch
 
 from embedserve import metrics
 from embedserve.admission import policy as admission
-from embedserve.model import simulated
+from embedserve.model import simulated, warm_start
 from embedserve.config import Settings, served_model_name
 from embedserve.model.declared import Head
 from embedserve.model.encoder import Encoder, Placement, choose_placement
 from embedserve.batching.engine import Engine
 from embedserve.admission.estimator import Estimator
 from embedserve.metrics import Metrics
-from embedserve.prepare import prepare
+from embedserve.prepare import Prepared, prepare
 from embedserve.service import EmbeddingService
 from embedserve.batching.shaping import Limits
 from embedserve.lifecycle import settle_heap
@@ -70,6 +70,7 @@ class Server:
         self.labels: list[str] = []
         self.head: Head | None = None  # what the model declares, with the environment's overrides
         self.model_dir = ""
+        self.warm_start: warm_start.WarmStart | None = None
         self.started_at = time.monotonic()
         self.draining = False
         self.loaded = asyncio.Event()
@@ -109,7 +110,12 @@ class Server:
         )
         placement = self.placement
 
+        self.warm_start = self._warm_start(m, plan, sim_rate)
+
         def load():
+            # Before the first compile: torch.compile's caches beside the warm-up files.
+            os.environ.update(warm_start.compile_cache_env(os.environ, s.model_cache_dir, placement.device.type,
+                                                           placement.compile))
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
             return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)
@@ -120,7 +126,7 @@ class Server:
             s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # off: no bound, no window
             lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
             on_batch=self._batch_ran, on_failing=self._failing, on_lost=self._lost,
-            watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s),
+            watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s), warm=self.warm_start.warm,
         )
         await self.engine.start()
         if m.head and not sim_rate:
@@ -131,6 +137,23 @@ class Server:
             executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
             activation=self.activation,
         )
+
+    def _warm_start(self, m: Prepared, plan: WarmupPlan, sim_rate: float | None) -> warm_start.WarmStart:
+        """The warm-up, reused from MODEL_CACHE_DIR when its key matches (WARM_START)."""
+        s, placement = self.settings, self.placement
+
+        def key() -> dict:  # on the model worker's thread: it reads the model's files and asks CUDA
+            on_cuda = placement.device.type == "cuda"
+            device = warm_start.device_name(placement.device.type, torch.cuda.get_device_name(placement.device)
+                                            if on_cuda else "", torch.get_num_threads(), sim_rate)
+            shaping = {"device": str(placement.device), "compile": placement.compile,
+                       "static_shapes": placement.static_shapes, "cuda_graphs": placement.cuda_graphs,
+                       "attention": placement.attention, "task": m.task, "head": m.head.describe() if m.head else None,
+                       "exclude_ids": m.exclude_ids, "trust_remote_code": s.trust_remote_code}
+            return warm_start.make_key(warm_start.revision(m.model_dir), device, str(placement.dtype),
+                                       warm_start.library_versions(), plan, shaping)
+
+        return warm_start.WarmStart(s.model_cache_dir, key, s.warm_start)
 
     def _batch_ran(self, batch, busy_s: float) -> None:
         self.metrics.batch_ran(batch, busy_s)
@@ -185,6 +208,7 @@ class Server:
             "device": str(self.placement.device) if self.placement else "",
             "attention": attention_field(self.engine.attention, getattr(self.engine.worker.runner, "declined", None))
             if self.engine and self.engine.warmup else "",
+            "warmup": self.warm_start.state if self.warm_start else "",  # measured | reused (model.warm_start)
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }

@@ -57,6 +57,12 @@ class Settings:
     """STATIC_SHAPES: auto (on with graphs or compile), true, false. Pad rows to a fixed length
     ladder (each bucket and the midpoint below it) and batches to the batch-size ladder, so
     captured graphs are reused."""
+    warm_start: bool = True
+    """WARM_START: save the warm-up's measurements (batch caps, token budget, service rate) under
+    MODEL_CACHE_DIR/embedfleet-warmup/ and reuse them at the next start whose model revision,
+    device, dtype, library versions and batch-shaping settings match: no sweep, only one checked
+    batch per shape. On CUDA with COMPILE=true, torch.compile's caches go there too (unless
+    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). false: every start measures."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
@@ -228,6 +234,7 @@ class Settings:
             compile=s.choice("COMPILE", d.compile, ("auto", "graphs", "true", "false")),
             static_shapes=s.choice("STATIC_SHAPES", d.static_shapes, ("auto", "true", "false")),
             attention=s.choice("ATTENTION", d.attention, ("auto", "packed", "padded")),
+            warm_start=s.bool("WARM_START", d.warm_start),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),

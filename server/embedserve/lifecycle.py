@@ -24,6 +24,17 @@ def settle_heap() -> None:
     """Once start-up is done: collect its garbage, then move every object left (torch,
     transformers, the model: ~250,000 of them) out of the collector's reach. Each full
     collection walked them all, a pause of ~100-150 ms on the event loop every few seconds
-    under load; after this, ~5 ms (bench/RESULTS.md, "Host path")."""
+    under load; after this, ~5 ms (bench/RESULTS.md, "Host path"). The collector is on again
+    from here if `collect_after_start` held it off."""
     gc.collect()
     gc.freeze()
+    gc.enable()
+
+
+def collect_after_start() -> None:
+    """No garbage collection until the start-up is done (settle_heap): importing torch and
+    transformers and loading the model creates ~250,000 long-lived objects, and the collections
+    they trigger walk them again and again, ~1 s of a 3.3 s start-up's imports on a 2-core host
+    (bench/RESULTS.md, "Start-up"). What start-up leaves in cycles is freed by settle_heap's
+    collection, and nothing large is: tensors are freed by their reference counts."""
+    gc.disable()

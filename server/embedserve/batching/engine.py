@@ -25,7 +25,7 @@ from embedserve.model.batches import PackedBatch
 from embedserve.batching.queues import BucketQueues, Chunk, PendingRequest, assemble
 from embedserve.model.batches import Batch
 from embedserve.threads import in_daemon_thread
-from embedserve.model.worker import ModelWorker, Runner, WarmupPlan, WarmupResult, Watchdog
+from embedserve.model.worker import ModelWorker, Runner, Warm, WarmupPlan, WarmupResult, Watchdog, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Engine:
         on_lost: Callable[[], None] = lambda: None,
         watchdog: Watchdog = Watchdog(),
         feed_delay_s: float = FEED_DELAY_S,
+        warm: Warm = warm_up,
     ):
         self.plan = plan
         self.watchdog = watchdog
@@ -73,7 +74,8 @@ class Engine:
         # Batches formed ahead of the running one. A GPU wants two (the host prepares while the
         # device computes); a CPU has nothing to overlap, and a batch formed later is fuller.
         self.lookahead = lookahead
-        self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, lookahead + 1))
+        self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, lookahead + 1),
+                                  warm)
         self.caps: dict[int, int] = {}
         self.warmup: WarmupResult | None = None
         self.dim = 0

@@ -67,6 +67,21 @@ def sweep_should_stop(sweep: Sequence[tuple[int, float]], drop: float = 0.85) ->
     return sweep[-1][1] < drop * best
 
 
+def served_shapes(buckets: Sequence[int], caps: dict[int, int], static: bool) -> list[tuple[int, int]]:
+    """Every (padded length, rows) shape a batcher of these caps runs, smallest bucket first.
+    Eager: each bucket at its cap (fewer rows run the same kernels, nothing to capture). Static:
+    every ladder size up to its cap at each bucket and at each ladder length below it, down to
+    the bucket before (fit_length pads a batch to the first of these that holds its rows)."""
+    if not static:
+        return [(b, caps[b]) for b in buckets]
+    shapes, below, lengths = [], 0, length_ladder(buckets)
+    for b in buckets:
+        for length in (n for n in lengths if below < n <= b):
+            shapes += [(length, rows) for rows in ladder_upto(caps[b])]
+        below = b
+    return shapes
+
+
 def token_ladder(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     """Total-token counts CUDA graphs are captured for, up to `max_tokens` (always included):
     each power of two and its quarter points (64, 80, 96, 112, 128, 160, ...), so a stream pads

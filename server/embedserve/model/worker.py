@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from embedserve.model.shapes import bucket_row_limit, choose_cap, ladder_upto, length_ladder, sweep_should_stop, token_ladder
+from embedserve.model.shapes import bucket_row_limit, choose_cap, ladder_upto, served_shapes, sweep_should_stop, token_ladder
 from embedserve.model.batches import PackedBatch, PackSpec, random_packed
 from embedserve.model.batches import Batch
 
@@ -118,12 +118,9 @@ def warm_up(runner: Runner, plan: WarmupPlan, clock: Callable[[], float] = time.
         log.info("bucket %d: batch cap %d rows (sweep %s)", b, caps[b],
                  ", ".join(f"{s}:{r:.0f} tok/s" for s, r in sweep))
     if plan.static:  # the shorter static lengths within each bucket, at every size up to its cap
-        below = 0
-        for b in plan.buckets:
-            for length in (n for n in length_ladder(plan.buckets) if below < n < b):
-                for rows in ladder_upto(caps[b]):
-                    runner.run(dummy_batch(length, rows, plan, rng))
-            below = b
+        for length, rows in served_shapes(plan.buckets, caps, True):
+            if length not in plan.buckets:
+                runner.run(dummy_batch(length, rows, plan, rng))
     return WarmupResult(caps, rates)
 
 
@@ -177,6 +174,8 @@ def _powers_of_two(limit: int) -> tuple[int, ...]:
 
 
 Report = Callable[[Batch, "np.ndarray | BaseException", float], None]
+# The loaded runner and the plan → its warm-up: `warm_up`, or a warm start's (model.warm_start).
+Warm = Callable[[Runner, WarmupPlan], WarmupResult]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +197,9 @@ class ModelWorker:
     """Owns the runner on its own thread. `started` is set once loading and warm-up end (check
     `failure`); `submit` never blocks (the batcher keeps the queue below its cap)."""
 
-    def __init__(self, load: Callable[[], Runner], plan: WarmupPlan, report: Report, maxsize: int):
-        self._load, self._plan, self._report = load, plan, report
+    def __init__(self, load: Callable[[], Runner], plan: WarmupPlan, report: Report, maxsize: int,
+                 warm: Warm = warm_up):
+        self._load, self._plan, self._report, self._warm = load, plan, report, warm
         # SimpleQueue: a C queue, ~0.1 us per hand-off on the event loop against queue.Queue's ~1.3.
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._maxsize = maxsize
@@ -240,7 +240,7 @@ class ModelWorker:
     def _main(self) -> None:
         try:
             self.runner = self._load()
-            self.warmup = warm_up(self.runner, self._plan)
+            self.warmup = self._warm(self.runner, self._plan)
         except BaseException as e:  # noqa: BLE001 - reported to the starter, which exits
             self.failure = e
             log.exception("model load / warm-up failed")

@@ -3,7 +3,7 @@
 import pytest
 
 from embedserve.model.shapes import (bucket_row_limit, choose_cap, fit_length, ladder_size, length_ladder,
-                                     packed_slots, sweep_should_stop, token_ladder)
+                                     packed_slots, served_shapes, sweep_should_stop, token_ladder)
 
 
 @pytest.mark.parametrize("rows, size", [(1, 8), (8, 8), (9, 16), (100, 128), (512, 512)])
@@ -72,3 +72,8 @@ def test_packed_slots_hold_the_real_rows_and_the_tail_in_rows_no_longer_than_the
     assert packed_slots(32768, 512, 512) == 512 + 64
     assert packed_slots(64, 512, 512) == 64 + 1  # no more rows than tokens
     assert packed_slots(1000, 8, 256) == 8 + 4
+
+
+def test_served_shapes_are_each_bucket_at_its_cap_or_every_captured_shape():
+    assert served_shapes((16, 32), {16: 8, 32: 16}, False) == [(16, 8), (32, 16)]
+    assert served_shapes((16, 32), {16: 8, 32: 16}, True) == [(8, 8), (16, 8), (24, 8), (24, 16), (32, 8), (32, 16)]
