@@ -102,12 +102,15 @@ def test_no_key_configured_is_no_check():
 
 
 async def test_with_nothing_configured_nothing_is_in_the_request_path():  # grpc.aio builds its server on the running loop
-    """No key, no TLS: no middleware, no interceptor, no reload task, plain ports (the host path
-    costs what it did before keys and TLS existed)."""
+    """No key, no TLS: no key middleware, no interceptor, no reload task, plain ports (the host
+    path costs what it did before keys and TLS existed, but the drain header)."""
     from embedserve.app import Server
+    from embedserve.transports import drain
 
     server = Server(dataclasses.replace(Settings(), host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=0))
     t = server.transports  # built, not started
     assert t.keys is None and t.tls is None and t._reloads == []
     config = t.http._uvicorn.config
-    assert config.ssl_context_factory is None and config.app.app is t.api  # ConnectionAge straight onto the routes
+    # ConnectionAge, the drain header every answer carries (drain.py), then the routes: no key check.
+    assert config.ssl_context_factory is None and isinstance(config.app.app, drain.DrainHeader)
+    assert config.app.app.app is t.api
