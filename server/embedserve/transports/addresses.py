@@ -27,13 +27,17 @@ def _ipv6_available() -> bool:
 
 
 def bind_host(host: str) -> str:
-    """BIND_HOST → the address to bind: "" is every address (see the module docstring)."""
+    """BIND_HOST → the address to bind: "" is every address (see the module docstring); an IPv6
+    literal may come bracketed, as in a URL ("[::]")."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     if host:
         return host
     return IPV6_ANY if _ipv6_available() else IPV4_ANY
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str) -> socket.socket:
     """A TCP socket bound to `host` (already through bind_host): IPv6 ones also take IPv4 when
     the host is the IPv6 wildcard (IPV6_V6ONLY off, whatever net.ipv6.bindv6only says)."""
     ipv6 = ":" in host

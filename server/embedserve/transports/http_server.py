@@ -113,7 +113,7 @@ class HttpServer:
     """uvicorn serving `asgi` on host:port (TLS with `ssl_context`)."""
 
     def __init__(self, asgi, host: str, port: int, reuse_port: bool = False, ssl_context: ssl.SSLContext | None = None):
-        self._socket = addresses.listening_socket(host, port)
+        self._socket = addresses.listening_socket(host)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:  # front ends share the port; the kernel spreads the connections
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.skipif(not addresses._ipv6_available(), reason="this ho
 def test_an_explicit_host_is_kept_and_the_default_is_the_dual_stack_wildcard():
     assert addresses.bind_host("127.0.0.1") == "127.0.0.1"
     assert addresses.bind_host("") == "::"
+    assert addresses.bind_host("[::]") == "::" and addresses.bind_host("[::1]") == "::1"  # URL-style brackets
     assert addresses.grpc_address("::", 50051) == "[::]:50051"
     assert addresses.grpc_address("10.0.0.1", 50051) == "10.0.0.1:50051"
 
 
 def test_the_wildcard_socket_takes_both_families():
-    sock = addresses.listening_socket("::", 0)
+    sock = addresses.listening_socket("::")
     with sock:
         sock.bind(("::", 0))
         sock.listen()
