@@ -245,12 +245,19 @@ SPEC = obj(
             "prefill": _t("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
                           "python -m embedserve.prefetch) once per model and revision, and the pods mount it read-only "
                           "with HF_HUB_OFFLINE=1, so a new pod never downloads. The pods move to a new model or revision "
-                          "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded). "
-                          "The claim must let the Job write and the pods read at once (ReadWriteMany)."),
+                          "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded; "
+                          "status.modelCache.filled records it). The Job must be able to WRITE the claim: "
+                          "ReadWriteMany (or ReadWriteOnce on a one-node cluster: elsewhere the Job and the pods on "
+                          "other nodes meet Multi-Attach errors), its root writable by uid/gid 10001 (fsGroup is not "
+                          "applied to most RWX volumes: give the volume that owner, e.g. an EFS access point). A "
+                          "ReadOnlyMany claim cannot be filled by a Job (drivers publish it read-only): fill a "
+                          "ReadWriteOnce volume instead and clone or snapshot it into the ROX claim, then use "
+                          "claimName without prefill."),
             "image": obj("An image volume (an OCI image or artifact holding the model, as KServe's modelcar) mounted "
                          "read-only at /model-image; MODEL_PATH is that directory (plus path) and clients still name the "
-                         "model spec.model. Needs Kubernetes 1.31+ with the ImageVolume feature gate enabled on the API "
-                         "server and the kubelets (alpha in 1.31-1.32, beta from 1.33) and a container runtime that "
+                         "model spec.model. Needs Kubernetes 1.31+ with the ImageVolume feature gate on the API "
+                         "server and the kubelets (alpha in 1.31-1.32, beta but off by default in 1.33-1.34, on by "
+                         "default from 1.35) and a container runtime that "
                          "supports image volumes (containerd 2.1+, CRI-O 1.31+). The cache itself stays a writable emptyDir of sizeLimit.", {
                 "reference": string("The image reference, e.g. registry.example/models/bge-base:v1.5.", minLength=1,
                                     maxLength=512, pattern=r"^[^\s]+$"),
@@ -326,6 +333,10 @@ STATUS = obj("Observed state, written by the operator.", {
                    "embedfleet_model_info (mode operator, where the operator scrapes them)."),
     "defaultImage": string("The operator's default server image this service was given (spec.image unset), kept so "
                            "that a Deployment made again runs the same server; set spec.image to move to another."),
+    "modelCache": obj("What a pre-filled model cache holds (spec.modelCache.prefill).", {
+        "filled": string("The digest (the fill Job's embedfleet.dev/model-cache-fill label) of the last fill that "
+                         "succeeded: the pods run on it, and a fill Job deleted since is not run again."),
+    }),
 })
 
 

@@ -145,6 +145,7 @@ def test_without_the_crd_other_services_are_served_and_the_one_asking_is_degrade
             return [c for c in conditions if c["type"] == "Degraded" and c["status"] == "True"]
         (condition,) = eventually(degraded)
         assert render_gateway.CRD_NAME in condition["message"] and "spec.routing" in condition["message"]
+        assert condition["reason"] == render_gateway.CRD_MISSING
         events = eventually(lambda: [e for e in emulator.get(EVENTS)["items"] if e["involvedObject"]["name"] == "wants-pool"
                                      and render_gateway.CRD_NAME in e.get("message", "")])
         assert events[0]["type"] == "Warning"
