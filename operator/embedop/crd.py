@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from embedop.crd_schema import boolean, int_or_percent, integer, kubernetes, number, obj, quantity, string, string_map, typed
+
 GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices", "EmbeddingService"
 API_VERSION = f"{GROUP}/{VERSION}"
 # The CEL rule's message, and the operator's problem for a server without CEL. The HPA reads the
@@ -28,70 +30,6 @@ GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserv
 TASKS = ("embed", "rerank", "sparse", "classify")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
                      "so 0 pods never scale up; to stop a service use mode off with replicas 0")
-
-
-def _t(type_: str, description: str, **extra: Any) -> dict:
-    return {"type": type_, "description": description, **extra}
-
-
-def integer(description, default=None, minimum=None, maximum=None) -> dict:
-    s = _t("integer", description)
-    for key, value in (("default", default), ("minimum", minimum), ("maximum", maximum)):
-        if value is not None:
-            s[key] = value
-    return s
-
-
-def number(description, default=None, minimum=None, maximum=None) -> dict:
-    s = integer(description, default, minimum, maximum)
-    s["type"] = "number"
-    return s
-
-
-def string(description, default=None, **extra) -> dict:
-    s = _t("string", description, **extra)
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def boolean(description, default) -> dict:
-    return _t("boolean", description, default=default)
-
-
-def obj(description, properties: dict, default: dict | None = None, **extra) -> dict:
-    s = _t("object", description, properties=properties, **extra)
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def quantity(description, default=None) -> dict:
-    s = {"description": description, "x-kubernetes-int-or-string": True,
-         "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", "anyOf": [{"type": "integer"}, {"type": "string"}]}
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def kubernetes(description: str, type_: str = "object") -> dict:
-    """A field of a Kubernetes type passed through to the pod as written. Its schema is left open
-    here; the operator checks it against the Kubernetes models (spec.problems), and what the API
-    server still refuses shows as the Degraded condition with the API's message."""
-    if type_ == "array":
-        return {"type": "array", "description": description,
-                "items": {"type": "object", "description": "One entry, as Kubernetes defines it.",
-                          "x-kubernetes-preserve-unknown-fields": True}}
-    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
-
-
-def string_map(description: str) -> dict:
-    return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
-
-
-def int_or_percent(description: str, default) -> dict:
-    return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
-            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
 
 
 # A Secret's name (a DNS-1123 subdomain, as the API server checks every object name).
@@ -211,7 +149,7 @@ SPEC = obj(
             "strategy": string("Overrides the model's declared pooling: cls, mean, max, lasttoken, weightedmean or "
                                "mean_sqrt_len_tokens (several joined by +, concatenated). Unset: as declared.",
                                pattern=r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"),
-            "normalize": _t("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
+            "normalize": typed("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
             "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling: "
                               "a deliberate deviation from sentence-transformers. A token the vocabulary lacks fails the server's start-up, naming it.",
                               "items": {"type": "string", "minLength": 1}, "maxItems": 64},
@@ -242,7 +180,7 @@ SPEC = obj(
             "claimName": string("An existing PersistentVolumeClaim to use as the cache instead, mounted read-write: "
                                 "ReadWriteMany lets every pod on every node share it (the first downloads, the others "
                                 "find the model; concurrent downloads are safe).", maxLength=253),
-            "prefill": _t("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
+            "prefill": typed("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
                           "python -m embedserve.prefetch) once per model and revision, and the pods mount it read-only "
                           "with HF_HUB_OFFLINE=1, so a new pod never downloads. The pods move to a new model or revision "
                           "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded; "
