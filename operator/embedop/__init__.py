@@ -1,10 +1,11 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-one modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-two modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   crd        the CustomResourceDefinition, built here; its schema's defaults
+  crd_schema builders of its OpenAPI schema fragments (typed, described fields)
   spec       a spec defaulted, and what no schema can say about it (problems)
   render     spec → the manifests of what a service owns
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings

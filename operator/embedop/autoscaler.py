@@ -214,7 +214,7 @@ async def _scale(cluster: Cluster, settings: OperatorSettings, body: dict, spec:
         deployment, _ = reconcile.deployment_for(settings, body, spec, live, desired)
         # While a model cache's fill runs, the count changes but the pods stay on the revision they have.
         fill = await fills.read(cluster, settings, reconcile.owner_of(body), spec,
-                                deployment["spec"]["template"]["spec"]["containers"][0]["image"])
+                                deployment["spec"]["template"]["spec"]["containers"][0]["image"], body)
         try:
             refused = await reconcile.apply_deployment(cluster, deployment, live, hold=bool(fill and fill.holds))
         except Conflict:

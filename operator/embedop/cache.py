@@ -200,7 +200,11 @@ class Cluster:
         return obj
 
     def pods(self, namespace: str, labels: dict) -> list[dict]:
-        return self.stores["Pod"].select(namespace, labels)
+        return self.select("Pod", namespace, labels)
+
+    def select(self, kind: str, namespace: str, labels: dict) -> list[dict]:
+        """The copies of a watched kind (ours: the operator's label) that carry `labels`."""
+        return self.stores[kind].select(namespace, labels) if kind in self.stores else []
 
     def _check(self, what: str) -> None:
         if not self.may_write():

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from embedop.crd_schema import boolean, int_or_percent, integer, kubernetes, number, obj, quantity, string, string_map, typed
+
 GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices", "EmbeddingService"
 API_VERSION = f"{GROUP}/{VERSION}"
 # The CEL rule's message, and the operator's problem for a server without CEL. The HPA reads the
@@ -28,70 +30,6 @@ GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserv
 TASKS = ("embed", "rerank", "sparse", "classify")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
                      "so 0 pods never scale up; to stop a service use mode off with replicas 0")
-
-
-def _t(type_: str, description: str, **extra: Any) -> dict:
-    return {"type": type_, "description": description, **extra}
-
-
-def integer(description, default=None, minimum=None, maximum=None) -> dict:
-    s = _t("integer", description)
-    for key, value in (("default", default), ("minimum", minimum), ("maximum", maximum)):
-        if value is not None:
-            s[key] = value
-    return s
-
-
-def number(description, default=None, minimum=None, maximum=None) -> dict:
-    s = integer(description, default, minimum, maximum)
-    s["type"] = "number"
-    return s
-
-
-def string(description, default=None, **extra) -> dict:
-    s = _t("string", description, **extra)
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def boolean(description, default) -> dict:
-    return _t("boolean", description, default=default)
-
-
-def obj(description, properties: dict, default: dict | None = None, **extra) -> dict:
-    s = _t("object", description, properties=properties, **extra)
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def quantity(description, default=None) -> dict:
-    s = {"description": description, "x-kubernetes-int-or-string": True,
-         "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", "anyOf": [{"type": "integer"}, {"type": "string"}]}
-    if default is not None:
-        s["default"] = default
-    return s
-
-
-def kubernetes(description: str, type_: str = "object") -> dict:
-    """A field of a Kubernetes type passed through to the pod as written. Its schema is left open
-    here; the operator checks it against the Kubernetes models (spec.problems), and what the API
-    server still refuses shows as the Degraded condition with the API's message."""
-    if type_ == "array":
-        return {"type": "array", "description": description,
-                "items": {"type": "object", "description": "One entry, as Kubernetes defines it.",
-                          "x-kubernetes-preserve-unknown-fields": True}}
-    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
-
-
-def string_map(description: str) -> dict:
-    return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
-
-
-def int_or_percent(description: str, default) -> dict:
-    return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
-            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
 
 
 # A Secret's name (a DNS-1123 subdomain, as the API server checks every object name).
@@ -211,7 +149,7 @@ SPEC = obj(
             "strategy": string("Overrides the model's declared pooling: cls, mean, max, lasttoken, weightedmean or "
                                "mean_sqrt_len_tokens (several joined by +, concatenated). Unset: as declared.",
                                pattern=r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"),
-            "normalize": _t("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
+            "normalize": typed("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
             "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling: "
                               "a deliberate deviation from sentence-transformers. A token the vocabulary lacks fails the server's start-up, naming it.",
                               "items": {"type": "string", "minLength": 1}, "maxItems": 64},
@@ -242,15 +180,22 @@ SPEC = obj(
             "claimName": string("An existing PersistentVolumeClaim to use as the cache instead, mounted read-write: "
                                 "ReadWriteMany lets every pod on every node share it (the first downloads, the others "
                                 "find the model; concurrent downloads are safe).", maxLength=253),
-            "prefill": _t("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
+            "prefill": typed("boolean", "With claimName: the operator fills the claim with a Job (the server image running "
                           "python -m embedserve.prefetch) once per model and revision, and the pods mount it read-only "
                           "with HF_HUB_OFFLINE=1, so a new pod never downloads. The pods move to a new model or revision "
-                          "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded). "
-                          "The claim must let the Job write and the pods read at once (ReadWriteMany)."),
+                          "only once its Job has succeeded (Progressing: FillingModelCache; a failed Job: Degraded; "
+                          "status.modelCache.filled records it). The Job must be able to WRITE the claim: "
+                          "ReadWriteMany (or ReadWriteOnce on a one-node cluster: elsewhere the Job and the pods on "
+                          "other nodes meet Multi-Attach errors), its root writable by uid/gid 10001 (fsGroup is not "
+                          "applied to most RWX volumes: give the volume that owner, e.g. an EFS access point). A "
+                          "ReadOnlyMany claim cannot be filled by a Job (drivers publish it read-only): fill a "
+                          "ReadWriteOnce volume instead and clone or snapshot it into the ROX claim, then use "
+                          "claimName without prefill."),
             "image": obj("An image volume (an OCI image or artifact holding the model, as KServe's modelcar) mounted "
                          "read-only at /model-image; MODEL_PATH is that directory (plus path) and clients still name the "
-                         "model spec.model. Needs Kubernetes 1.31+ with the ImageVolume feature gate enabled on the API "
-                         "server and the kubelets (alpha in 1.31-1.32, beta from 1.33) and a container runtime that "
+                         "model spec.model. Needs Kubernetes 1.31+ with the ImageVolume feature gate on the API "
+                         "server and the kubelets (alpha in 1.31-1.32, beta but off by default in 1.33-1.34, on by "
+                         "default from 1.35) and a container runtime that "
                          "supports image volumes (containerd 2.1+, CRI-O 1.31+). The cache itself stays a writable emptyDir of sizeLimit.", {
                 "reference": string("The image reference, e.g. registry.example/models/bge-base:v1.5.", minLength=1,
                                     maxLength=512, pattern=r"^[^\s]+$"),
@@ -326,6 +271,10 @@ STATUS = obj("Observed state, written by the operator.", {
                    "embedfleet_model_info (mode operator, where the operator scrapes them)."),
     "defaultImage": string("The operator's default server image this service was given (spec.image unset), kept so "
                            "that a Deployment made again runs the same server; set spec.image to move to another."),
+    "modelCache": obj("What a pre-filled model cache holds (spec.modelCache.prefill).", {
+        "filled": string("The digest (the fill Job's embedfleet.dev/model-cache-fill label) of the last fill that "
+                         "succeeded: the pods run on it, and a fill Job deleted since is not run again."),
+    }),
 })
 
 

@@ -1,7 +1,12 @@
 """The fill Job of a pre-filled model cache (spec.modelCache.prefill, render_cache): read from the
 watch's copies, and whether the server pods must wait for it. The reconcile creates it; neither the
 reconcile nor the autoscaler rolls the Deployment's pods onto a model revision before its Job has
-succeeded (pods mounting the claim read-only and offline would find nothing to load)."""
+succeeded (pods mounting the claim read-only and offline would find nothing to load).
+
+That a digest was filled is recorded in the service's status (status.modelCache.filled, written by
+the reconcile), not only by the Job's existence: a Job deleted after it succeeded (by hand, or by a
+TTL an admission policy adds) is then not run again, and the pods do not wait for it. A Job of the
+fill's name that this service does not own (someone else's) proves nothing: the pods wait."""
 
 from __future__ import annotations
 
@@ -15,27 +20,57 @@ from embedop.config import OperatorSettings
 @dataclasses.dataclass(frozen=True)
 class Fill:
     name: str
-    job: dict | None  # as the API has it; None: not created yet
+    digest: str  # render_cache.fill_digest: what this spec needs filled
+    job: dict | None  # as the API has it; None: none now
     rendered: dict  # the Job to create when there is none
-    state: str  # render_cache.fill_state: Missing, Running, Complete, Failed
+    state: str  # render_cache.fill_state (Missing, Running, Complete, Failed), or Complete when recorded
     message: str
+    foreign: bool = False  # a Job of its name that is not this service's
 
     @property
     def holds(self) -> bool:
-        """The pods wait: the claim does not hold this revision yet."""
-        return self.state != "Complete"
+        """The pods wait: the claim is not known to hold this revision."""
+        return self.foreign or self.state != "Complete"
+
+    @property
+    def missing(self) -> bool:
+        """No Job, and no record of this digest's fill: one is to be created."""
+        return self.job is None and self.state == "Missing"
 
 
-async def read(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, image: str) -> Fill | None:
-    """The fill this spec needs, or None (no pre-filled claim)."""
+def recorded(body: dict | None) -> str | None:
+    """The digest the service's status says was filled."""
+    return (((body or {}).get("status") or {}).get("modelCache") or {}).get("filled")
+
+
+async def read(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, image: str,
+               body: dict | None) -> Fill | None:
+    """The fill this spec needs, or None (no pre-filled claim). `body`: the service as read (its
+    status's record)."""
     job = render.fill_job(owner, spec, image, settings.grace_seconds, settings.metrics_port)
     if job is None:
         return None
-    name = job["metadata"]["name"]
-    current = await cluster.get("Job", owner.namespace, name)
-    return of(job, current, spec)
+    current = await cluster.get("Job", owner.namespace, job["metadata"]["name"])
+    digest = job["metadata"]["labels"][render_cache.FILL_LABEL]
+    pods = cluster.select("Pod", owner.namespace, {render_cache.FILL_LABEL: digest,
+                                                   "app.kubernetes.io/instance": owner.name})
+    return of(job, current, spec, owner, recorded(body), pods)
 
 
-def of(rendered: dict, current: dict | None, spec: dict) -> Fill:
-    name = rendered["metadata"]["name"]
-    return Fill(name, current, rendered, render_cache.fill_state(current), render_cache.fill_message(current, name, spec))
+def of(rendered: dict, current: dict | None, spec: dict, owner: render.Owner, filled: str | None = None,
+       pods: list[dict] = ()) -> Fill:
+    """`filled`: the digest status.modelCache.filled records."""
+    name, digest = rendered["metadata"]["name"], rendered["metadata"]["labels"][render_cache.FILL_LABEL]
+    foreign = current is not None and not owner.owns(current)
+    state = render_cache.fill_state(None if foreign else current)
+    if state == "Missing" and filled == digest:
+        state = "Complete"
+    return Fill(name, digest, current, rendered, state, render_cache.fill_message(current, name, spec, pods), foreign)
+
+
+def others(cluster: Cluster, owner: render.Owner, fill: Fill) -> list[dict]:
+    """This service's fill Jobs for other digests (earlier revisions, claims): once `fill` is done
+    they record nothing anyone reads."""
+    jobs = cluster.select("Job", owner.namespace, render.labels(owner.name))
+    return [j for j in jobs if owner.owns(j) and (j["metadata"].get("labels") or {}).get(render_cache.FILL_LABEL)
+            not in (None, fill.digest) and not j["metadata"].get("deletionTimestamp")]

@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile, render_network
+from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -60,6 +60,8 @@ def _outcome(outcome: reconcile.Outcome) -> None:
         _say(body, "NotOwned", f"{', '.join(outcome.foreign)} belong(s) to someone else: not taken over", warning=True)
     if outcome.rejected:
         _say(body, "RejectedByAPI", outcome.rejected, warning=True)
+    if outcome.missing:
+        _say(body, render_gateway.CRD_MISSING, outcome.missing, warning=True)
     if outcome.notice:
         _say(body, "DefaultImageChanged", outcome.notice)
     if outcome.warnings:

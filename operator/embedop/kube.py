@@ -70,8 +70,9 @@ CALLS = {
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
     # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
-    # pod template is immutable), watched by the operator's label for its completion.
-    *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch")),
+    # pod template is immutable), watched by the operator's label for its completion, and those of
+    # earlier revisions deleted once a later one has succeeded.
+    *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch", "delete")),
     # Leader election (leader.py), in the operator's own namespace.
     *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write
@@ -248,13 +249,16 @@ class Kube:
                                           patch_type=PatchType.APPLY, field_manager=manager, force=force)
         return _plain(out)
 
-    async def delete(self, kind: str, namespace: str, name: str, foreground: bool = False) -> None:
+    async def delete(self, kind: str, namespace: str, name: str, foreground: bool = False,
+                     background: bool = False) -> None:
         """Foreground: the object stays (deletionTimestamp set) until the garbage collector has
-        deleted its dependents that block it (ownerReferences with blockOwnerDeletion)."""
+        deleted its dependents that block it (ownerReferences with blockOwnerDeletion).
+        Background: it goes now and the collector deletes its dependents after (a Job's own
+        default, kept by batch/v1 for compatibility, is to orphan its pods)."""
+        cascade = CascadeType.FOREGROUND if foreground else CascadeType.BACKGROUND if background else None
         try:
             async with _errors(f"delete {kind}/{name}"):
-                await self.client.delete(RESOURCES[kind][0], name, namespace=namespace,
-                                         cascade=CascadeType.FOREGROUND if foreground else None)
+                await self.client.delete(RESOURCES[kind][0], name, namespace=namespace, cascade=cascade)
         except NotFound:
             pass
 

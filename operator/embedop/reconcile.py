@@ -22,7 +22,7 @@ import logging
 import dataclasses
 from typing import Awaitable, Callable
 
-from embedop import crd, drift, fill as fills, render, render_gateway, render_network, spec as specs, status
+from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_network, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -38,13 +38,14 @@ class Outcome:
     problems: list[str]
     applied: list[str]  # "Kind/name" of objects created or changed
     rejected: str | None = None  # the API's message when it refused an object
+    missing: str | None = None  # a kind the spec asks for that the cluster does not serve (its CRD)
     notice: str | None = None  # e.g. a newer default image that this service does not get
     gone: bool = False  # the service no longer exists or is being deleted
     body: dict | None = None  # the service as read
     foreign: list[str] = dataclasses.field(default_factory=list)  # "Kind/name" taken by someone else
     warnings: list[str] = dataclasses.field(default_factory=list)  # spec.warnings: said, never refused
     scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
-    fill: fills.Fill | None = None  # a pre-filled model cache's Job, while the pods wait for it
+    fill: fills.Fill | None = None  # a pre-filled model cache's fill (holds: the pods wait for it)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -53,11 +54,7 @@ def owner_of(body: dict) -> render.Owner:
 
 
 def owned_by(obj: dict, owner: render.Owner) -> bool:
-    """Whether `obj` is this service's: its controller reference names this very service (its uid:
-    a service deleted and created again under the same name owns nothing of the old one's)."""
-    return any(r.get("kind") == crd.KIND and r.get("apiVersion", "").startswith(f"{crd.GROUP}/")
-               and r.get("name") == owner.name and (not owner.uid or r.get("uid") == owner.uid)
-               for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+    return owner.owns(obj)
 
 
 def not_ours(obj: dict | None, owner: render.Owner) -> bool:
@@ -232,7 +229,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
     owner = owner_of(body)
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
-    hold = await _fill(cluster, settings, owner, spec, deployment, outcome)
+    hold = await _fill(cluster, settings, body, spec, deployment, outcome)
     # Whether we own the count must match whether we send it: after a mode switch, an apply takes
     # it (from the HPA's controller, kubectl scale, our own scale-subresource fallback) or, in
     # mode hpa, releases it after the handover.
@@ -265,7 +262,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
             except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
                 if obj["kind"] != render_gateway.KIND:
                     raise
-                outcome.rejected = render_gateway.missing_crd_message(str(e))  # Degraded and an Event, the rest applied
+                outcome.missing = render_gateway.missing_crd_message(str(e))  # Degraded and an Event, the rest applied
                 continue
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "HorizontalPodAutoscaler":
@@ -279,20 +276,29 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
     return hpa
 
 
-async def _fill(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, deployment: dict,
+async def _fill(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, deployment: dict,
                 outcome: Outcome) -> bool:
-    """A pre-filled model cache's Job: created when missing (once: a Job's template is immutable,
-    and its name is the digest of what it fills), never changed. → whether the Deployment waits."""
-    fill = await fills.read(cluster, settings, owner, spec, deployment["spec"]["template"]["spec"]["containers"][0]["image"])
+    """A pre-filled model cache's Job: created when neither it nor a record of its fill exists
+    (once: a Job's template is immutable, and its name is the digest of what it fills), never
+    changed. Once it has succeeded, the service's fill Jobs of other digests go (their pods with
+    them: a Job deleted without a propagation policy orphans its pods). → whether the Deployment
+    waits."""
+    owner = owner_of(body)
+    fill = await fills.read(cluster, settings, owner, spec, deployment["spec"]["template"]["spec"]["containers"][0]["image"],
+                            body)
     if fill is None:
         return False
-    if not_ours(fill.job, owner):
+    if fill.foreign:
         outcome.foreign.append(f"Job/{fill.name}")
         return True
-    if fill.job is None:
-        fill = fills.of(fill.rendered, await cluster.apply(drift.stamped(fill.rendered)), spec)
+    if fill.missing:
+        fill = fills.of(fill.rendered, await cluster.apply(drift.stamped(fill.rendered)), spec, owner)
         outcome.applied.append(f"Job/{fill.name}")
-    outcome.fill = fill if fill.holds else None
+    outcome.fill = fill
+    if not fill.holds:
+        for job in fills.others(cluster, owner, fill):
+            await cluster.delete("Job", owner.namespace, job["metadata"]["name"], background=True)
+            outcome.applied.append(f"-Job/{job['metadata']['name']}")
     return fill.holds
 
 
@@ -323,7 +329,9 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
                       if autoscaled or c.get("type") not in status.AUTOSCALER_CONDITIONS]
         new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions,
                                      rejected=outcome.rejected, foreign=outcome.foreign,
-                                     fill=(outcome.fill.state, outcome.fill.message) if outcome.fill else None)
+                                     missing=(render_gateway.CRD_MISSING, outcome.missing) if outcome.missing else None,
+                                     fill=(outcome.fill.state, outcome.fill.message)
+                                     if outcome.fill and outcome.fill.holds else None)
         new["selector"] = render.selector_string(owner.name)
         if (desired := desired_replicas(spec, deployment, hpa)) is not None:
             new["desiredReplicas"] = desired
@@ -331,6 +339,10 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
             new["observedGeneration"] = generation
         if not spec.get("image") and (image := render.pinned_image(deployment)):
             new["defaultImage"] = image  # outlives the Deployment (render.server_image)
+        if outcome.fill is not None and outcome.fill.state == "Complete":
+            new["modelCache"] = {"filled": outcome.fill.digest}  # fill.py: outlives the Job
+        elif not outcome.problems and render_cache.kind(spec["modelCache"]) != "prefilled":
+            new["modelCache"] = None
         if not autoscaled:  # the autoscaler's measurements (and served task) would go stale: none is better
             new.update(dict.fromkeys((*status.MEASURED, "task"), None))
         return new

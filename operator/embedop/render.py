@@ -28,6 +28,13 @@ class Owner:
     namespace: str
     uid: str
 
+    def owns(self, obj: dict) -> bool:
+        """Whether `obj` is this service's: its controller reference names this very service (its
+        uid: a service deleted and created again under the same name owns nothing of the old one's)."""
+        return any(r.get("kind") == crd.KIND and r.get("apiVersion", "").startswith(f"{crd.GROUP}/")
+                   and r.get("name") == self.name and (not self.uid or r.get("uid") == self.uid)
+                   for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
 
 def selector(name: str) -> dict:
     return {"app.kubernetes.io/name": "embedserve", SERVICE_LABEL: name}

@@ -23,11 +23,27 @@ import json
 MODEL_CACHE = "/models"  # MODEL_CACHE_DIR
 MODEL_IMAGE = "/model-image"  # where an image volume's artifact is mounted
 CACHE_VOLUME, IMAGE_VOLUME = "model-cache", "model-image"
-FILL_LABEL = "embedfleet.dev/model-cache-fill"  # on fill Jobs: the spec digest they fill for
+FILL_LABEL = "embedfleet.dev/model-cache-fill"  # on fill Jobs and their pods: the digest they fill for
 # The settings that decide what a fill downloads: a Job (its pod template immutable) per distinct set.
 FILLED_BY = ("MODEL_PATH", "MODEL_REVISION", "TRUST_REMOTE_CODE")
+# The cache's layout as the server's model source writes and reads it (hub snapshots, the s3://
+# marker): part of the fill digest, so that a server whose layout changes (raise this with it)
+# gets its claims filled again rather than pods that find nothing they can read.
+FILL_LAYOUT = 1
+# What the fill Job's container gets of the server's environment: the fill settings above, where
+# they go, and progress bars off. Nothing else the operator renders for serving: the files of
+# spec.auth and spec.tls (API_KEYS_FILE, TLS_*) live in Secret volumes the Job does not mount, and
+# prefetch's Settings.from_env would refuse to start on a file it cannot open; the batching and
+# admission settings mean nothing to a download.
+FILL_ENV = (*FILLED_BY, "MODEL_CACHE_DIR", "HF_HUB_DISABLE_PROGRESS_BARS")
+# Of spec.env, what the Job does not get: the server's own files (mounted only in server pods),
+# and offline mode (the Job is the one that goes online).
+NOT_FOR_FILL = ("API_KEYS_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE", "HF_HUB_OFFLINE")
 FILL_BACKOFF_LIMIT = 4
 FILL_DEADLINE_S = 6 * 3600  # a download that runs longer than this has failed
+# prefetch's exit status for a fill that cannot succeed by retrying (no such repository, revision
+# or path; a bad setting): the Job fails at once rather than after FILL_BACKOFF_LIMIT pods.
+PREFETCH_REFUSED = 1
 
 
 def kind(cache: dict) -> str:
@@ -93,11 +109,14 @@ def env(spec: dict) -> dict:
     return values
 
 
-def fill_digest(spec: dict, server_env: list[dict]) -> str:
-    """What a fill is for: the claim, and the settings (as the pods get them, spec.env included)
-    that decide what is downloaded."""
+def fill_digest(service: str, spec: dict, server_env: list[dict]) -> str:
+    """What a fill is for: the service (a Job's name holds only the start of a long one, so two
+    services with a long common prefix must still differ; the namespace is the Job's own), the
+    claim, the settings (as the pods get them, spec.env included) that decide what is downloaded,
+    and the cache layout."""
     wanted = [e for e in server_env if e["name"] in FILLED_BY]
-    key = json.dumps([spec["modelCache"]["claimName"], sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
+    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], sorted(wanted, key=lambda e: e["name"])],
+                     sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
@@ -106,21 +125,36 @@ def fill_job_name(service: str, spec: dict, server_env: list[dict]) -> str | Non
     job-name label), or None when the spec has no claim to fill."""
     if kind(spec["modelCache"]) != "prefilled":
         return None
-    return f"{service[:63 - 16]}-fill-{fill_digest(spec, server_env)}"
+    return f"{service[:63 - 16]}-fill-{fill_digest(service, spec, server_env)}"
+
+
+def fill_env(server_env: list[dict], spec_env: list[dict]) -> list[dict]:
+    """The fill Job's environment: FILL_ENV as the servers get it, and spec.env (credentials:
+    HF_TOKEN, HF_ENDPOINT, AWS_*, S3 endpoints; proxies) but NOT_FOR_FILL and what describes the
+    server container (a resourceFieldRef: the Job's container is another)."""
+    own = [e for e in server_env if e["name"] in FILL_ENV]
+    names = {e["name"] for e in own}
+    extra = [e for e in spec_env if e["name"] not in names and e["name"] not in NOT_FOR_FILL
+             and "resourceFieldRef" not in (e.get("valueFrom") or {})]
+    return own + extra
 
 
 def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: dict, container: dict) -> dict | None:
-    """The Job that fills the claim: the server image and the servers' own settings (their
-    credentials, spec.env and envFrom included) but HF_HUB_OFFLINE, the claim mounted read-write.
-    `meta`: the owned-object metadata (named by fill_job_name); `pod` and `container`: the server
-    pod's spec and container, whose security and scheduling fields it keeps. Its pod template is
-    immutable, and so is its name for one digest: a changed model is a new Job. No
-    ttlSecondsAfterFinished: the Job stays (owned by the service) as the record that this
-    revision was filled, so it runs once."""
+    """The Job that fills the claim: the server image, the fill's settings and spec.env (fill_env)
+    and envFrom (credentials), the claim mounted read-write. `meta`: the owned-object metadata
+    (named by fill_job_name); `pod` and `container`: the server pod's spec and container, whose
+    security and scheduling fields it keeps. Its pod template is immutable, and so is its name for
+    one digest: a changed model is a new Job. No ttlSecondsAfterFinished: the Job stays (owned by
+    the service) until a later fill has succeeded; the record that a digest was filled is the
+    service's status.modelCache.filled, so a Job deleted by someone else (a TTL policy) is not
+    run again. Retries (backoffLimit) are for what may pass (a node lost, an OOM kill, a network
+    error); prefetch's refusal (PREFETCH_REFUSED: no such model or revision) fails the Job at once
+    (podFailurePolicy, which needs restartPolicy Never), and a pod disrupted by Kubernetes (drain,
+    preemption) does not count against the retries."""
     if meta is None or kind(spec["modelCache"]) != "prefilled":
         return None
-    digest = fill_digest(spec, server_env)
-    job_env = [e for e in server_env if e["name"] != "HF_HUB_OFFLINE"]
+    digest = fill_digest(meta["labels"]["app.kubernetes.io/instance"], spec, server_env)
+    job_env = fill_env(server_env, spec.get("env") or [])
     filler = {
         "name": "fill", "image": image, "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
         "command": ["python", "-m", "embedserve.prefetch"],
@@ -136,14 +170,21 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
     labels = {**meta["labels"], FILL_LABEL: digest}
     # Its pod must not carry the server pods' selector labels: the Services would send it requests,
     # the PodDisruptionBudget count it and the autoscaler scrape it.
+    # The managed-by label puts it in the operator's watched copies (its Pending reason is told).
     pod_labels = {"app.kubernetes.io/name": "embedserve-fill",
-                  "app.kubernetes.io/instance": meta["labels"]["app.kubernetes.io/instance"], FILL_LABEL: digest}
+                  "app.kubernetes.io/instance": meta["labels"]["app.kubernetes.io/instance"],
+                  "app.kubernetes.io/managed-by": meta["labels"]["app.kubernetes.io/managed-by"], FILL_LABEL: digest}
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {**meta, "labels": labels},
         "spec": {
             "backoffLimit": FILL_BACKOFF_LIMIT,
             "activeDeadlineSeconds": FILL_DEADLINE_S,
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob", "onExitCodes": {"containerName": "fill", "operator": "In",
+                                                      "values": [PREFETCH_REFUSED]}},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]},
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {**pod_spec, "restartPolicy": "Never", "enableServiceLinks": False, "containers": [filler],
@@ -169,7 +210,27 @@ def fill_state(job: dict | None) -> str:
     return "Running"
 
 
-def fill_message(job: dict | None, name: str, spec: dict) -> str:
+def waiting(pods: list[dict]) -> str | None:
+    """Why a fill Job's pod has not started downloading, as the scheduler and kubelet put it in its
+    status (Unschedulable: an unbound claim, no node for its tolerations; ErrImagePull,
+    CreateContainerConfigError: a missing Secret), or None. A claim that cannot attach (an RWO
+    volume on another node: Multi-Attach) is only an Event on the pod, which the status cannot show."""
+    for pod in pods:
+        st = pod.get("status") or {}
+        if st.get("phase") not in (None, "Pending"):
+            continue
+        unscheduled = next((c for c in st.get("conditions") or []
+                            if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+        if unscheduled:
+            return f"its pod {pod['metadata']['name']} is not scheduled: {unscheduled.get('message') or unscheduled.get('reason', '')}"
+        for c in st.get("containerStatuses") or []:
+            w = (c.get("state") or {}).get("waiting") or {}
+            if w.get("reason") and w["reason"] != "ContainerCreating":
+                return f"its pod {pod['metadata']['name']} is waiting: {w['reason']} {w.get('message', '')}".rstrip()
+    return None
+
+
+def fill_message(job: dict | None, name: str, spec: dict, pods: list[dict] = ()) -> str:
     rev = f"@{spec['modelRevision']}" if spec.get("modelRevision") else ""
     what = f"{spec['model']}{rev} into claim {spec['modelCache']['claimName']}"
     state = fill_state(job)
@@ -178,4 +239,5 @@ def fill_message(job: dict | None, name: str, spec: dict) -> str:
                      if c.get("type") in ("Failed", "FailureTarget") and c.get("status") == "True"), {})
         return (f"Job {name} failed to fill {what}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip()
                 + f"; see `kubectl logs job/{name}`, fix the cause and delete the Job to run it again")
-    return f"Job {name} is filling {what}; the pods move to it once it has succeeded"
+    why = waiting(list(pods))
+    return f"Job {name} is filling {what}; the pods move to it once it has succeeded" + (f" ({why})" if why else "")

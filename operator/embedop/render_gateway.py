@@ -62,6 +62,9 @@ def warnings(spec: dict) -> list[str]:
     return out
 
 
+CRD_MISSING = "InferencePoolCRDMissing"  # the Degraded reason and the Event's
+
+
 def missing_crd_message(error: str) -> str:
     """The Degraded condition's message when the API has no InferencePool resource (404 on the
     write): the Gateway API Inference Extension's CRD is not installed."""

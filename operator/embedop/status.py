@@ -78,11 +78,15 @@ def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
 
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
                     previous: list[dict], now: str | None = None, rejected: str | None = None,
-                    foreign: list[str] | None = None, fill: tuple[str, str] | None = None) -> dict:
+                    foreign: list[str] | None = None, fill: tuple[str, str] | None = None,
+                    missing: tuple[str, str] | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
-    is the API's message when it refused an object the spec rendered; `foreign`, the objects of
+    is the API's message when it refused an object the spec rendered; `missing`, (reason, message)
+    when the cluster does not serve a kind the spec asks for (a CRD not installed); `foreign`, the objects of
     the service's names that someone else owns (never applied over); `fill`, (state, message) of
-    a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing)."""
+    a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing). A fill that
+    runs while a Deployment exists (a new revision) hides nothing of the fleet's own state: a
+    failing rollout or a missing count is still Degraded."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
     replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
@@ -100,9 +104,11 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                              generation, previous, now)
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
+    elif missing:
+        degraded = condition("Degraded", True, missing[0], missing[1], generation, previous, now)
     elif fill and fill[0] == "Failed":
         degraded = condition("Degraded", True, "ModelCacheFillFailed", fill[1], generation, previous, now)
-    elif fill:  # no Deployment yet is expected while its pods wait for the cache
+    elif fill and deployment is None:  # a first fill: no Deployment is expected before it is done
         degraded = condition("Degraded", False, "FillingModelCache", "", generation, previous, now)
     elif deployment is None:
         degraded = condition("Degraded", True, "DeploymentMissing", "the Deployment does not exist yet", generation, previous, now)

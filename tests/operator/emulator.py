@@ -330,6 +330,12 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
 
 
+def _serve_inference_pools(k8s) -> None:
+    k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+        kind="InferencePool", namespaced=True, shortnames={"infpool"},
+        verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
+
+
 class Emulator:
     def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool = False):
         """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD).
@@ -362,14 +368,18 @@ class Emulator:
                     subresources={"status", "scale"},
                 )
             if self.inference_pools:
-                k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
-                    kind="InferencePool", namespaced=True, shortnames={"infpool"},
-                    verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
+                _serve_inference_pools(k8s)
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._ready.set()
             await self._stop.wait()
+
+    def install_inference_pools(self) -> None:
+        """The InferencePool CRD installed now, while the operator runs."""
+        async def install():
+            _serve_inference_pools(self.k8s)
+        asyncio.run_coroutine_threadsafe(install(), self._loop).result(5)
 
     def expire_watches(self, plural: str) -> None:
         """End every watch of `plural` as a real API server does when the version a watch resumes

@@ -5,12 +5,13 @@ and deleted when routing goes back to service; without it (most clusters) every 
 served as before and the one that asks for a pool is Degraded with a message naming the CRD.
 (Garbage collection and a real Gateway: tests/cluster/test_gateway_on_cluster.py.)"""
 
+import asyncio
 import copy
 
 import pytest
 
-from embedop import render, render_gateway, spec as specs
-from embedop.kube import CALLS
+from embedop import cache, render, render_gateway, spec as specs
+from embedop.kube import CALLS, Kube
 from tests.operator import emulator as em
 from tests.operator import inference_pool_schema as schema
 from tests.operator.conftest import OperatorProcess, eventually
@@ -145,6 +146,7 @@ def test_without_the_crd_other_services_are_served_and_the_one_asking_is_degrade
             return [c for c in conditions if c["type"] == "Degraded" and c["status"] == "True"]
         (condition,) = eventually(degraded)
         assert render_gateway.CRD_NAME in condition["message"] and "spec.routing" in condition["message"]
+        assert condition["reason"] == render_gateway.CRD_MISSING
         events = eventually(lambda: [e for e in emulator.get(EVENTS)["items"] if e["involvedObject"]["name"] == "wants-pool"
                                      and render_gateway.CRD_NAME in e.get("message", "")])
         assert events[0]["type"] == "Warning"
@@ -157,3 +159,35 @@ def test_without_the_crd_other_services_are_served_and_the_one_asking_is_degrade
         for name in ("plain", "wants-pool"):
             emulator.request("DELETE", service_path(NS, name))
         op.stop()
+
+
+def test_a_crd_installed_later_is_watched_without_a_restart(monkeypatch, tmp_path):
+    """The informer of an absent CRD's kind lists again every ABSENT_RECHECK_S (shortened here):
+    installed meanwhile, its objects reach the operator's copies, the operator process untouched."""
+    monkeypatch.setattr(cache, "ABSENT_RECHECK_S", 0.2)
+    owner = render.Owner("late", NS, "0b0c7e8e-0000-4000-8000-00000000000a")
+    pool = render.inference_pool(owner, specs.defaulted(SPEC))
+    with Emulator() as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+
+        async def scenario():
+            kube, store, seen = Kube.connect(), cache.Store(), []
+            informer = cache.Informer(kube, render_gateway.KIND, [NS], store, lambda kind, event, obj: seen.append(event))
+            task = asyncio.create_task(informer.run())
+            try:
+                await asyncio.wait_for(informer.synced.wait(), 10)
+                assert informer.absent is True and store.get(NS, "late") is None
+                await asyncio.to_thread(e.install_inference_pools)
+                await asyncio.to_thread(e.request, "POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools",
+                                        pool)
+                for _ in range(200):  # polled as `eventually` does, within 10 s
+                    if store.get(NS, "late") is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert store.get(NS, "late") is not None and informer.absent is False
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await kube.close()
+
+        asyncio.run(scenario())

@@ -4,7 +4,7 @@ succeeded, and a failed Job is Degraded, naming it. kmock runs no Job controller
 the Job's status as that controller would (conditions SuccessCriteriaMet and Complete, succeeded)."""
 
 from tests.operator.conftest import eventually
-from tests.operator.emulator import applies, new_service, service_path
+from tests.operator.emulator import applies, deletes, new_service, service_path
 
 SPEC = {"model": "org/model", "modelRevision": "v1", "replicas": 1, "autoscaling": {"mode": "off"},
         "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
@@ -24,17 +24,17 @@ def condition(cr, type_):
     return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
 
-def fill_jobs(emulator, ns):
+def fill_jobs(emulator, ns, service="filled"):
     return {j["metadata"]["name"]: j for j in (emulator.get(f"/apis/batch/v1/namespaces/{ns}/jobs") or {}).get("items", [])
-            if j["metadata"]["name"].startswith("filled-fill-")}
+            if j["metadata"]["name"].startswith(f"{service}-fill-")}
 
 
 def created(name):
     return [a for a in applies if a["kind"] == "Job" and a["name"] == name]
 
 
-def reconciled(emulator, ns, generation):
-    return lambda: (cr := emulator.get(service_path(ns, "filled"))) and cr["status"].get("observedGeneration", 0) >= generation and cr
+def reconciled(emulator, ns, generation, service="filled"):
+    return lambda: (cr := emulator.get(service_path(ns, service))) and cr["status"].get("observedGeneration", 0) >= generation and cr
 
 
 def test_the_fill_job_runs_once_per_revision_and_the_pods_wait_for_it(emulator, operator, namespace):
@@ -73,3 +73,66 @@ def test_the_fill_job_runs_once_per_revision_and_the_pods_wait_for_it(emulator, 
     assert v2 in condition(cr, "Degraded")["message"] and "BackoffLimitExceeded" in condition(cr, "Degraded")["message"]
     assert env_of(emulator.get(deploy))["MODEL_REVISION"] == "v1"  # the fleet keeps serving v1
     assert len(created(v1)) == 1 and len(created(v2)) == 1
+
+
+def test_a_fill_is_recorded_and_an_earlier_revisions_job_deleted_once_a_later_one_succeeded(emulator, operator,
+                                                                                            namespace):
+    """status.modelCache.filled, not the Job's existence, says the claim holds a revision: a Job
+    deleted afterwards (a TTL an admission policy added, a person) is not run again and holds
+    nothing; once a later revision's Job has succeeded, the earlier one's goes (its pods with it)."""
+    ns, deploy = namespace, f"/apis/apps/v1/namespaces/{namespace}/deployments/refill"
+    jobs = f"/apis/batch/v1/namespaces/{ns}/jobs"
+    emulator.request("POST", service_path(ns), new_service("refill", SPEC, ns))
+    (v1,) = eventually(lambda: fill_jobs(emulator, ns, "refill"))
+    emulator.merge_patch(f"{jobs}/{v1}/status", COMPLETE)
+    eventually(lambda: emulator.get(deploy))
+    cr = eventually(lambda: ((c := emulator.get(service_path(ns, "refill"))).get("status") or {}).get("modelCache") and c)
+    assert cr["status"]["modelCache"]["filled"] == fill_jobs(emulator, ns, "refill")[v1]["metadata"]["labels"][
+        "embedfleet.dev/model-cache-fill"]
+
+    emulator.merge_patch(service_path(ns, "refill"), {"spec": {"modelRevision": "v2"}})
+    v2 = eventually(lambda: next(iter(set(fill_jobs(emulator, ns, "refill")) - {v1}), None))
+    assert v1 in fill_jobs(emulator, ns, "refill")  # kept while v2 is not filled: v1 is what the pods run
+    emulator.merge_patch(f"{jobs}/{v2}/status", COMPLETE)
+    eventually(lambda: env_of(emulator.get(deploy))["MODEL_REVISION"] == "v2")
+    eventually(lambda: list(fill_jobs(emulator, ns, "refill")) == [v2])
+    (deleted,) = [d for d in deletes if d[1:4] == ("jobs", ns, v1)]
+    assert "Background" in str(deleted[4]), deleted  # a Job's own default orphans its pods
+
+    emulator.request("DELETE", f"{jobs}/{v2}")  # as a TTL controller would
+    emulator.merge_patch(service_path(ns, "refill"), {"spec": {"replicas": 2}})
+    cr = eventually(reconciled(emulator, ns, 3, "refill"))
+    eventually(lambda: emulator.get(deploy)["spec"]["replicas"] == 2)  # not held
+    assert not fill_jobs(emulator, ns, "refill") and len(created(v2)) == 1
+    assert condition(cr, "Progressing")["reason"] != "FillingModelCache"
+
+
+def test_a_job_of_the_fills_name_that_is_not_the_services_proves_nothing():
+    """Someone else's Job, even Complete, holds the pods (the reconcile says NotOwned; the
+    autoscaler, which reads the same Fill, must not roll the template past it)."""
+    from embedop import fill as fills, render, spec as specs
+    from tests.operator.test_render import OWNER
+
+    spec = specs.defaulted(SPEC)
+    job = render.fill_job(OWNER, spec, "img", 45)
+    ours = {**job, **COMPLETE}
+    theirs = {**ours, "metadata": {**job["metadata"], "ownerReferences": []}}
+    assert not fills.of(job, ours, spec, OWNER).holds
+    assert fills.of(job, theirs, spec, OWNER).holds and fills.of(job, theirs, spec, OWNER).foreign
+    digest = job["metadata"]["labels"]["embedfleet.dev/model-cache-fill"]
+    assert not fills.of(job, None, spec, OWNER, filled=digest).holds  # recorded: a deleted Job is no loss
+    assert fills.of(job, None, spec, OWNER, filled="another").missing
+
+
+def test_a_running_fill_does_not_hide_a_failing_fleet():
+    from embedop import status
+
+    failing = {"spec": {"replicas": 2}, "status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2, "conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "too slow"}]}}
+    st = status.from_deployment(failing, 2, [], 4, [], fill=("Running", "Job j is filling m"))
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ProgressDeadlineExceeded")
+    assert (progressing["reason"], progressing["message"]) == ("FillingModelCache", "Job j is filling m")
+    first = status.from_deployment(None, 2, [], 4, [], fill=("Running", "Job j is filling m"))
+    assert next(c for c in first["conditions"] if c["type"] == "Degraded")["reason"] == "FillingModelCache"

@@ -1,12 +1,21 @@
 """spec.modelCache rendered: each kind validates against the Kubernetes versions that have its
 fields, the fill Job is named for what it fills, and today's emptyDir and claim render as before."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import kubernetes_validate
 import pytest
 
 from embedop import render, render_cache, spec as specs
 from embedop.config import OperatorSettings
+from embedserve.config import ConfigError, Settings
 from tests.operator.test_render import K8S_VERSIONS, OWNER
+from tests.server.model.fake_hub import FakeHub
+
+ROOT = Path(__file__).resolve().parents[2]
 
 IMAGE = OperatorSettings().server_image
 PREFILLED = {"model": "BAAI/bge-base-en-v1.5", "modelRevision": "v1.5", "resources": {"gpu": 1},
@@ -66,12 +75,74 @@ def test_the_fill_job_downloads_with_the_servers_settings_into_the_claim():
     assert c["image"] == IMAGE and c["command"] == ["python", "-m", "embedserve.prefetch"]
     e = {x["name"]: x for x in c["env"]}
     assert e["MODEL_REVISION"]["value"] == "v1.5" and "HF_HUB_OFFLINE" not in e and "valueFrom" in e["HF_TOKEN"]
+    assert "MAX_BATCH_SIZE" not in e and "GRPC_PORT" not in e  # serving settings mean nothing to a download
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models-rwx"}} in p["volumes"]
     assert {"name": "model-cache", "mountPath": "/models"} in c["volumeMounts"]  # read-write
     assert p["tolerations"] == PREFILLED["tolerations"] and "nvidia.com/gpu" not in c["resources"]["limits"]
     # Its pod is not one of the servers': the Services, the PDB and the autoscaler select those.
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert not all(labels.get(k) == v for k, v in render.selector("svc").items())
+
+
+GUARDED = {**PREFILLED, "model": "org/minilm", "modelRevision": "v1",
+           "auth": {"apiKeySecretRef": {"name": "keys"}}, "tls": {"secretRef": {"name": "cert"}, "clientAuth": True},
+           "env": [*PREFILLED["env"], {"name": "MAX_BATCH_SIZE", "value": "8"},
+                   {"name": "MEM", "valueFrom": {"resourceFieldRef": {"containerName": "server", "resource": "limits.memory"}}}]}
+
+
+def job_environment(spec: dict, cache: Path, **values: str) -> dict[str, str]:
+    """The fill container's environment as the kubelet gives it (a valueFrom resolved to a
+    stand-in), its cache directory moved to `cache`."""
+    (c,) = render.fill_job(OWNER, specs.defaulted(spec), IMAGE, 45)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value", "from-a-secret") for e in c["env"]}
+    return {**env, "MODEL_CACHE_DIR": str(cache), **values}
+
+
+@pytest.mark.parametrize("spec", [PREFILLED, GUARDED], ids=["plain", "auth-and-tls"])
+def test_the_fill_jobs_environment_is_one_the_servers_settings_accept(spec, tmp_path):
+    """prefetch reads Settings.from_env: the files of spec.auth and spec.tls, mounted only in the
+    server pods, must not reach it (it would refuse to start: the Job would fail for ever)."""
+    Settings.from_env(job_environment(spec, tmp_path))
+    server = {e["name"]: e.get("value", "x") for e in pod(spec)["containers"][0]["env"]}
+    if spec is GUARDED:  # the servers' own environment could not be the Job's
+        with pytest.raises(ConfigError, match="API_KEYS_FILE"):
+            Settings.from_env(server)
+
+
+def prefetch(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The fill container's command, with exactly the Job's environment (and the test's PATH)."""
+    (c,) = render.fill_job(OWNER, specs.defaulted(GUARDED), IMAGE, 45)["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:1] == ["python"]
+    return subprocess.run([sys.executable, *c["command"][1:]], capture_output=True, text=True, timeout=60,
+                          env={**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT / "server")})
+
+
+def test_the_fill_job_downloads_with_its_environment_and_a_missing_revision_fails_it_at_once(tmp_path):
+    """The Job's command and environment (auth and TLS on, credentials from spec.env) against a hub
+    on loopback: the revision lands in the cache; a revision the hub lacks exits with the code the
+    Job's podFailurePolicy fails on without retrying."""
+    hub = FakeHub("org/minilm", {"v1": {"config.json": b"{}", "model.safetensors": b"weights"}})
+    try:
+        spec = {**GUARDED, "env": [*GUARDED["env"], {"name": "HF_ENDPOINT", "value": hub.url}]}
+        done = prefetch(job_environment(spec, tmp_path / "cache"))
+        assert done.returncode == 0, done.stderr
+        assert (Path(done.stdout.strip().splitlines()[-1]) / "model.safetensors").read_bytes() == b"weights"
+        refused = prefetch(job_environment({**spec, "modelRevision": "no-such-tag"}, tmp_path / "other"))
+    finally:
+        hub.close()
+    job = render.fill_job(OWNER, specs.defaulted(GUARDED), IMAGE, 45)
+    (fail, ignore) = job["spec"]["podFailurePolicy"]["rules"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # the API requires it with the policy
+    assert fail["action"] == "FailJob" and refused.returncode in fail["onExitCodes"]["values"], refused.stderr
+    assert fail["onExitCodes"]["containerName"] == job["spec"]["template"]["spec"]["containers"][0]["name"]
+    assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+
+
+def test_services_with_a_long_common_prefix_get_their_own_jobs():
+    long = "embedding-service-for-the-search-team-in-europe-west"  # longer than the 47 kept
+    names = {render.fill_job_name(render.Owner(long + suffix, "ns", "u"), specs.defaulted(PREFILLED), 45)
+             for suffix in ("-a", "-b")}
+    assert len(names) == 2 and all(len(n) <= 63 for n in names)
 
 
 def test_one_job_per_model_revision_and_claim():
@@ -125,3 +196,17 @@ def test_contradictions_are_refused(cache, problem):
 ])
 def test_fill_state_reads_the_job_controllers_status(status, state):
     assert render_cache.fill_state(None if status is None else {"status": status}) == state
+
+
+def test_a_fill_pod_that_cannot_start_is_said():
+    unscheduled = {"metadata": {"name": "p"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims."}]}}
+    pulling = {"metadata": {"name": "q"}, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "fill", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}}
+    creating = {"metadata": {"name": "r"}, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "fill", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    spec = specs.defaulted(PREFILLED)
+    assert "unbound immediate PersistentVolumeClaims" in render_cache.fill_message({}, "j", spec, [unscheduled])
+    assert "ImagePullBackOff" in render_cache.fill_message({}, "j", spec, [creating, pulling])
+    assert render_cache.fill_message({}, "j", spec, [creating]).endswith("once it has succeeded")
