@@ -234,8 +234,9 @@ class Settings:
             static_shapes=s.choice("STATIC_SHAPES", d.static_shapes, ("auto", "true", "false")),
             attention=s.choice("ATTENTION", d.attention, ("auto", "packed", "padded")),
             # true/false in any of the boolean spellings, as when it was one.
-            warm_start="refresh" if (env.get("WARM_START") or "").strip().lower() == "refresh"
-            else "true" if s.bool("WARM_START", d.warm_start == "true") else "false",
+            warm_start={"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(
+                w := s.choice("WARM_START", d.warm_start, ("true", "false", "refresh", "1", "yes", "on", "0", "no", "off")),
+                w),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),

@@ -334,6 +334,16 @@ def test_refresh_measures_and_overwrites_a_good_file(warmed):
         WarmStart(cache, key, "sometimes")
 
 
+@pytest.mark.parametrize("value, mode", [(None, "true"), ("refresh", "refresh"), ("REFRESH", "refresh"), ("yes", "true"),
+                                         ("true", "true"), ("off", "false"), ("0", "false")])
+def test_warm_start_reads_true_false_in_any_boolean_spelling_and_refresh(value, mode):
+    from embedserve.config import ConfigError, Settings
+
+    assert Settings.from_env({} if value is None else {"WARM_START": value}).warm_start == mode
+    with pytest.raises(ConfigError, match="WARM_START='sometimes'.*refresh"):
+        Settings.from_env({"WARM_START": "sometimes"})
+
+
 def test_a_stale_temporary_file_is_removed_on_save_and_a_fresh_one_kept(tmp_path):
     directory = tmp_path / warm_start.DIRECTORY
     directory.mkdir()
