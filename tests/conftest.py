@@ -193,6 +193,17 @@ class LoopbackDNS:
         self._server.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_model_cache(tmp_path_factory):
+    """MODEL_CACHE_DIR of this test process (and the servers it starts) is a directory of its own,
+    not the shared default /tmp/model_cache, where a warm-up file one test (or another checkout)
+    saved would be another's start. Settings() and Settings.from_env(dict) do not read it: tests
+    that start a server from those say WARM_START or MODEL_CACHE_DIR themselves."""
+    if "MODEL_CACHE_DIR" not in os.environ:  # one set on purpose (a filled cache) is kept
+        os.environ["MODEL_CACHE_DIR"] = str(tmp_path_factory.mktemp("model_cache"))
+    yield
+
+
 @pytest.fixture
 def dns():
     server = LoopbackDNS()

@@ -20,7 +20,7 @@ from typing import Callable
 from embedserve import __version__, logs, tracing
 from embedserve.config import ConfigError, Settings
 from embedserve.frontends.count import frontend_count
-from embedserve.lifecycle import collect_after_start, until_stopped
+from embedserve.lifecycle import hold_collections, imports_done, until_stopped
 
 log = logging.getLogger("embedserve")
 RESTART_YOUNG_S = 10.0  # a front end that dies sooner than this after its start died young
@@ -31,6 +31,7 @@ WATCH_EVERY_S = 1.0  # how often the model process looks at its front ends
 async def _serve(settings: Settings) -> None:
     from embedserve.app import Server
 
+    imports_done()  # torch and the server's modules imported: collections on (lifecycle.hold_collections)
     tracing.setup(settings, __version__)  # one process: its requests' spans are its own
     server = Server(settings)
     try:
@@ -146,6 +147,7 @@ async def _serve_with_frontends(settings: Settings, count: int, ipc_path: str) -
     from embedserve.app import Server
     from embedserve.frontends.door import ModelDoor
 
+    imports_done()  # as in _serve
     server = Server(settings, listen=False)
     door = ModelDoor(server, ipc_path)
     door.start()
@@ -186,7 +188,7 @@ def check_files(settings: Settings) -> None:
 
 
 def main() -> int:
-    collect_after_start()  # torch, transformers and the model load first (Server.start settles the heap)
+    hold_collections()  # over the imports of torch and the server (_serve ends it)
     level = os.environ.get("LOG_LEVEL", "INFO")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

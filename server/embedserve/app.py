@@ -15,7 +15,8 @@ import torch
 
 from embedserve import metrics
 from embedserve.admission import policy as admission
-from embedserve.model import simulated, warm_start
+from embedserve.frontends.count import container_cores
+from embedserve.model import simulated, warm_key, warm_start
 from embedserve.config import Settings, served_model_name
 from embedserve.model.declared import Head
 from embedserve.model.encoder import Encoder, Placement, choose_placement
@@ -144,14 +145,11 @@ class Server:
 
         def key() -> dict:  # on the model worker's thread: it reads the model's files and asks CUDA
             on_cuda = placement.device.type == "cuda"
-            device = warm_start.device_name(placement.device.type, torch.cuda.get_device_name(placement.device)
-                                            if on_cuda else "", torch.get_num_threads(), sim_rate)
-            shaping = {"device": str(placement.device), "compile": placement.compile,
-                       "static_shapes": placement.static_shapes, "cuda_graphs": placement.cuda_graphs,
-                       "attention": placement.attention, "task": m.task, "head": m.head.describe() if m.head else None,
-                       "exclude_ids": m.exclude_ids, "trust_remote_code": s.trust_remote_code}
-            return warm_start.make_key(warm_start.revision(m.model_dir), device, str(placement.dtype),
-                                       warm_start.library_versions(), plan, shaping)
+            device = warm_key.device_name(placement.device.type, warm_key.cuda_device(placement.device) if on_cuda
+                                          else "", torch.get_num_threads(), container_cores(), sim_rate)
+            return warm_key.server_key(warm_key.revision(m.model_dir), device, warm_key.library_versions(), plan,
+                                       placement, m.task, m.head.describe() if m.head else None, m.exclude_ids,
+                                       s.trust_remote_code)
 
         return warm_start.WarmStart(s.model_cache_dir, key, s.warm_start)
 

@@ -54,12 +54,14 @@ class Settings:
     """STATIC_SHAPES: auto (on with graphs or compile), true, false. Pad rows to a fixed length
     ladder (each bucket and the midpoint below it) and batches to the batch-size ladder, so
     captured graphs are reused."""
-    warm_start: bool = True
-    """WARM_START: save the warm-up's measurements (batch caps, token budget, service rate) under
-    MODEL_CACHE_DIR/embedfleet-warmup/ and reuse them at the next start whose model revision,
-    device, dtype, library versions and batch-shaping settings match: no sweep, only one checked
-    batch per shape. On CUDA with COMPILE=true, torch.compile's caches go there too (unless
-    TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). false: every start measures."""
+    warm_start: str = "true"
+    """WARM_START: true, false or refresh. true: save the warm-up's measurements (batch caps, token
+    budget, service rate) under MODEL_CACHE_DIR/embedfleet-warmup/ and reuse them at the next
+    start whose model revision, device, dtype, library versions (and our measuring code) and
+    batch-shaping settings match, for up to 7 days: no sweep, only one checked batch per shape.
+    On CUDA with COMPILE=true, torch.compile's caches go there too (unless TORCHINDUCTOR_CACHE_DIR
+    / TRITON_CACHE_DIR are set, or the directory cannot be written). refresh: measure and replace
+    the file (a sweep taken on a busy host). false: every start measures, nothing is saved."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
@@ -231,7 +233,10 @@ class Settings:
             compile=s.choice("COMPILE", d.compile, ("auto", "graphs", "true", "false")),
             static_shapes=s.choice("STATIC_SHAPES", d.static_shapes, ("auto", "true", "false")),
             attention=s.choice("ATTENTION", d.attention, ("auto", "packed", "padded")),
-            warm_start=s.bool("WARM_START", d.warm_start),
+            # true/false in any of the boolean spellings, as when it was one.
+            warm_start={"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(
+                w := s.choice("WARM_START", d.warm_start, ("true", "false", "refresh", "1", "yes", "on", "0", "no", "off")),
+                w),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),

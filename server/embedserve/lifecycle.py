@@ -24,17 +24,23 @@ def settle_heap() -> None:
     """Once start-up is done: collect its garbage, then move every object left (torch,
     transformers, the model: ~250,000 of them) out of the collector's reach. Each full
     collection walked them all, a pause of ~100-150 ms on the event loop every few seconds
-    under load; after this, ~5 ms (bench/RESULTS.md, "Host path"). The collector is on again
-    from here if `collect_after_start` held it off."""
+    under load; after this, ~5 ms (bench/RESULTS.md, "Host path")."""
     gc.collect()
     gc.freeze()
     gc.enable()
 
 
-def collect_after_start() -> None:
-    """No garbage collection until the start-up is done (settle_heap): importing torch and
-    transformers and loading the model creates ~250,000 long-lived objects, and the collections
-    they trigger walk them again and again, ~1 s of a 3.3 s start-up's imports on a 2-core host
-    (bench/RESULTS.md, "Start-up"). What start-up leaves in cycles is freed by settle_heap's
-    collection, and nothing large is: tensors are freed by their reference counts."""
+def hold_collections() -> None:
+    """No garbage collection while the model process imports torch and the server's modules
+    (until `imports_done`): they create ~150,000 long-lived objects, and the collections they
+    trigger walk them again and again (bench/RESULTS.md, "Start-up"). Only the imports: the
+    loading, compiling and warming-up that follow make cyclic garbage of their own (compiling
+    shapes with the collector off left 153k cyclic objects instead of 19k, and a model dropped
+    in a cycle would keep its device memory) and run with it on."""
     gc.disable()
+
+
+def imports_done() -> None:
+    """The end of `hold_collections`: collect the imports' garbage, freeze what is left (later
+    collections, transformers' imports first, do not walk it again) and collect from here on."""
+    settle_heap()

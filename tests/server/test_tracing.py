@@ -117,7 +117,8 @@ def test_with_tracing_off_serving_imports_nothing_of_the_sdk():
 
         async def main():
             settings = Settings.from_env({"MODEL_PATH": "sim:50000", "GRPC_PORT": "0", "HTTP_HEALTH_PORT": "0",
-                                          "BIND_HOST": "127.0.0.1", "BATCH_CAPS": "16:8,32:8,64:8,128:4,256:2,512:1"})
+                                          "BIND_HOST": "127.0.0.1", "BATCH_CAPS": "16:8,32:8,64:8,128:4,256:2,512:1",
+                                          "WARM_START": "false"})
             assert not tracing.setup(settings)
             server = Server(settings)
             await server.start()

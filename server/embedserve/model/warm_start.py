@@ -1,30 +1,32 @@
 """Warm start: the warm-up's measurements (each bucket's cap and rate, or packed rows' token
 budget) kept as a file in the model cache directory and reused by the next start whose key
-matches, so it skips the sweep (most of a start on a CPU; on a GPU the sweep and the captures of
-sizes it then discards). The key names everything the measurements depend on: the model's
-revision, the device, dtype, library versions and the settings that shape the batches.
+matches (model.warm_key: model revision, device, dtype, versions, settings), so it skips the
+sweep (most of a start on a CPU; on a GPU the sweep and the captures of sizes it then discards).
 
 A reused file is checked, never trusted: the start still runs one batch per shape the batcher
 can form (with static shapes that is the capture, needed anyway), each must give finite outputs
 of the right shape, and one fixed probe batch must give what it gave when the file was written
 (weights replaced under the same name and sizes). Any file that cannot be read, does not parse,
 has another schema or key, holds caps the batcher cannot form or rates that are not positive, or
-fails the checks: a warning naming it and why, then the sweep. Failing to write one (a read-only
-volume) is a warning too: the server serves either way.
+fails the checks: a warning naming it and why, then the sweep. A file older than MAX_AGE_S is
+measured again (INFO), and WARM_START=refresh measures and overwrites. Failing to write one: a
+read-only cache (a pre-filled claim mounted readOnly) is said once at INFO, anything else is a
+warning; the server serves either way.
 
 File: <MODEL_CACHE_DIR>/embedfleet-warmup/<sha256 of the key>.json, written atomically."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import math
 import os
-import platform
-import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -33,88 +35,38 @@ import numpy as np
 from embedserve.model.batches import Batch, PackedBatch, PackSpec, random_packed
 from embedserve.model.shapes import LADDER, bucket_row_limit, served_shapes
 from embedserve.model.sparse_rows import SparseRows
-from embedserve.model.worker import SWEEP_MAX_BATCH_S, SWEEP_MAX_REPEATS, SWEEP_MIN_TIMING_S, Runner, WarmupPlan, \
-    WarmupResult, dummy_batch, warm_up
+from embedserve.model.warm_key import SCHEMA
+from embedserve.model.worker import Runner, WarmupPlan, WarmupResult, dummy_batch, warm_up
 
 log = logging.getLogger(__name__)
 
 DIRECTORY = "embedfleet-warmup"
-# Bumped when the file's layout or the sweep's way of choosing changes: older files are refused.
-SCHEMA = 1
 MAX_FILE_BYTES = 1 << 20  # a warm-up file is a few kB: anything larger is not one
+# A file is measured again after a week. The key names the device, not how busy its host was: a
+# sweep taken beside a noisy neighbour (a CPU pod's, or a GPU time-sliced with another) would
+# otherwise set every later pod's caps and service-rate prior for good. A week keeps the sweep
+# off nearly every start (a rollout, a scale-up) and bounds how long an unlucky one lasts.
+MAX_AGE_S = 7 * 86400
+STALE_TMP_S = 3600  # a .tmp file this old is a writer that died before its rename
 PROBE_SEED = 20261202
 PROBE_VALUES = 8
 # The probe must survive the same model on the same device giving slightly different numbers
-# (autotuned kernels, another CUDA graph capture): entries may differ by 2% of themselves plus 5%
-# of the row's typical entry. Other weights differ by about a whole typical entry in every value.
-PROBE_RTOL, PROBE_ATOL = 0.02, 0.05
-# Model files whose contents name a revision: configuration, tokenizer, the repository's code.
-# Weights are named by their size only (hashing gigabytes at every start would cost what the
-# sweep does); weights replaced at the same size are what the probe catches.
-DESCRIPTIVE = (".json", ".txt", ".model", ".tiktoken", ".py")
-DESCRIPTIVE_MAX_BYTES = 64 << 20
-HUB_SNAPSHOT = re.compile(r"[0-9a-f]{40}")
+# (autotuned kernels, another CUDA graph capture): each value may differ by 2% of itself plus 5%
+# of the row's typical entry (norm / sqrt(dim)), and never less than PROBE_FLOOR: bf16 keeps 8
+# bits of mantissa, so an output of order 1 moves by ~0.004 per rounding and a few of them
+# accumulate over the layers. A one-logit output (rerank, classify) near 0 would otherwise get no
+# tolerance at all. Other weights move every value by about a whole typical entry (a normalized
+# embedding's ~0.05, a logit's units), well past both.
+PROBE_RTOL, PROBE_ATOL, PROBE_FLOOR = 0.02, 0.05, 0.01
+MODES = ("true", "false", "refresh")
 
 
 class Unusable(ValueError):
     """Why a warm-up file cannot be used."""
 
 
-def revision(model_dir: str | os.PathLike) -> str:
-    """The model's revision: a hub snapshot's commit (its directory is .../snapshots/<commit>),
-    else a digest of the directory's file names and sizes and its configuration and tokenizer
-    files' contents."""
-    path = Path(model_dir)
-    if path.parent.name == "snapshots" and HUB_SNAPSHOT.fullmatch(path.name):
-        return f"hub:{path.name}"
-    digest = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        size = f.stat().st_size
-        digest.update(f"{f.relative_to(path).as_posix()}\0{size}\0".encode())
-        if f.suffix in DESCRIPTIVE and size <= DESCRIPTIVE_MAX_BYTES:
-            digest.update(hashlib.sha256(f.read_bytes()).digest())
-    return f"files:{digest.hexdigest()}"
-
-
-def device_name(device_type: str, cuda_name: str = "", threads: int = 0, sim_rate: float | None = None) -> str:
-    """What the rates were measured on. A CPU's rates depend on its model and on how many
-    threads torch uses (a pod's CPU limit)."""
-    if sim_rate is not None:
-        return f"simulated {sim_rate:g} tokens/s"
-    if device_type == "cuda":
-        return cuda_name
-    return f"cpu {cpu_model()} threads={threads}"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def library_versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    import embedserve
-
-    return {"torch": torch.__version__, "cuda": torch.version.cuda or "", "transformers": transformers.__version__,
-            "embedserve": embedserve.__version__}
-
-
-def make_key(revision_: str, device: str, dtype: str, versions: Mapping[str, str], plan: WarmupPlan,
-             shaping: Mapping[str, object]) -> dict:
-    """The key, as JSON holds it (compared whole on load). `shaping`: the other settings the
-    runner's batches depend on (compile, graphs, attention, task, pooling, ...); the sweep's own
-    constants are part of it too."""
-    sweep = {"max_batch_s": SWEEP_MAX_BATCH_S, "min_timing_s": SWEEP_MIN_TIMING_S, "max_repeats": SWEEP_MAX_REPEATS}
-    key = {"schema": SCHEMA, "model_revision": revision_, "device": device, "dtype": dtype,
-           "versions": dict(versions), "plan": dataclasses.asdict(plan), "settings": dict(shaping), "sweep": sweep}
-    return json.loads(json.dumps(key, sort_keys=True, default=str))
+class Expired(Unusable):
+    """A file past MAX_AGE_S: expected, not a fault."""
 
 
 def file_for(cache_dir: str | os.PathLike, key: dict) -> Path:
@@ -126,26 +78,49 @@ def compile_cache_env(environ: Mapping[str, str], cache_dir: str | os.PathLike, 
                       compiles: bool) -> dict[str, str]:
     """The variables to set so torch.compile's caches (inductor's FX graphs and autotuning,
     Triton's kernels) go beside the warm-up files, where a volume that outlives the pod keeps
-    them: only on CUDA with COMPILE=true, and never over the user's own. Pure."""
+    them: only on CUDA with COMPILE=true, never over the user's own, and only where the directory
+    can be written. Inductor raises on a cache directory it cannot create, which would fail every
+    start of a pod whose cache is a pre-filled read-only claim: then nothing is set (one log line),
+    and the caches stay in their defaults under /tmp."""
     if device_type != "cuda" or not compiles:
         return {}
     base = Path(cache_dir) / DIRECTORY / "compile"
     wanted = {"TORCHINDUCTOR_CACHE_DIR": base / "inductor", "TRITON_CACHE_DIR": base / "triton"}
-    return {name: str(path) for name, path in wanted.items() if not environ.get(name)}
+    wanted = {name: path for name, path in wanted.items() if not environ.get(name)}
+    if not wanted:
+        return {}
+    try:
+        for path in wanted.values():
+            path.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".writable.", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        log.log(_unwritable_level(e), "warm start: torch.compile's caches cannot go under %s (%s): they stay in "
+                "their defaults under /tmp, and each pod compiles again", base, e)
+        return {}
+    return {name: str(path) for name, path in wanted.items()}
+
+
+def _unwritable_level(e: OSError) -> int:
+    """A read-only cache is a deployment's choice (a pre-filled claim), said at INFO; anything
+    else (a file in the way, a full disk) is a WARNING."""
+    return logging.INFO if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else logging.WARNING
 
 
 # The file's contents.
 
-def encode(key: dict, result: WarmupResult, probe: dict) -> dict:
+def encode(key: dict, result: WarmupResult, probe: dict, measured_at: float, host: str) -> dict:
     packing = dataclasses.asdict(result.packing) if result.packing else None
-    return {"schema": SCHEMA, "key": key, "probe": probe,
+    return {"schema": SCHEMA, "key": key, "probe": probe, "measured_at": measured_at, "host": host,
             "result": {"caps": {str(b): c for b, c in result.caps.items()},
                        "rates": {str(b): r for b, r in result.rates.items()},
                        "token_budget": result.token_budget, "packing": packing}}
 
 
-def decode(doc: object, key: dict, plan: WarmupPlan) -> tuple[WarmupResult, dict]:
-    """A parsed file → (result, probe), or Unusable saying why. Pure."""
+def decode(doc: object, key: dict, plan: WarmupPlan, now: float) -> tuple[WarmupResult, dict]:
+    """A parsed file → (result, probe), or Unusable saying why (Expired: older than MAX_AGE_S at
+    `now`, or as far in the future: another node's clock). Pure."""
     if not isinstance(doc, dict) or not isinstance(doc.get("result"), dict):
         raise Unusable("not a warm-up file")
     if doc.get("schema") != SCHEMA:
@@ -161,11 +136,15 @@ def decode(doc: object, key: dict, plan: WarmupPlan) -> tuple[WarmupResult, dict
         packing = r["packing"] and PackSpec(int(r["packing"]["max_len"]), int(r["packing"]["max_rows"]),
                                             tuple(map(int, r["packing"]["ladder"])) if r["packing"]["ladder"] else None)
         probe = {"values": [float(v) for v in doc["probe"]["values"]], "norm": float(doc["probe"]["norm"]),
-                 "sum": float(doc["probe"]["sum"])}
+                 "sum": float(doc["probe"]["sum"]), "dim": _count(doc["probe"]["dim"])}
+        measured_at, host = float(doc["measured_at"]), str(doc.get("host", "?"))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise Unusable(f"malformed ({type(e).__name__}: {e})") from None
     if not all(map(math.isfinite, [*probe["values"], probe["norm"], probe["sum"]])):
         raise Unusable("its probe is not finite")
+    if not math.isfinite(measured_at) or abs(now - measured_at) > MAX_AGE_S:
+        raise Expired(f"measured on {host} {(now - measured_at) / 86400:.1f} days ago, past the "
+                      f"{MAX_AGE_S / 86400:g} days a warm-up is kept")
     result = WarmupResult(caps, rates, packing or None, budget)
     check_formable(result, plan)
     return result, probe
@@ -239,14 +218,19 @@ def probe_of(out: np.ndarray | SparseRows) -> dict:
     """A few numbers of a batch's output that other weights would change: its first row's first
     values, norm and sum."""
     row = first_row(out)
-    return {"values": row[:PROBE_VALUES].tolist(), "norm": float(np.linalg.norm(row)), "sum": float(row.sum())}
+    return {"values": row[:PROBE_VALUES].tolist(), "norm": float(np.linalg.norm(row)), "sum": float(row.sum()),
+            "dim": int(row.size)}
 
 
 def probe_differs(now: dict, stored: dict) -> str | None:
+    """Why the probe batch's output is not the stored one (PROBE_RTOL, PROBE_ATOL, PROBE_FLOOR), or None."""
     a = np.array([*now["values"], now["norm"], now["sum"]])
     b = np.array([*stored["values"], stored["norm"], stored["sum"]])
-    typical = stored["norm"] / math.sqrt(max(1, len(stored["values"]))) if a.shape == b.shape else 0.0
-    if a.shape != b.shape or not np.allclose(a, b, rtol=PROBE_RTOL, atol=PROBE_ATOL * typical):
+    typical = stored["norm"] / math.sqrt(max(1, stored["dim"]))
+    # The sum adds `dim` entries' variance: its tolerance grows as sqrt(dim).
+    atol = np.full(b.shape, max(PROBE_FLOOR, PROBE_ATOL * typical))
+    atol[-1] *= math.sqrt(max(1, stored["dim"]))
+    if now["dim"] != stored["dim"] or a.shape != b.shape or not (np.abs(a - b) <= atol + PROBE_RTOL * np.abs(b)).all():
         return (f"the probe batch gives {np.round(a, 4).tolist()}, the file says {np.round(b, 4).tolist()}: "
                 f"the model's weights are not the ones measured")
     return None
@@ -277,19 +261,22 @@ def verify(runner: Runner, plan: WarmupPlan, result: WarmupResult, probe: dict) 
 
 class WarmStart:
     """The model worker's warm-up (`warm`, on its thread): reused from the file when it passes
-    the checks, else measured and saved. `state` says which ("" until then) and `path` where.
-    `key`: computed on the worker's thread, where reading the model's files and asking CUDA for
-    the device's name belong."""
+    the checks, else measured and saved. `mode`: WARM_START (true, false, or refresh: measure and
+    overwrite). `state` says which ("" until then) and `path` where. `key`: computed on the
+    worker's thread, where reading the model's files and asking CUDA about the device belong."""
 
-    def __init__(self, cache_dir: str | os.PathLike, key: Callable[[], dict], enabled: bool = True,
-                 measure: Callable[[Runner, WarmupPlan], WarmupResult] = warm_up):
-        self.cache_dir, self._key, self.enabled, self._measure = cache_dir, key, enabled, measure
+    def __init__(self, cache_dir: str | os.PathLike, key: Callable[[], dict], mode: str = "true",
+                 measure: Callable[[Runner, WarmupPlan], WarmupResult] = warm_up,
+                 clock: Callable[[], float] = time.time):
+        if mode not in MODES:
+            raise ValueError(f"warm start mode {mode!r}: expected one of {', '.join(MODES)}")
+        self.cache_dir, self._key, self.mode, self._measure, self._clock = cache_dir, key, mode, measure, clock
         self.state = ""
         self.path: Path | None = None
 
     def warm(self, runner: Runner, plan: WarmupPlan) -> WarmupResult:
         try:
-            key = self._key() if self.enabled else None
+            key = self._key() if self.mode != "false" else None
         except Exception as e:  # noqa: BLE001 - an unreadable model directory, a device without a name: serve anyway
             log.warning("warm start: no key for this model and device (%s: %s); measuring, saving nothing",
                         type(e).__name__, e)
@@ -299,7 +286,9 @@ class WarmStart:
             self.state = "measured"
             return result
         self.path = file_for(self.cache_dir, key)
-        found = self._read(key, plan)
+        found = self._read(key, plan) if self.mode != "refresh" else None
+        if self.mode == "refresh":
+            log.info("warm start: WARM_START=refresh: measuring, then replacing %s", self.path)
         if found is not None:
             result, probe = found
             try:
@@ -315,7 +304,7 @@ class WarmStart:
         result = self._measure(runner, plan)
         self.state = "measured"
         probe = probe_of(runner.run(next(check_batches(plan, result))))
-        if self._write(encode(key, result, probe)):
+        if self._write(encode(key, result, probe, self._clock(), socket.gethostname())):
             log.info("warm start: measured the warm-up, saved to %s for the next start", self.path)
         return result
 
@@ -335,14 +324,16 @@ class WarmStart:
                 doc = json.loads(data)
             except (ValueError, UnicodeDecodeError) as e:
                 raise Unusable(f"not JSON ({e})") from None
-            return decode(doc, key, plan)
+            return decode(doc, key, plan, self._clock())
+        except Expired as e:
+            log.info("warm start: %s was %s; measuring again", self.path, e)
         except Unusable as e:
             log.warning("warm start: ignoring %s: %s; measuring", self.path, e)
-            return None
+        return None
 
     def _write(self, doc: dict) -> bool:
-        """Atomically (a reader sees the old file or the new one, never half); False, with a
-        warning, when the directory cannot be written (a read-only volume)."""
+        """Atomically (a reader sees the old file or the new one, never half); False, with one
+        line, when the directory cannot be written (INFO for a read-only cache)."""
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,9 +345,40 @@ class WarmStart:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
-            return True
         except (OSError, ValueError) as e:
-            log.warning("warm start: cannot save the warm-up to %s (%s): the next start measures again", self.path, e)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+            if isinstance(e, OSError) and _unwritable_level(e) == logging.INFO:
+                log.info("warm start: the model cache is read-only (%s): this pod measured its warm-up and cannot "
+                         "keep it for the next", e)
+            else:
+                log.warning("warm start: cannot save the warm-up to %s (%s): the next start measures again",
+                            self.path, e)
             return False
+        _sync_directory(self.path.parent)
+        _remove_stale_tmp(self.path.parent, self._clock())
+        return True
+
+
+def _sync_directory(directory: Path) -> None:
+    """The rename durable too (best effort: some file systems cannot open a directory to sync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_tmp(directory: Path, now: float) -> None:
+    """Temporary files of writers that died before their rename (a pod killed mid-save)."""
+    for tmp in directory.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+        except OSError:
+            pass  # another pod's, removed or renamed meanwhile

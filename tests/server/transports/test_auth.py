@@ -107,7 +107,8 @@ async def test_with_nothing_configured_nothing_is_in_the_request_path():  # grpc
     from embedserve.app import Server
     from embedserve.transports import drain
 
-    server = Server(dataclasses.replace(Settings(), host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=0))
+    server = Server(dataclasses.replace(Settings(), host="127.0.0.1", grpc_port=0, http_port=0, metrics_port=0,
+                                        warm_start="false"))
     t = server.transports  # built, not started
     assert t.keys is None and t.tls is None and t._reloads == []
     config = t.http._uvicorn.config

@@ -21,7 +21,8 @@ def members(protocol) -> set[str]:
 
 
 async def test_both_hubs_have_what_the_transports_use(tmp_path):
-    settings = dataclasses.replace(Settings(), grpc_port=0, http_port=0, metrics_port=0)
+    settings = dataclasses.replace(Settings(), grpc_port=0, http_port=0, metrics_port=0, warm_start="false",
+                                   model_cache_dir=str(tmp_path))
     hubs = [Server(settings, listen=False), Frontend(settings, str(tmp_path / "model.ipc"))]
     for hub in hubs:
         missing = sorted(m for m in members(Hub) if not hasattr(hub, m))
