@@ -120,7 +120,7 @@ def walk(routes, prefix: str = ""):
 async def api_routes() -> set[tuple[str, str]]:
     """(path, method) of every route the API port can have: the app as the server builds it, with
     the routes installed after warm-up for each task (/openapi.json and the docs pages included)."""
-    hub = Server(Settings.from_env({"MODEL_PATH": "sim:50000", "BATCH_CAPS": TEST_BATCH_CAPS}), listen=False)
+    hub = Server(Settings.from_env({"MODEL_PATH": "sim:50000", "BATCH_CAPS": TEST_BATCH_CAPS, "WARM_START": "false"}), listen=False)
     await hub.start()
     routes = set()
     try:
