@@ -5,12 +5,18 @@ DNS gets calls, a pod removed gets no more, and none is lost; a pod that freezes
 its calls hedged on the other within their deadline, well before keepalive would end them."""
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 
+import grpc
 import pytest
 
+from embedfleet.v1 import inference_pb2 as pb
+from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import Client
+from embedserve.client_calls import HEDGE_MARK
 from tests.conftest import ServerProcess, counter, free_port, pod_addresses
 from tests.server.test_fleet import steady_load
 
@@ -40,6 +46,26 @@ def pods():
         for p in started:
             p.proc.send_signal(signal.SIGCONT)  # a stopped process acts on no SIGTERM
             p.stop()
+
+
+def offered_by(server, hedge: bool) -> float:
+    """Offered tokens a server counts for one gRPC call and one HTTP request, plain or marked as
+    hedges (each the second try of a request another pod already has)."""
+    before = counter(server.http, "embedfleet_offered_tokens_total")
+    mark = (HEDGE_MARK,) if hedge else ()
+    with grpc.insecure_channel(server.target) as channel:
+        pb_grpc.InferenceStub(channel).Embed(pb.EmbedRequest(texts=["a hedge or not"]), metadata=mark, timeout=10)
+    request = urllib.request.Request(server.http + "/embed", json.dumps({"inputs": ["a hedge or not"]}).encode(),
+                                     {"Content-Type": "application/json", **dict(mark)})
+    urllib.request.urlopen(request, timeout=10).read()
+    return counter(server.http, "embedfleet_offered_tokens_total") - before
+
+
+def test_a_hedge_is_not_counted_as_new_demand(pods):
+    """A hedge duplicates demand the first pod already counted: it must not raise this pod's
+    arrival rate and offered tokens (admission, the autoscaler) as a new request would."""
+    assert offered_by(pods[0], hedge=False) > 0
+    assert offered_by(pods[0], hedge=True) == 0
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:
