@@ -14,9 +14,10 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   with this client's own calls in flight there deciding between near-equal ones; round robin
   while no pod's estimate is known. Pods whose connection is not READY (connecting, failed) get
   no call while another's is. A try that outlives its pod's estimate twice over plus what this
-  client's calls there usually take (smoothed latency and deviation) is sent once more to another
-  pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and servers count it as no new
-  demand) when the deadline leaves room; the first answer wins and the other try is cancelled.
+  client's calls there usually take (smoothed latency and deviation; at least 0.25 s) is sent
+  once more to another pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and
+  servers count it as no new demand) when the deadline leaves room; the first answer wins and the
+  other try is cancelled.
   Hedges are held to a tenth of calls (10 at once): a fleet slow everywhere is not sent twice its
   load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
   resolution: embedserve.client_pods.

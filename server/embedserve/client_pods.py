@@ -185,7 +185,8 @@ class Pod:
 
     def view(self, now: float) -> PodView:
         waited = now - next(iter(self._sent.values())) if self._sent else 0.0
-        return PodView(self.drain_ms, now - self.heard_at, self.in_flight, waited)
+        return PodView(self.drain_ms, now - self.heard_at, self.in_flight, waited,
+                       0.0 if self.latency is None else self.latency[0])
 
 
 class Pods:

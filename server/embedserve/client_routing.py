@@ -32,8 +32,9 @@ FORGET_S = 5.0  # and not at all after this: the pod is "unknown", as if new
 TIE_MS = 5.0  # drains closer than this (or than TIE_SHARE of the larger) are equal: in-flight decides
 TIE_SHARE = 0.2
 HEDGE_FACTOR = 2.0  # a try is late when it outlives its pod's drain twice over ...
-HEDGE_MARGIN_S = 0.25  # ... plus this while the pod's calls' usual latency is unknown (none answered yet)
-HEDGE_MIN_S = 0.05  # ... and at least this once it is known (a batch's wait, scheduling noise)
+# ... plus what this client's calls there usually take, and never less than this (the round trip,
+# a batch's wait, scheduling noise: below it a hedge mostly duplicates a call about to answer)
+HEDGE_MARGIN_S = 0.25
 LATENCY_GAIN, DEVIATION_GAIN = 1 / 8, 1 / 4  # RFC 6298's smoothing of round trips
 HEDGE_MIN_LEFT_S = 0.1  # a hedge needs at least this much of the deadline left to be of use
 HEDGE_BUDGET = 0.1  # hedges per call, in the long run
@@ -48,6 +49,7 @@ class PodView(NamedTuple):
     age_s: float  # since that answer
     in_flight: int  # this client's calls sent there and not answered yet
     waited_s: float = 0.0  # how long the oldest of them has waited (0 with none)
+    usual_s: float = 0.0  # how long this client's answered calls there usually take (0: none yet)
 
 
 def aged_drain_ms(drain_ms: float | None, age_s: float) -> float | None:
@@ -60,13 +62,15 @@ def aged_drain_ms(drain_ms: float | None, age_s: float) -> float | None:
 def load_ms(pod: PodView) -> float | None:
     """The pod's estimate as it counts when picking; None: nothing known. It fades only while
     none of this client's calls is there: an unanswered call means news is coming, not that the
-    pod was left alone. And a call of ours unanswered there for t seconds says the pod is at
-    least t behind, whatever it said last (a frozen pod said "idle" before it froze)."""
+    pod was left alone. And a call of ours unanswered there for t seconds longer than calls there
+    usually take says the pod is at least t behind, whatever it said last (a frozen pod said
+    "idle" before it froze). Only the overdue part counts: a call a few milliseconds into its
+    usual 20 says nothing of the pod (counting it cost a tenth of P50 at equal pods)."""
     drain = pod.drain_ms if pod.in_flight else aged_drain_ms(pod.drain_ms, pod.age_s)
     if not pod.in_flight:
         return drain
-    waited_ms = max(0.0, pod.waited_s) * 1000
-    return waited_ms if drain is None else max(drain, waited_ms)
+    overdue_ms = max(0.0, pod.waited_s - pod.usual_s) * 1000
+    return overdue_ms if drain is None else max(drain, overdue_ms)
 
 
 def _key(pod: PodView) -> tuple[float, float]:
@@ -102,13 +106,13 @@ def hedge_delay_s(pod: PodView, latency: tuple[float, float] | None, remaining_s
     (no deadline left for a second try to be of use, or the pod said it knows no rate yet). Late
     means: past the pod's queue twice over, plus what this client's answered calls there usually
     take (`latency`: smoothed mean and deviation, see `latency_after`; mean + 4 deviations, as
-    TCP's retransmission timer) — a request's own compute is in that, so on an idle pod a call
-    that is merely big is not duplicated. A held call (waiting on the server for its booked
+    TCP's retransmission timer), at least HEDGE_MARGIN_S — a request's own compute is in that, so
+    on an idle pod a call that is merely big is not duplicated. A held call (waiting on the server for its booked
     room) is late by this measure too, and its hedge goes where there is room sooner."""
     drain = aged_drain_ms(pod.drain_ms, pod.age_s)
     if drain is not None and drain >= UNKNOWN_MS:
         return None
-    usual = HEDGE_MARGIN_S if latency is None else max(HEDGE_MIN_S, latency[0] + 4 * latency[1])
+    usual = HEDGE_MARGIN_S if latency is None else max(HEDGE_MARGIN_S, latency[0] + 4 * latency[1])
     delay = HEDGE_FACTOR * (drain or 0.0) / 1000 + usual
     if remaining_s is not None and delay + HEDGE_MIN_LEFT_S >= remaining_s:
         return None
