@@ -10,7 +10,7 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   answer, refusals included, carries its pod's backlog (`embedfleet-drain-ms`, model time queued
   ahead there); each call goes to the better of two pods drawn at random by that estimate, aged
   (halved every second without news, forgotten after 5 s, so a pod left alone because it was slow
-  is tried again) but never below how long this client's oldest unanswered call there has waited,
+  is tried again) but never below how long this client's oldest unanswered call there is overdue,
   with this client's own calls in flight there deciding between near-equal ones; round robin
   while no pod's estimate is known. Pods whose connection is not READY (connecting, failed) get
   no call while another's is. A try that outlives its pod's estimate twice over plus what this
