@@ -2,19 +2,25 @@
 
 In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`routing=`):
 
-- "least-drain" (the default): one channel per pod address the name resolves to, resolved again
-  every second and whenever a pod's connection closes (servers close theirs after
-  MAX_CONNECTION_AGE_S), so pods added by a scale-up get calls within a second or two, and pods
-  gone from DNS get none (the calls already there finish). Every answer, refusals included,
-  carries its pod's backlog (`embedfleet-drain-ms`, model time queued ahead there); each call
-  goes to the better of two pods drawn at random by that estimate, aged (halved every second
-  without news, forgotten after 5 s, so a pod left alone because it was slow is tried again),
+- "least-drain" (the default): one channel per pod address the name resolves to (one address
+  family), resolved again every 5 s and whenever a pod's connection closes (servers close theirs
+  after MAX_CONNECTION_AGE_S), so pods added by a scale-up get calls at the next connection
+  age-out or within about 5 s of DNS naming them (CoreDNS may itself cache a headless Service's
+  answer up to 30 s), and pods gone from DNS get none (the calls already there finish). Every
+  answer, refusals included, carries its pod's backlog (`embedfleet-drain-ms`, model time queued
+  ahead there); each call goes to the better of two pods drawn at random by that estimate, aged
+  (halved every second without news, forgotten after 5 s, so a pod left alone because it was slow
+  is tried again) but never below how long this client's oldest unanswered call there is overdue,
   with this client's own calls in flight there deciding between near-equal ones; round robin
-  while no pod's estimate is known. A try that outlives its pod's estimate twice over plus
-  0.25 s is sent once more to another pod (a hedge: the calls are idempotent) when the deadline
-  leaves room; the first answer wins and the other try is cancelled. Hedges are held to a tenth
-  of calls (10 at once): a fleet slow everywhere is not sent twice its load. Decisions:
-  embedserve.client_routing; pods and resolution: embedserve.client_pods.
+  while no pod's estimate is known. Pods whose connection is not READY (connecting, failed) get
+  no call while another's is. A try that outlives its pod's estimate twice over plus what this
+  client's calls there usually take (smoothed latency and deviation; at least 0.25 s) is sent
+  once more to another pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and
+  servers count it as no new demand) when the deadline leaves room; the first answer wins and the
+  other try is cancelled.
+  Hedges are held to a tenth of calls (10 at once): a fleet slow everywhere is not sent twice its
+  load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
+  resolution: embedserve.client_pods.
 - "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
   Client did before; servers' connection ages make it resolve again).
 
@@ -24,8 +30,10 @@ horizon and the call's deadline (`timeout_s`). Within that deadline the call ret
 RESOURCE_EXHAUSTED after the server's retry-after-ms (least-drain: on the pod that booked the
 room); a refusal for sustained overload (`grpc-retry-pushback-ms` negative) only once, at once, on
 another pod; and UNAVAILABLE or CANCELLED (a pod draining or gone) at once on another pod, with a
-short backoff if every pod says so. A pod that stops answering without closing its connection (frozen, partitioned) is
-noticed by keepalive within about 10 s, and its calls end UNAVAILABLE and are retried likewise.
+short backoff if every pod says so. A pod that stops answering without closing its connection
+(frozen, partitioned) is noticed by keepalive within about 10 s, and its calls end UNAVAILABLE and
+are retried likewise; least-drain's hedges move them sooner, and its picks leave that pod alone
+(its calls there unanswered, then its connection not READY) while it is still in DNS.
 Retries after a refusal are marked so servers do not count them as new demand.
 
 A server with API keys takes `api_key=` (sent as `authorization: Bearer <key>` metadata on every
@@ -48,7 +56,7 @@ import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve import client_routing
+from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
 
 # A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
@@ -187,20 +195,6 @@ def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | N
 ROUTINGS = ("least-drain", "round-robin")
 
 
-class _Failed(Exception):
-    """A try's error and the pod it came from (least-drain's retry avoids, or returns to, it)."""
-
-    def __init__(self, error: grpc.aio.AioRpcError, pod: Pod | None):
-        super().__init__(error)
-        self.error, self.pod = error, pod
-
-
-def _no_pod(target: str, cause: Exception | None) -> grpc.aio.AioRpcError:
-    """No pod resolved (DNS has none, or no answer): UNAVAILABLE, as gRPC's channel says it."""
-    details = f"no pod resolved for {target}" + (f": {cause}" if cause else "")
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
     deadline); `max_attempts` optionally bounds the tries too (None: as many as the deadline
@@ -224,17 +218,20 @@ class Client:
         creds = credentials(tls, ca_file, client_cert_file, client_key_file)
         self.pods: Pods | None = None
         self.stub = None
+        self._router: Router | None = None
         if parsed is not None:
             self.pods = Pods(parsed, lambda address: pod_channel(parsed, address, creds))
+            self._router = Router(self.pods, target)
         else:
             self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
             self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._turn = 0  # picks so far: round robin's position while no pod's estimate is known
-        self._rng = random.Random()
-        self._hedge_tokens = client_routing.HEDGE_BURST
-        self.hedges = 0  # tries sent as hedges, since start (tests and benches read it)
+
+    @property
+    def hedges(self) -> int:
+        """Tries sent as hedges since start (least-drain; tests and benches read it)."""
+        return 0 if self._router is None else self._router.hedges
 
     async def __aenter__(self) -> "Client":
         return self
@@ -278,12 +275,11 @@ class Client:
 
     async def health(self) -> pb.HealthCheckResponse:
         """One pod's health (least-drain: the pod a call would go to now)."""
-        if self.pods is None:
+        if self._router is None:
             return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._auth)
         try:
-            pod = self._pick(await self._live_pods(), None)
-            return await self._send(pod, "HealthCheck", pb.HealthCheckRequest(), self.timeout_s, self._auth)
-        except _Failed as f:
+            return await self._router.health(pb.HealthCheckRequest(), self.timeout_s, self._auth)
+        except Failed as f:
             raise f.error from None
 
     async def _call(self, rpc: str, request):
@@ -297,11 +293,11 @@ class Client:
             # demand; one that a draining pod turned away was never counted, and is.
             metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM, *self._auth)
             try:
-                if self.pods is None:
+                if self._router is None:
                     return await getattr(self.stub, rpc)(request, timeout=remaining, metadata=metadata)
-                return await self._try(rpc, request, remaining, metadata, last)
-            except (grpc.aio.AioRpcError, _Failed) as caught:
-                e, pod = (caught.error, caught.pod) if isinstance(caught, _Failed) else (caught, None)
+                return await self._router.call(rpc, request, remaining, metadata, last)
+            except (grpc.aio.AioRpcError, Failed) as caught:
+                e, pod = (caught.error, caught.pod) if isinstance(caught, Failed) else (caught, None)
                 wait = self._wait_before_retry(e, unavailable, final)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
@@ -313,75 +309,6 @@ class Client:
                     raise e from None
                 last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)
-
-    async def _live_pods(self) -> list[Pod]:
-        pods = await self.pods.current()
-        if not pods:
-            raise _Failed(_no_pod(self.target, self.pods.error), None)
-        return pods
-
-    def _pick(self, pods: list[Pod], avoid: Pod | None) -> Pod:
-        """Least-drain's choice (client_routing.pick), away from `avoid` and from pods whose
-        connection failed (keepalive's verdict on a frozen pod, a refused connect) while others
-        are there."""
-        choices = [p for p in pods if p is not avoid] or pods
-        failed = grpc.ChannelConnectivity.TRANSIENT_FAILURE
-        choices = [p for p in choices if p.channel.get_state() != failed] or choices
-        now = time.monotonic()
-        self._turn += 1
-        return choices[client_routing.pick([p.view(now) for p in choices], self._turn, self._rng)]
-
-    async def _try(self, rpc: str, request, remaining: float | None, metadata, last):
-        """One try on the pod least-drain picks (after a refusal with booked room: the pod that
-        booked it; after a pod said go elsewhere: another), hedged on a second pod when it is late."""
-        pods = await self._live_pods()
-        code, was = last or (None, None)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and was in pods:
-            pod = was
-        else:
-            pod = self._pick(pods, was)
-        self._hedge_tokens = client_routing.hedge_tokens(self._hedge_tokens)
-        first = asyncio.ensure_future(self._send(pod, rpc, request, remaining, metadata))
-        now = time.monotonic()
-        delay = client_routing.hedge_delay_s(pod.drain_ms, now - pod.heard_at, remaining) \
-            if len(pods) > 1 and client_routing.may_hedge(self._hedge_tokens) else None
-        tries = {first}
-        try:
-            if delay is not None:
-                await asyncio.wait(tries, timeout=delay)
-                others = [p for p in await self.pods.current() if p is not pod]
-                if not first.done() and others and client_routing.may_hedge(self._hedge_tokens):
-                    self._hedge_tokens -= 1
-                    self.hedges += 1
-                    second = self._pick(others, None)
-                    left = None if remaining is None else remaining - (time.monotonic() - now)
-                    tries.add(asyncio.ensure_future(self._send(second, rpc, request, left, metadata)))
-            pending = set(tries)
-            while pending:  # the first success; if every try fails, the first try's error
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task.exception() is None:
-                        return task.result()
-            return first.result()
-        finally:
-            for task in tries:
-                task.cancel()  # the slower try: the server drops its rows from the queue
-            await asyncio.gather(*tries, return_exceptions=True)
-
-    async def _send(self, pod: Pod, rpc: str, request, timeout: float | None, metadata):
-        """One call on one pod, counted in flight there; its answer's drain estimate noted."""
-        pod.in_flight += 1
-        try:
-            call = getattr(pod.stub, rpc)(request, timeout=timeout, metadata=metadata)
-            response = await call
-            pod.heard(client_routing.drain_ms(await call.trailing_metadata()), time.monotonic())
-            return response
-        except grpc.aio.AioRpcError as e:
-            pod.heard(client_routing.drain_ms(e.trailing_metadata()), time.monotonic())
-            raise _Failed(e, pod) from None
-        finally:
-            pod.in_flight -= 1
-            self.pods.settled(pod)
 
     @staticmethod
     def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:

@@ -1,8 +1,16 @@
 """The pods behind a Client's target, one gRPC channel each (least-drain routing,
 embedserve.client): the target's name is resolved again every RESOLVE_EVERY_S and whenever a
 pod's connection closes (servers close theirs after MAX_CONNECTION_AGE_S, so a scale-up's pods
-take their share within a second or so). A pod that leaves DNS gets no new call; its channel
-closes once the calls on it have answered (a draining pod finishes them), none is cut.
+take their share at the next connection's age-out, or within RESOLVE_EVERY_S, plus the DNS
+server's own cache: CoreDNS caches a headless Service's answer up to 30 s by default, 5 s TTL).
+A pod that leaves DNS gets no new call; its channel closes once the calls on it have answered (a
+draining pod finishes them), none is cut.
+
+One address family: a dual-stack pod has an A and an AAAA record, and counting both would make
+it two pods (twice the share, two channels); the resolver's first answer's family is kept, as
+gRPC's pick of one address per endpoint does. An empty answer is a failed lookup, never "no
+pods": a headless Service whose pods are all unready answers NXDOMAIN (gRPC keeps its addresses
+then too), and retiring every pod on a DNS hiccup would fail every call.
 
 Targets, as gRPC spells them: `dns:///NAME:PORT` and `NAME:PORT` (the system's resolver: search
 domains and ndots of /etc/resolv.conf, /etc/hosts, as any program in the pod resolves a
@@ -22,10 +30,12 @@ from typing import Callable, NamedTuple
 import grpc
 
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.client_routing import PodView
+from embedserve.client_routing import PodView, aged_drain_ms, latency_after
 
 log = logging.getLogger(__name__)
-RESOLVE_EVERY_S = 1.0  # a headless Service's records have a TTL of seconds: ask about as often
+# CoreDNS answers a headless Service with a TTL of 5 s (and caches it up to 30 s): asking more
+# often learns nothing new. Scale-ups are found sooner through connections' ages (_watch).
+RESOLVE_EVERY_S = 5.0
 RESOLVE_TIMEOUT_S = 2.0
 GRPC_DEFAULT_PORT = 443  # gRPC's, for a name without a port
 
@@ -90,31 +100,43 @@ def parse_target(target: str) -> Target | None:
     return Target(host, port, (), None)
 
 
+class NoAddress(LookupError):
+    """The name resolved to no address (an empty answer): a failed lookup, the pods known kept."""
+
+
 async def resolve(target: Target) -> list[str]:
-    """The target's pod addresses now, in the resolver's order (duplicates dropped)."""
+    """The target's pod addresses now, in the resolver's order, one family (the first
+    answer's), duplicates dropped; raises on no answer, an empty one included."""
     if target.addresses:
         return list(target.addresses)
     if target.dns_server is not None:
-        return await _ask(target.dns_server, target.name)
-    infos = await asyncio.get_running_loop().getaddrinfo(target.name, target.port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+        addresses = await _ask(target.dns_server, target.name)
+    else:
+        # AI_ADDRCONFIG: no IPv6 addresses on a host without IPv6 (and the same for IPv4).
+        infos = await asyncio.get_running_loop().getaddrinfo(target.name, target.port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_ADDRCONFIG)
+        addresses = [info[4][0] for info in infos if info[0] == infos[0][0]] if infos else []
+    if not addresses:
+        raise NoAddress(f"{target.name}: no address")
+    return list(dict.fromkeys(addresses))
 
 
 async def _ask(server: tuple[str, int], name: str) -> list[str]:
+    """A records, else AAAA ones (one family: see the module's docstring)."""
     import dns.asyncresolver
     import dns.exception
     import dns.resolver
 
     resolver = dns.asyncresolver.Resolver(configure=False)
     resolver.nameservers, resolver.port, resolver.lifetime = [server[0]], server[1], RESOLVE_TIMEOUT_S
-    out: list[str] = []
     for kind in ("A", "AAAA"):
         try:
             answer = await resolver.resolve(name, kind, search=False)
         except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
             continue
-        out += [r.address for r in answer]
-    return list(dict.fromkeys(out))
+        if addresses := [r.address for r in answer]:
+            return addresses
+    return []
 
 
 def channel_target(address: str, port: int) -> str:
@@ -129,16 +151,42 @@ class Pod:
         self.stub = pb_grpc.InferenceStub(channel)
         self.drain_ms: float | None = None  # its latest answer's embedfleet-drain-ms
         self.heard_at = 0.0  # monotonic, when that answer came
-        self.in_flight = 0  # this client's calls sent there, not answered yet
+        self.latency: tuple[float, float] | None = None  # its answered calls' (mean, deviation), s
+        self._sent: dict[object, float] = {}  # this client's calls there not answered yet → sent at (oldest first)
         self.retired = False  # gone from DNS: no new call; closed once in_flight is 0
         self.watcher: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sent)
+
+    def sent(self, call: object, now: float) -> None:
+        """A call was picked for this pod: counted at once, before it is scheduled, so that the
+        pod cannot be closed under it (a resolution in between) nor picked as if idle."""
+        self._sent[call] = now
+
+    def ended(self, call: object) -> None:
+        self._sent.pop(call, None)
 
     def heard(self, drain_ms: float | None, now: float) -> None:
         if drain_ms is not None:
             self.drain_ms, self.heard_at = drain_ms, now
 
+    def answered(self, latency_s: float) -> None:
+        self.latency = latency_after(self.latency, latency_s)
+
+    def unanswered(self, waited_s: float, now: float) -> None:
+        """A call of ours there ended unanswered after `waited_s` (cancelled: its hedge won): as
+        far as this client saw, the pod was at least that far behind. Kept as its estimate (which
+        fades as any does) when above what it last said, so a frozen pod is not taken for idle
+        the moment its last call there is given up."""
+        if waited_s * 1000 > (aged_drain_ms(self.drain_ms, now - self.heard_at) or 0.0):
+            self.drain_ms, self.heard_at = waited_s * 1000, now
+
     def view(self, now: float) -> PodView:
-        return PodView(self.drain_ms, now - self.heard_at, self.in_flight)
+        waited = now - next(iter(self._sent.values())) if self._sent else 0.0
+        return PodView(self.drain_ms, now - self.heard_at, self.in_flight, waited,
+                       0.0 if self.latency is None else self.latency[0])
 
 
 class Pods:
@@ -153,6 +201,8 @@ class Pods:
         self._wake = asyncio.Event()  # resolve now: a connection closed
         self._resolver: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()
+        self._lookup: asyncio.Task | None = None  # the system resolver's thread cannot be stopped
+        self._channel_failed = False  # make_channel raised once (logged at warning the first time)
         self.error: Exception | None = None  # the last resolution's failure, if it failed
 
     async def current(self) -> list[Pod]:
@@ -165,7 +215,7 @@ class Pods:
     async def _keep_resolving(self) -> None:
         while True:
             try:
-                self.update(await asyncio.wait_for(resolve(self.target), RESOLVE_TIMEOUT_S))
+                self.update(await self._ask_dns())
                 self.error = None
             except Exception as e:  # noqa: BLE001 - a failed lookup keeps the pods known (as gRPC does)
                 self.error = e
@@ -177,12 +227,34 @@ class Pods:
             except asyncio.TimeoutError:
                 pass
 
+    async def _ask_dns(self) -> list[str]:
+        """One lookup's answer within RESOLVE_TIMEOUT_S. A lookup that did not answer in time
+        goes on (getaddrinfo runs in a thread of the default executor, which cancelling the
+        wait does not stop): it is waited on again, not doubled, so a resolver that hangs
+        holds one thread, not one more per round."""
+        if self._lookup is None or self._lookup.done():
+            if self._lookup is not None and not self._lookup.cancelled():
+                self._lookup.exception()  # a late answer from before: stale, dropped
+            self._lookup = asyncio.ensure_future(resolve(self.target))
+        done, _ = await asyncio.wait({self._lookup}, timeout=RESOLVE_TIMEOUT_S)
+        if not done:
+            raise TimeoutError(f"no answer within {RESOLVE_TIMEOUT_S} s")
+        lookup, self._lookup = self._lookup, None
+        return lookup.result()
+
     def update(self, addresses: list[str]) -> None:
         """DNS's answer: new pods get a channel; pods gone from it get no new call."""
         for address in addresses:
             pod = self.pods.get(address)
             if pod is None:
-                pod = self.pods[address] = Pod(address, self.make_channel(address))
+                try:
+                    channel = self.make_channel(address)
+                except Exception as e:  # noqa: BLE001 - one address we cannot reach is no failed lookup
+                    if not self._channel_failed:
+                        log.warning("no channel to %s (%s): %s", address, self.target.name, e)
+                    self._channel_failed = True
+                    continue
+                pod = self.pods[address] = Pod(address, channel)
                 pod.watcher = asyncio.create_task(self._watch(pod), name=f"embedfleet-pod-{address}")
             pod.retired = False
         for address, pod in list(self.pods.items()):
@@ -200,11 +272,14 @@ class Pods:
 
     async def _watch(self, pod: Pod) -> None:
         """A connection that was READY and is not now closed (an aged-out connection's GOAWAY, a
-        pod stopping, keepalive's verdict on a frozen one): ask DNS at once what is there now."""
+        pod stopping, keepalive's verdict on a frozen one): ask DNS at once what is there now.
+        And connect again at once when the channel falls IDLE: the connection attempt, not a
+        caller's call, finds out whether the pod answers (a frozen one's stays CONNECTING, which
+        picks avoid while another pod is READY)."""
         state = pod.channel.get_state(try_to_connect=True)
         while True:
             await pod.channel.wait_for_state_change(state)
-            new = pod.channel.get_state()
+            new = pod.channel.get_state(try_to_connect=True)
             if state == grpc.ChannelConnectivity.READY:
                 self._wake.set()
             state = new
@@ -217,6 +292,8 @@ class Pods:
         await pod.channel.close()
 
     async def close(self) -> None:
+        if self._lookup is not None:
+            self._lookup.cancel()  # the task; a thread already in getaddrinfo ends on its own
         if self._resolver is not None:
             self._resolver.cancel()
             await asyncio.gather(self._resolver, return_exceptions=True)

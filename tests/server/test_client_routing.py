@@ -8,7 +8,8 @@ import pytest
 
 from embedserve.client_pods import Target, parse_target
 from embedserve.client_routing import (
-    AGE_HALF_LIFE_S, FORGET_S, HEDGE_BURST, HEDGE_MARGIN_S, PodView, aged_drain_ms, better, drain_ms, hedge_delay_s,
+    AGE_HALF_LIFE_S, FORGET_S, HEDGE_BURST, HEDGE_MARGIN_S, PodView, aged_drain_ms, better, drain_ms,
+    hedge_delay_s, latency_after, load_ms,
     hedge_tokens, may_hedge, pick,
 )
 
@@ -48,11 +49,44 @@ def test_round_robin_while_nothing_is_known_then_the_better_of_two():
 
 
 def test_a_try_is_hedged_after_its_pods_estimate_and_a_margin_within_the_deadline():
-    assert hedge_delay_s(None, 0.0, 30.0) == pytest.approx(HEDGE_MARGIN_S)
-    assert hedge_delay_s(500.0, 0.0, 30.0) == pytest.approx(1.0 + HEDGE_MARGIN_S)
-    assert hedge_delay_s(500.0, 0.0, 1.2) is None  # no deadline left for a second try
-    assert hedge_delay_s(500.0, 0.0, None) is not None  # no deadline: any time is in time
-    assert hedge_delay_s(1e9, 0.0, 30.0) is None  # the pod knows no rate: its estimate says nothing
+    idle, busy = PodView(None, 0.0, 0), PodView(500.0, 0.0, 0)
+    assert hedge_delay_s(idle, None, 30.0) == pytest.approx(HEDGE_MARGIN_S)
+    assert hedge_delay_s(busy, None, 30.0) == pytest.approx(1.0 + HEDGE_MARGIN_S)
+    assert hedge_delay_s(busy, None, 1.2) is None  # no deadline left for a second try
+    assert hedge_delay_s(busy, None, None) is not None  # no deadline: any time is in time
+    assert hedge_delay_s(PodView(1e9, 0.0, 0), None, 30.0) is None  # the pod knows no rate: its estimate says nothing
+
+
+def test_a_request_that_usually_takes_long_is_not_late_for_taking_long():
+    """Calls of 0.6 s on an idle pod (big requests): hedged only well past what they take, not
+    after a fixed quarter second; calls of a few ms: not before the margin (below it a hedge
+    mostly duplicates a call about to answer)."""
+    big = None
+    for sample in (0.6, 0.62, 0.58, 0.61, 0.6, 0.59):
+        big = latency_after(big, sample)
+    assert 0.6 < hedge_delay_s(PodView(0.0, 0.0, 0), big, 30.0) < 1.0
+    small = None
+    for _ in range(20):
+        small = latency_after(small, 0.004)
+    assert hedge_delay_s(PodView(0.0, 0.0, 0), small, 30.0) == pytest.approx(HEDGE_MARGIN_S)
+    assert latency_after(None, 0.2) == (0.2, 0.1)  # RFC 6298's first sample
+    mean, deviation = latency_after((0.2, 0.1), 0.6)
+    assert mean == pytest.approx(0.25) and deviation == pytest.approx(0.175)
+
+
+def test_a_pod_keeping_our_calls_unanswered_counts_as_that_far_behind_and_does_not_fade():
+    """A frozen pod said "idle" before it froze: its estimate must not stay 0, nor fade to
+    "unknown" while our calls there wait, else it keeps getting calls."""
+    frozen = PodView(0.0, 2.0, 1, 1.5)
+    assert load_ms(frozen) == pytest.approx(1500.0)
+    assert better(frozen, PodView(80.0, 0.0, 3, 0.05)) == 1
+    assert load_ms(PodView(800.0, 3.0, 1, 0.01)) == 800.0  # not halved thrice: news is on its way
+    assert load_ms(PodView(800.0, 3.0, 0)) == pytest.approx(100.0)  # none there: it fades
+    assert load_ms(PodView(None, 0.0, 1, 0.2)) == pytest.approx(200.0)  # never heard, but waited on
+    assert load_ms(PodView(0.0, 0.0, 1, 0.015, 0.02)) == 0.0  # a call within its usual time says nothing
+    assert load_ms(PodView(0.0, 0.0, 1, 1.02, 0.02)) == pytest.approx(1000.0)  # one overdue by a second does
+    rng = random.Random(2)
+    assert all(pick([PodView(None, 0.0, 0), PodView(None, 9.0, 1, 2.0)], t, rng) == 0 for t in range(20))
 
 
 def test_hedges_are_a_tenth_of_calls_after_a_burst():

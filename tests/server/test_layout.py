@@ -25,6 +25,7 @@ LAYERS = [
      "embedserve.client_routing", "embedserve.tracing", "embedserve.logs"},
     # The Client is no stage of the server: its decisions, its pods, and the façade over both.
     {"embedserve.client_pods"},
+    {"embedserve.client_calls"},
     {"embedserve.client"},
     {"embedserve.model", "embedserve.admission"},
     {"embedserve.batching"},

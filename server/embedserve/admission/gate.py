@@ -27,6 +27,9 @@ class Caller(NamedTuple):
     # A traced request's stamps (embedserve.tracing.Recorder): each stage it passes stamps them.
     # None when tracing is off or the request is not sampled: nothing is stamped.
     trace: object = None
+    # A hedge: a second try of a request a client already sent to another pod (metadata / header
+    # embedfleet-hedge: 1). Duplicate demand, counted where the first try went: not new demand.
+    hedge: bool = False
 
 
 class Observer(Protocol):
@@ -58,8 +61,8 @@ class Gate:
         At its booked moment a marked retry (or a held caller) joins the queue as promised; room
         nobody claims never idles the device, since a new request is judged on the present queue
         alone. An unmarked request with the same texts is another caller: new demand, no claim."""
-        # A retry is the same demand again, not new demand.
-        demand_before = None if caller.retry else self.estimator.offered(cost)
+        # A retry, or a hedge, is the same demand again, not new demand.
+        demand_before = None if caller.retry or caller.hedge else self.estimator.offered(cost)
         now = self.estimator.clock()
         # A marked retry whose moment has come is first in line; an unmarked request with the same
         # texts is another caller, and new demand.

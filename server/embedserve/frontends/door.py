@@ -54,7 +54,7 @@ class ModelDoor:
         lengths = np.asarray(header["lengths"], dtype=np.int64)
         # A traced request (its front end's span): stamped here too, the stamps sent back with the answer.
         trace = tracing.Recorder() if "trace" in header else None
-        caller = Caller(header["retry"], header["deadline"], header["waits"], trace)
+        caller = Caller(header["retry"], header["deadline"], header["waits"], trace, header["hedge"])
         service = self.server.service
         data = b""
         try:

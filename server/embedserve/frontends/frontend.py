@@ -63,7 +63,7 @@ class RemoteService(PreTokenized):
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         ids, lengths = cut(ids, lengths, self.limits)
         header = {"op": "rows", "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
-                  "waits": caller.waits, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
+                  "waits": caller.waits, "hedge": caller.hedge, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
         trace = caller.trace
         if trace is not None:  # the model process stamps admission, queue and batches, and sends them back
             header["trace"] = True

@@ -8,10 +8,13 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
+import logging
 import os
 from pathlib import Path
 
 from embedserve.config import PACKAGED_MODEL
+
+log = logging.getLogger(__name__)
 
 
 class ModelSourceError(RuntimeError):
@@ -32,6 +35,10 @@ def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False, re
     """MODEL_PATH (and MODEL_REVISION, for a hub repo id) → a local directory holding config,
     tokenizer and weights. A local directory (a volume the operator mounted) is never looked up
     anywhere else; neither is a hub revision this cache has fetched before (`fetched`)."""
+    hub = not (model_path in ("", PACKAGED_MODEL) or model_path.startswith("s3://")
+               or Path(model_path).expanduser().is_dir())
+    if revision and not hub:
+        log.warning("MODEL_REVISION=%r is ignored: MODEL_PATH=%r is no hub repository", revision, model_path)
     if model_path in ("", PACKAGED_MODEL):
         return packaged_model_dir()
     if model_path.startswith("s3://"):
@@ -69,15 +76,22 @@ def needed(files: list[str], trust_remote_code: bool = False) -> list[str]:
     return [f for f in kept if not (f.endswith(".bin") and f.rpartition("/")[0] in with_safetensors)]
 
 
-# Beside the hub's own layout in MODEL_CACHE_DIR: one file per (repo, revision, code allowed) that
-# was fetched completely, naming its snapshot. The hub's layout alone cannot say that: a snapshot
-# directory exists from its first file on, so a pod that starts while another one (sharing a
-# ReadWriteMany cache) is still downloading would load half a model.
+# Beside the hub's own layout in MODEL_CACHE_DIR: one file per (repo, revision, code allowed, file
+# selection) that was fetched completely, naming its snapshot and the files chosen. The hub's
+# layout alone cannot say that: a snapshot directory exists from its first file on, so a pod that
+# starts while another one (sharing a ReadWriteMany cache) is still downloading would load half
+# a model.
 FETCHED = "embedfleet-fetched"
+# What `needed` keeps, as a version: a record written under other rules (a server that kept .bin
+# beside .safetensors, or no tokenizer file of a kind added since) names a snapshot that may lack
+# files this server needs. Bump SELECTION_RULES when `needed` changes in a way WANTED and EXPORTS
+# do not show.
+SELECTION_RULES = 1
+SELECTION = hashlib.sha256(json.dumps([SELECTION_RULES, WANTED, EXPORTS]).encode()).hexdigest()[:16]
 
 
 def _fetched_file(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool) -> Path:
-    key = json.dumps([repo_id, revision or "main", trust_remote_code])
+    key = json.dumps([repo_id, revision or "main", trust_remote_code, SELECTION])
     return Path(cache_dir) / FETCHED / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
@@ -89,17 +103,24 @@ def fetched(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revis
     try:
         record = json.loads(_fetched_file(cache_dir, repo_id, revision, trust_remote_code).read_text())
         snapshot = Path(cache_dir) / record["snapshot"]
+        if record["selection"] != SELECTION or not all((snapshot / f).is_file() for f in record["files"]):
+            return None  # other rules chose these files, or one is gone: fetched again
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return snapshot if snapshot.is_dir() else None
+    if not snapshot.is_dir():
+        return None
+    log.info("model %s@%s: commit %s, from MODEL_CACHE_DIR", repo_id, revision or "main", record.get("commit", snapshot.name))
+    return snapshot
 
 
-def _record_fetched(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool, snapshot: Path) -> None:
+def _record_fetched(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool, snapshot: Path,
+                    commit: str, files: list[str]) -> None:
     path = _fetched_file(cache_dir, repo_id, revision, trust_remote_code)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"repo": repo_id, "revision": revision or "main",
+        tmp.write_text(json.dumps({"repo": repo_id, "revision": revision or "main", "commit": commit,
+                                   "selection": SELECTION, "files": files,
                                    "snapshot": str(snapshot.resolve().relative_to(Path(cache_dir).resolve()))}))
         tmp.replace(path)  # atomic: a reader sees no record or a whole one
     except (OSError, ValueError):  # a read-only cache, or a snapshot outside it: found through the hub next time
@@ -117,18 +138,41 @@ def fetch_hub(repo_id: str, cache_dir: str, trust_remote_code: bool = False, rev
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     at = f"@{revision}" if revision else ""
     try:
-        # Offline there is no listing: whatever the cache holds of that revision is what was
-        # downloaded before (the ref of a branch or tag names its commit's snapshot).
-        patterns = None if offline else needed(HfApi().list_repo_files(repo_id, revision=revision or None),
-                                               trust_remote_code)
-        snapshot = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache_dir,
-                                          allow_patterns=patterns))
+        if offline:
+            # No listing offline: whatever the cache holds of that revision is what was
+            # downloaded before (the ref of a branch or tag names its commit's snapshot).
+            snapshot = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache_dir))
+            log.info("model %s@%s: commit %s, offline from MODEL_CACHE_DIR", repo_id, revision or "main", snapshot.name)
+            return snapshot
+        # The revision resolved once, to one commit, and its files listed at that commit: a branch
+        # that moves between a listing and the download would mix two commits' files.
+        info = HfApi().model_info(repo_id, revision=revision or None)
+        files = needed([s.rfilename for s in info.siblings or ()], trust_remote_code)
+        snapshot = Path(snapshot_download(repo_id, revision=info.sha, cache_dir=cache_dir, allow_patterns=files))
     except Exception as e:  # offline, unknown repo or revision, auth: all mean "not available here"
         hint = " (HF_HUB_OFFLINE is set and the model is not in MODEL_CACHE_DIR)" if offline else ""
         raise ModelSourceError(f"MODEL_PATH={repo_id!r}{at}: cannot fetch from the hub{hint}: {e}") from e
-    if not offline:
-        _record_fetched(cache_dir, repo_id, revision, trust_remote_code, snapshot)
+    _name_commit(snapshot, revision, info.sha)
+    _record_fetched(cache_dir, repo_id, revision, trust_remote_code, snapshot, info.sha, files)
+    log.info("model %s@%s: commit %s, fetched from the hub", repo_id, revision or "main", info.sha)
     return snapshot
+
+
+def _name_commit(snapshot: Path, revision: str, commit: str) -> None:
+    """Downloaded by commit, the hub's client writes no ref for the branch or tag: write it (the
+    hub cache's layout, <repo>/refs/<revision> holding the commit), so that offline reads of the
+    revision (HF_HUB_OFFLINE, other tools) find this snapshot."""
+    name = revision or "main"
+    if name == commit:
+        return
+    ref = snapshot.parent.parent / "refs" / name
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(commit)
+        tmp.replace(ref)
+    except OSError:  # a read-only cache: the record (fetched) still names the snapshot
+        pass
 
 
 def fetch_s3(uri: str, cache_root: Path, trust_remote_code: bool = False) -> Path:

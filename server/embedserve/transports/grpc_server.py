@@ -33,8 +33,9 @@ def is_retry(metadata) -> bool:
 
 
 def caller(context, trace: tracing.Recorder | None = None) -> Caller:
-    metadata = context.invocation_metadata() or ()
-    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in tuple(metadata), trace)
+    metadata = tuple(context.invocation_metadata() or ())
+    return Caller(is_retry(metadata), context.time_remaining(), ("embedfleet-queue", "wait") in metadata, trace,
+                  hedge=("embedfleet-hedge", "1") in metadata)
 
 
 _STATUS = (

@@ -154,7 +154,8 @@ def _caller(request: Request) -> Caller:
     retry = (request.headers.get("embedfleet-attempt", "1") not in ("", "0", "1")
              or request.headers.get("x-stainless-retry-count", "0") not in ("", "0"))
     trace = request.scope.get(tracing.SCOPE_KEY) if tracing.tracer is not None else None  # outcomes.http_begin
-    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait", trace=trace)
+    return Caller(retry, waits=request.headers.get("embedfleet-queue") == "wait", trace=trace,
+                  hedge=request.headers.get("embedfleet-hedge") == "1")
 
 
 def _texts(inputs) -> list[str]:

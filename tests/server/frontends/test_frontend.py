@@ -21,6 +21,7 @@ from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
 from tests.conftest import ServerProcess, counter, make_text
+from tests.server.test_routing import offered_by
 
 SIM = {"MODEL_PATH": "sim:20000", "BATCH_CAPS": "16:8,32:8,64:8,128:8,256:4,512:2"}
 
@@ -75,6 +76,12 @@ def test_metrics_sum_over_the_processes_and_the_signal_is_one(fronted):
     assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second ", text, re.M)) == 1  # one signal
     limits = re.findall(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M)  # from the model process
     assert len(limits) == 1 and 300 <= float(limits[0]) <= 600 - 0.05
+
+
+def test_a_hedge_is_not_counted_as_new_demand_with_front_ends(fronted):
+    """The hedge mark travels from the front end to the model process, which counts demand."""
+    assert offered_by(fronted, hedge=False) > 0
+    assert offered_by(fronted, hedge=True) == 0
 
 
 def children(pid: int) -> set[int]:

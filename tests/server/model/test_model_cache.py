@@ -3,7 +3,9 @@ huggingface_hub client against a hub on loopback, through `python -m embedserve.
 back with no network call, whether the hub is unreachable or HF_HUB_OFFLINE says so, read-only,
 at the revision MODEL_REVISION names."""
 
+import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
+from embedserve.model import source
 from tests.conftest import ONE_ROW_CAPS, ServerProcess
 from tests.server.model.fake_hub import FakeHub, SilentPort
 
@@ -58,6 +61,12 @@ def filled(model_dir, tmp_path_factory):
     snapshot = Path(job.stdout.strip().splitlines()[-1])
     assert snapshot.parent.name == "snapshots" and snapshot.name == hub.refs["v1"]  # the commit v1 names
     assert not any("onnx" in path for path in hub.requests if "/resolve/" in path)  # only what serving needs
+    # The tag resolved once, and every file fetched at the commit it named then: a branch or tag
+    # that moves during the download cannot mix two commits' files.
+    assert hub.requests[f"/api/models/{REPO}/revision/v1"] == 1
+    downloads = [path for path in hub.requests if "/resolve/" in path]
+    assert downloads and all(f"/resolve/{hub.refs['v1']}/" in path for path in downloads), downloads
+    assert (snapshot.parent.parent / "refs" / "v1").read_text() == hub.refs["v1"]  # offline reads find it
     read_only(cache)
     yield cache, snapshot
     for p in [cache, *cache.rglob("*")]:  # let pytest clean up
@@ -86,6 +95,25 @@ def test_a_filled_cache_is_read_without_any_network_call(filled):
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == snapshot
     assert hub.accepted == 0 and took < 20, (hub.accepted, took)
+
+
+def test_a_record_of_other_selection_rules_or_with_a_file_gone_is_not_trusted(filled, tmp_path):
+    """The record says "complete" for the files chosen under the rules of its writer: a server
+    whose rules differ (SELECTION), or a snapshot missing one of them, fetches again."""
+    cache, snapshot = filled
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy, symlinks=True)
+    assert source.fetched(REPO, str(copy), revision="v1") == copy / snapshot.relative_to(cache)
+    record_file = next((copy / source.FETCHED).iterdir())
+    record = json.loads(record_file.read_text())
+    record_file.chmod(0o644)
+    record_file.write_text(json.dumps({**record, "selection": "older-rules"}))
+    assert source.fetched(REPO, str(copy), revision="v1") is None
+    record_file.write_text(json.dumps(record))
+    assert source.fetched(REPO, str(copy), revision="v1") is not None
+    (copy / snapshot.relative_to(cache)).chmod(0o755)
+    (copy / snapshot.relative_to(cache) / "vocab.txt").unlink()
+    assert source.fetched(REPO, str(copy), revision="v1") is None
 
 
 def test_offline_reads_the_snapshot_of_the_revision(filled):
