@@ -142,7 +142,14 @@ class Router:
             pod.answered(now - sent)
             return response
         except grpc.aio.AioRpcError as e:
-            pod.heard(client_routing.drain_ms(e.trailing_metadata()), time.monotonic())
+            now = time.monotonic()
+            drain = client_routing.drain_ms(e.trailing_metadata())
+            pod.heard(drain, now)
+            if drain is None and e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                # Ended by the clock (or the transport) with no word from the pod: a frozen one's
+                # calls end so, and its last estimate (from before it froze) must not make it look
+                # idle again once nothing of ours is in flight there.
+                pod.unanswered(now - sent, now)
             raise Failed(e, pod) from None
         except asyncio.CancelledError:
             now = time.monotonic()

@@ -176,7 +176,8 @@ class Pod:
         self.latency = latency_after(self.latency, latency_s)
 
     def unanswered(self, waited_s: float, now: float) -> None:
-        """A call of ours there ended unanswered after `waited_s` (cancelled: its hedge won): as
+        """A call of ours there ended unanswered after `waited_s` (cancelled: its hedge won; or
+        past its deadline with no word from the pod): as
         far as this client saw, the pod was at least that far behind. Kept as its estimate (which
         fades as any does) when above what it last said, so a frozen pod is not taken for idle
         the moment its last call there is given up."""

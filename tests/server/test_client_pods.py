@@ -91,3 +91,34 @@ async def test_an_empty_answer_is_a_failed_lookup_and_the_pods_stay(dual):
         assert pods.error is None
     finally:
         await pods.close()
+
+
+async def test_a_call_that_runs_out_its_deadline_unanswered_counts_against_its_pod():
+    """A frozen pod's calls end DEADLINE_EXCEEDED with no word from it: its last estimate (idle,
+    from before it froze) must not make it look idle again once nothing is in flight there."""
+    from embedfleet.v1 import inference_pb2 as pb
+    from embedserve.client_calls import Failed, Router
+    from embedserve.client_pods import Pod
+    from embedserve.client_routing import aged_drain_ms
+
+    async def never(request, context):
+        await asyncio.Event().wait()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("embedfleet.v1.Inference", {
+        "Embed": grpc.unary_unary_rpc_method_handler(never, request_deserializer=pb.EmbedRequest.FromString,
+                                                     response_serializer=pb.EmbedResponse.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        pod = Pod(f"127.0.0.1:{port}", channel)
+        pod.heard(0.0, time.monotonic())  # it said "idle" before it stopped answering
+        sent = time.monotonic()
+        with pytest.raises(Failed):
+            await Router._send(pod, "Embed", pb.EmbedRequest(texts=["x"]), 0.3, (), sent)
+        now = time.monotonic()
+        assert aged_drain_ms(pod.drain_ms, now - pod.heard_at) >= 250
+    finally:
+        await channel.close()
+        await server.stop(None)
