@@ -115,8 +115,9 @@ class Server:
 
         def load():
             # Before the first compile: torch.compile's caches beside the warm-up files.
+            # Not with WARM_START=false: nothing of a start is kept for the next.
             os.environ.update(warm_start.compile_cache_env(os.environ, s.model_cache_dir, placement.device.type,
-                                                           placement.compile))
+                                                           placement.compile and s.warm_start != "false"))
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
             return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)
