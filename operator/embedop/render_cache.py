@@ -41,9 +41,12 @@ FILL_ENV = (*FILLED_BY, "MODEL_CACHE_DIR", "HF_HUB_DISABLE_PROGRESS_BARS")
 NOT_FOR_FILL = ("API_KEYS_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE", "HF_HUB_OFFLINE")
 FILL_BACKOFF_LIMIT = 4
 FILL_DEADLINE_S = 6 * 3600  # a download that runs longer than this has failed
-# prefetch's exit status for a fill that cannot succeed by retrying (no such repository, revision
-# or path; a bad setting): the Job fails at once rather than after FILL_BACKOFF_LIMIT pods.
-PREFETCH_REFUSED = 1
+# prefetch's exit status for a fill that cannot succeed by retrying (no such repository, revision,
+# file, bucket or path; credentials refused; a bad setting): the Job fails at once rather than
+# after FILL_BACKOFF_LIMIT pods. Anything else (1: a connection reset, a hub 5xx or 429, a
+# timeout, any traceback) is retried. Must equal server/embedserve/prefetch.py's REFUSED: the
+# operator's image does not hold the server package to import it from (a test compares the two).
+PREFETCH_REFUSED = 3
 
 
 def kind(cache: dict) -> str:
@@ -148,7 +151,7 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
     the service) until a later fill has succeeded; the record that a digest was filled is the
     service's status.modelCache.filled, so a Job deleted by someone else (a TTL policy) is not
     run again. Retries (backoffLimit) are for what may pass (a node lost, an OOM kill, a network
-    error); prefetch's refusal (PREFETCH_REFUSED: no such model or revision) fails the Job at once
+    error, a hub 5xx); prefetch's refusal (PREFETCH_REFUSED: no such model or revision) fails the Job at once
     (podFailurePolicy, which needs restartPolicy Never), and a pod disrupted by Kubernetes (drain,
     preemption) does not count against the retries."""
     if meta is None or kind(spec["modelCache"]) != "prefilled":

@@ -1,8 +1,11 @@
 """`python -m embedserve.prefetch`: download what serving needs of MODEL_PATH (at MODEL_REVISION)
-into MODEL_CACHE_DIR, print the directory it resolved to, and exit: 0 when the model is there, 1
-with the reason when it cannot be fetched. The operator's fill Job runs it in the server image with
-the servers' own environment, so that pods mounting the filled cache read-only (HF_HUB_OFFLINE=1)
-find exactly the layout they look for."""
+into MODEL_CACHE_DIR, print the directory it resolved to, and exit: 0 when the model is there,
+REFUSED (3) with the reason when asking again cannot help (no such repository, revision, file,
+bucket or directory; credentials refused; a bad setting), 1 when it may pass (a connection reset,
+a hub 5xx or 429, a timeout; also any traceback, Python's own exit status 1). The operator's fill
+Job runs it in the server image with the servers' own environment, so that pods mounting the
+filled cache read-only (HF_HUB_OFFLINE=1) find exactly the layout they look for; it fails at once
+on REFUSED and retries on anything else."""
 
 from __future__ import annotations
 
@@ -10,6 +13,12 @@ import sys
 
 from embedserve.config import ConfigError, Settings
 from embedserve.model.source import ModelSourceError, resolve
+
+# The fill Job's podFailurePolicy fails the Job at once on this code (operator/embedop/
+# render_cache.py PREFETCH_REFUSED, which must equal it: the operator's image does not hold this
+# package). Not 1, which is every uncaught exception's, nor 2, the interpreter's usage error.
+REFUSED = 3
+FAILED = 1
 
 
 def main() -> int:
@@ -21,7 +30,7 @@ def main() -> int:
         path = resolve(s.model_path, s.model_cache_dir, s.trust_remote_code, s.model_revision)
     except (ConfigError, ModelSourceError) as e:
         print(f"prefetch failed: {e}", file=sys.stderr)
-        return 1
+        return FAILED if isinstance(e, ModelSourceError) and not e.permanent else REFUSED
     print(path)
     return 0
 

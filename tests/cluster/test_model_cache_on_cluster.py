@@ -4,7 +4,7 @@ tests/server/model/fake_hub.py serving the packaged model's files as repository 
 revision v1, run in the server image from a ConfigMap) into a real claim; the Deployment appears
 only once the Job has succeeded, and its pod becomes Ready reading the claim read-only and offline
 (so the Job really wrote the hub layout the server reads). A model that cannot be fetched fails
-the Job at once (podFailurePolicy on prefetch's exit code 1, one pod), and the service is Degraded
+the Job at once (podFailurePolicy on prefetch's refusal, exit code 3, one pod), and the service is Degraded
 naming it. Needs EMBEDFLEET_SERVER_IMAGE (loaded into the cluster) and a default StorageClass
 (kind's local-path: one node, so ReadWriteOnce serves; its directories are world-writable, so uid
 10001 may write the claim's root)."""

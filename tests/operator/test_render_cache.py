@@ -11,6 +11,7 @@ import pytest
 
 from embedop import render, render_cache, spec as specs
 from embedop.config import OperatorSettings
+from embedserve import prefetch as prefetch_module
 from embedserve.config import ConfigError, Settings
 from tests.operator.test_render import K8S_VERSIONS, OWNER
 from tests.server.model.fake_hub import FakeHub
@@ -134,6 +135,9 @@ def test_the_fill_job_downloads_with_its_environment_and_a_missing_revision_fail
     (fail, ignore) = job["spec"]["podFailurePolicy"]["rules"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # the API requires it with the policy
     assert fail["action"] == "FailJob" and refused.returncode in fail["onExitCodes"]["values"], refused.stderr
+    # Only prefetch's refusal: its 1 (a hub 5xx, a connection reset, a traceback) is retried. The
+    # operator cannot import the server package; the two constants are kept equal by hand.
+    assert fail["onExitCodes"]["values"] == [render_cache.PREFETCH_REFUSED] == [prefetch_module.REFUSED]
     assert fail["onExitCodes"]["containerName"] == job["spec"]["template"]["spec"]["containers"][0]["name"]
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
 

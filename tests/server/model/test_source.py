@@ -62,11 +62,18 @@ def test_s3_download_is_complete_and_cached(s3, model_dir, tmp_path):
     assert (target / "vocab.txt").read_text() == "changed"
 
 
-def test_s3_errors_are_clear(s3, tmp_path):
-    with pytest.raises(ModelSourceError, match="no model files under nothing-here/"):
+def test_s3_errors_are_clear_and_say_whether_retrying_can_help(s3, tmp_path, monkeypatch):
+    with pytest.raises(ModelSourceError, match="no model files under nothing-here/") as empty:
         resolve("s3://models/nothing-here", str(tmp_path))
-    with pytest.raises(ModelSourceError, match="S3 download failed"):
+    with pytest.raises(ModelSourceError, match="S3 download failed.*NoSuchBucket") as no_bucket:
         resolve("s3://no-such-bucket/x", str(tmp_path))
+    assert empty.value.permanent and no_bucket.value.permanent
+    # An endpoint that does not answer may answer later (one attempt: botocore's own retries aside).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(ModelSourceError, match="S3 download failed.*Could not connect") as unreachable:
+        resolve("s3://models/minilm/v1", str(tmp_path / "other"))
+    assert not unreachable.value.permanent and unreachable.value.__cause__ is not None
 
 
 def test_server_serves_a_model_from_s3(s3, tmp_path, reference):
@@ -99,13 +106,15 @@ def test_only_what_serving_needs_is_downloaded_from_a_repository_listing():
 
 def test_hub_repo_offline_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelSourceError, match="cannot fetch from the hub .HF_HUB_OFFLINE is set"):
+    with pytest.raises(ModelSourceError, match="cannot fetch from the hub .HF_HUB_OFFLINE is set") as offline:
         resolve("sentence-transformers/not-cached-here", str(tmp_path))
+    assert not offline.value.permanent  # not in the cache, the hub not asked: it may be there
 
 
 def test_missing_local_directory(tmp_path):
-    with pytest.raises(ModelSourceError, match="no such model directory"):
+    with pytest.raises(ModelSourceError, match="no such model directory") as absent:
         resolve(str(tmp_path / "absent"), str(tmp_path))
+    assert absent.value.permanent
 
 
 def test_server_exits_nonzero_with_the_reason_when_the_model_is_missing(tmp_path):
