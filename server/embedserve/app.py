@@ -177,7 +177,7 @@ class Server:
         return self.ready and not self.draining and not (self.engine and self.engine.failing)
 
     def drain_s(self) -> float:
-        return self.estimator.snapshot(latency=False).drain_s
+        return self.estimator.drain_s()
 
     def health_fields(self) -> dict:
         snap, snap_time = self.estimator.snapshot(), self.estimator.clock()

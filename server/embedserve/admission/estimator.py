@@ -187,6 +187,12 @@ class Estimator:
             self._tokens = self._tokens * keep + tokens
             self.chars_per_token = self._chars / self._tokens
 
+    def drain_s(self) -> float:
+        """Snapshot.drain_s alone (the queue and the service rate; no arrival rate, no P95):
+        every answer carries it (transports/drain.py), so it is read once per request."""
+        with self._lock:
+            return Snapshot(self._service.read(), 0.0, self._queued, 0.0).drain_s
+
     def snapshot(self, latency: bool = True) -> Snapshot:
         """`latency=False` leaves the P95 out (0): admission asks on every request, and needs
         it only with the latency strategy on."""

@@ -85,10 +85,11 @@ def test_backlog_and_drain_time():
     e.enqueued(1000)
     snap = e.snapshot()
     assert snap.queued_tokens == 1000 and snap.drain_s == pytest.approx(0.5)
+    assert e.drain_s() == snap.drain_s  # what every answer carries, read alone
     e.computed(real_tokens=700, busy_s=0.35)
     e.dequeued(300)  # a cancelled request's rows
     snap = e.snapshot()
-    assert snap.queued_tokens == 0 and snap.drain_s == 0
+    assert snap.queued_tokens == 0 and snap.drain_s == 0 and e.drain_s() == 0
     assert snap.service_rate == pytest.approx(2000, rel=1e-6)  # 700 / 0.35 = 2000
 
 
