@@ -26,7 +26,7 @@ from embedserve.metrics import Metrics
 from embedserve.prepare import Prepared, prepare
 from embedserve.service import EmbeddingService
 from embedserve.batching.shaping import Limits
-from embedserve.lifecycle import settle_heap
+from embedserve.lifecycle import settle_heap, watch_loop_lag
 from embedserve.threads import in_daemon_thread
 from embedserve.transports.listeners import Transports
 from embedserve.model.worker import WarmupPlan, Watchdog
@@ -84,6 +84,8 @@ class Server:
             await self.transports.start()
             log.info("gRPC on :%d, HTTP on :%d; loading %s", self.transports.grpc_port, self.transports.http.port,
                      self.model_name)
+        else:  # the model process of front ends: its loop answers them (the transports' probe is theirs)
+            self._lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag.observe), name="loop-lag")
         await self._load()
         settle_heap()
         self.loaded_at = time.monotonic()

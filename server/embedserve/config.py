@@ -165,11 +165,21 @@ class Settings:
     of 4 UTF-8 bytes each (texts are cut there before tokenizing), plus 1 MiB (17 MiB with the
     defaults). Responses may be larger (64 MiB)."""
     http_max_body_bytes: int = 0
-    """HTTP_MAX_BODY_BYTES: the largest HTTP request body (413 above). Default: twice the gRPC
-    limit (JSON escapes). It also bounds JSON parsing, which runs on the event loop before any
-    schema: a body of many small values costs up to ~0.07 s and ~25 MiB per MB (33 MB of `[]`:
-    2.3 s, 740 MiB), whatever the schema then says; lower it where HTTP callers send short inputs
-    only."""
+    """HTTP_MAX_BODY_BYTES: the most any HTTP route reads (413 above). Default: twice the gRPC
+    limit (JSON escapes). Each route reads less, by its own budget named from the model's max
+    length (transports/budget.py), and a body's JSON items are counted before it is parsed."""
+    max_reply_bytes: int = 64 * 2**20
+    """MAX_REPLY_BYTES: the largest answer any route or RPC gives (64 MiB: 512 float vectors of
+    4,096 dimensions as JSON fit). A request whose answer would be larger is refused before any
+    work where its size is known from the request (vectors: rows × dimensions × encoding), else
+    as soon as it is known (sparse rows, /tokenize, /decode): 400 / INVALID_ARGUMENT naming the
+    size, never cut silently. Also gRPC's largest message sent."""
+    max_concurrent_requests: int = 1024
+    """MAX_CONCURRENT_REQUESTS: per serving process (each front end with FRONTENDS > 1), the most
+    requests in progress on the API ports: HTTP connections and requests together past this are
+    answered 503 (uvicorn's limit_concurrency), gRPC calls RESOURCE_EXHAUSTED; and the most
+    concurrent streams of one gRPC connection. Each request in progress may hold its body (up
+    to the route's limit, docs/api.md): this bounds what a flood of slow or large callers holds."""
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
@@ -270,6 +280,8 @@ class Settings:
             quantize_range=s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
+            max_reply_bytes=s.int("MAX_REPLY_BYTES", d.max_reply_bytes, low=2**20),
+            max_concurrent_requests=s.int("MAX_CONCURRENT_REQUESTS", d.max_concurrent_requests, low=1),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
             task=s.choice("TASK", d.task, ("auto", "embed", "classify", "rerank", "sparse")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),

@@ -5,6 +5,13 @@ class InvalidInput(ValueError):
     """The request is malformed; the message names the problem (INVALID_ARGUMENT / HTTP 400)."""
 
 
+class ReplyTooLarge(InvalidInput):
+    """The request's answer would exceed MAX_REPLY_BYTES; the message names its size and what to
+    ask instead (INVALID_ARGUMENT / HTTP 400: the same request would be refused again)."""
+
+    reason = "reply_too_large"  # HTTP's error code
+
+
 class Overloaded(RuntimeError):
     """Admission refused the request (RESOURCE_EXHAUSTED / HTTP 429)."""
 
@@ -39,7 +46,7 @@ class DeviceUnresponsive(NotReady):
 
 # The errors a request can end with, by name: how they cross from the model process to a front
 # end (FRONTENDS > 1), which raises them again for its transport to map.
-_BY_NAME = {"invalid": InvalidInput, "overloaded": Overloaded, "unavailable": NotReady,
+_BY_NAME = {"invalid": InvalidInput, "reply_too_large": ReplyTooLarge, "overloaded": Overloaded, "unavailable": NotReady,
             "device": DeviceUnresponsive, "model_failure": ModelFailure, "wrong_task": WrongTask}
 
 

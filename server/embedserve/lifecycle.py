@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
+from typing import Callable
 
 
 async def until_stopped(start_coro) -> tuple[asyncio.Task, asyncio.Event]:
@@ -44,3 +46,23 @@ def imports_done() -> None:
     """The end of `hold_collections`: collect the imports' garbage, freeze what is left (later
     collections, transformers' imports first, do not walk it again) and collect from here on."""
     settle_heap()
+
+
+LAG_EVERY_S = 0.025  # the loop-lag probe's period: a stall shows within this of its length
+STALL_WARNING_S = 0.25  # a stall this long is logged: probes time out at 3 s, and a tenth of that is a cause
+log = logging.getLogger(__name__)
+
+
+async def watch_loop_lag(observe: Callable[[float], None], every_s: float = LAG_EVERY_S) -> None:
+    """Forever: how late the event loop wakes a sleeper, each `every_s`, to `observe(seconds)`.
+    Whatever holds the loop (a request's JSON, a long C call, the GIL kept by another thread) is
+    time the probes and every other request wait: kubelet's readiness probe gives up after 3 s,
+    twice. ~40 wake-ups a second, a few microseconds each."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        lag = max(0.0, loop.time() - due)
+        observe(lag)
+        if lag >= STALL_WARNING_S:
+            log.warning("the event loop stalled %.2f s (probes, scrapes and every request waited)", lag)

@@ -40,6 +40,7 @@ P = "embedfleet_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 32768, 65536, 262144)
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def signal(server: Observed) -> dict:
@@ -153,6 +154,9 @@ class Metrics:
         self.batch_tokens = Histogram(P + "batch_padded_tokens", "Padded tokens per forward pass", buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter(P + "tokens", "Tokens computed (real vs padded: padding efficiency)", ["kind"], registry=r)
         self.busy = Counter(P + "model_busy_seconds", "Time the model worker spent running batches (rate = utilization)", registry=r)
+        self.loop_lag = Histogram(P + "event_loop_lag_seconds", "How late each serving process's event loop woke a "
+                                  "sleeper (every 25 ms): the time probes and requests waited behind whatever held it",
+                                  buckets=LAG_BUCKETS, registry=r)
         self.registry.register(_SignalCollector(values))
         self._finished: dict[tuple[str, str], tuple] = {}  # labelled children, looked up once
         self._real, self._padded = self.tokens.labels("real"), self.tokens.labels("padded")

@@ -29,16 +29,14 @@ import httpx2
 import numpy as np
 import openai
 import pytest
-import starlette.routing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from embedfleet.v1 import inference_pb2 as pb
-from embedserve.app import Server
 from embedserve.client import Client
-from embedserve.config import Settings
-from embedserve.transports import auth, http_api, http_server
-from tests.conftest import TEST_BATCH_CAPS, ServerProcess, counter
+from embedserve.transports import auth
+from tests.conftest import ServerProcess, counter
+from tests.server.routes import api_routes as all_routes
 from tests.server.mounted_secret import MountedSecret, Pki, serial, served_serial
 
 MODES = {"one process": {}, "FRONTENDS=2": {"FRONTENDS": "2"}}
@@ -106,31 +104,10 @@ def poll(check, what: str, timeout: float = 20.0) -> None:
         streak = streak + 1 if check() else 0
 
 
-def walk(routes, prefix: str = ""):
-    """(path, method) of a route table, into included routers (FastAPI keeps them nested)."""
-    for route in routes:
-        if hasattr(route, "original_router"):
-            yield from walk(route.original_router.routes, prefix + route.include_context.prefix)
-        else:
-            assert not isinstance(route, starlette.routing.Mount), route  # a mount would need walking too
-            yield from ((prefix + route.path, method) for method in route.methods)
-
-
 @pytest.fixture(scope="module")
 async def api_routes() -> set[tuple[str, str]]:
-    """(path, method) of every route the API port can have: the app as the server builds it, with
-    the routes installed after warm-up for each task (/openapi.json and the docs pages included)."""
-    hub = Server(Settings.from_env({"MODEL_PATH": "sim:50000", "BATCH_CAPS": TEST_BATCH_CAPS, "WARM_START": "false"}), listen=False)
-    await hub.start()
-    routes = set()
-    try:
-        for task in ("embed", "classify", "rerank", "sparse"):
-            hub.task, hub.labels = task, ["a", "b"]
-            app = http_server.build_app(hub)
-            http_api.install_routes(app, hub)
-            routes |= set(walk(app.routes))
-    finally:
-        await hub.stop(grace=0)
+    """(path, method) of every route the API port can have, every task's (tests/server/routes.py)."""
+    routes = {(path, method) for task_routes in (await all_routes()).values() for path, method, _ in task_routes}
     assert {("/openapi.json", "GET"), ("/docs", "GET"), ("/v1/embeddings", "POST"), ("/rerank", "POST")} <= routes
     return routes
 

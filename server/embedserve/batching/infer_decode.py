@@ -12,9 +12,9 @@ def decode(
 ) -> tuple[np.ndarray, np.ndarray]:
     """→ (ids [rows, seq] int32 read-only view of the request bytes, lengths [rows]).
     Rows must be right-padded: a mask row is n ones then zeros, n >= 1. Raises InvalidInput."""
+    if len(shape) != 2:  # counted before it is read: a packed field may hold millions of values
+        raise InvalidInput(f"shape must be [rows, seq]; got {len(shape)} values")
     shape = list(shape)
-    if len(shape) != 2:
-        raise InvalidInput(f"shape must be [rows, seq]; got {shape}")
     rows, seq = shape
     if rows < 1 or seq < 1:
         raise InvalidInput(f"shape {shape}: rows and seq must be >= 1")

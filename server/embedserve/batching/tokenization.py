@@ -27,6 +27,11 @@ from embedserve.errors import InvalidInput
 # Characters per token a text may show: from a symbol or CJK character split into byte tokens, to
 # the bound at which texts are cut before tokenizing anyway.
 CHARS_PER_TOKEN_RANGE = (0.25, float(CHARS_PER_TOKEN_BOUND))
+# Characters the Rust tokenizer is handed at once. It reads a whole text before truncating it and
+# keeps every token (~140 bytes each, the overflow pieces included) until the call returns: 512
+# texts of 4,096 "!" were 2.1 M tokens, +272 MiB, in one call; in calls of this many characters
+# a request holds ~10 MiB of them at a time (bytes of a character's UTF-8: up to 4 tokens).
+GROUP_CHARS = 65536
 
 
 def _lowercasing(tok: Tokenizer) -> None:
@@ -54,6 +59,9 @@ class TextTokenizer:
             return tok
 
         self._cutting, self._checking = copy(max_length), copy(max_length + 1)
+        # A pair's sides, each read alone with no special token (pair_rows).
+        self._bare = copy(max_length)
+        self._bare.no_truncation()
         self._whole: Tokenizer | None = None  # no truncation: /tokenize with truncate off, made when first asked
         self._copy = copy
         self.max_length = max_length
@@ -63,9 +71,10 @@ class TextTokenizer:
         # is its characters' share plus these.
         self.specials = len(self._cutting.encode("").ids)
         try:  # [CLS] [SEP] [SEP] for BERT; a post-processor with no pair template refuses pairs
-            self.pair_specials = len(self._cutting.encode("", "").ids)
+            self._template = pair_template(self._cutting)
+            self.pair_specials = sum(map(len, self._template))
         except Exception:  # noqa: BLE001 - such a model never reranks (rerank needs a pair encoding)
-            self.pair_specials = 2 * self.specials
+            self._template, self.pair_specials = None, 2 * self.specials
         self.pad_id, self.vocab_size = pad_id, vocab_size
         self.spec = {"tokenizer_json": tokenizer_json, "pad_id": pad_id, "vocab_size": vocab_size,
                      "max_length": max_length, "lower_case": lower_case}
@@ -97,14 +106,14 @@ class TextTokenizer:
 
     def encode_each(self, requests: list[tuple]) -> list[tuple[np.ndarray, np.ndarray] | InvalidInput]:
         """Many requests' (texts, truncate, prompt[, query]) in one call of the Rust tokenizer per
-        truncation setting: → per request, what `encode` returns (views of one array), or the
-        InvalidInput it would raise. One text at a time, a tokenizer between requests runs with
-        its tables out of the CPU's caches: ~40 us for a short query inside a busy server,
-        ~12 us in a loop. A request with a query (not None) is rerank's: its texts are encoded as
-        (query, text) pairs, in the same call as the others' single texts."""
+        truncation setting (GROUP_CHARS at a time): → per request, what `encode` returns (views of
+        one array), or the InvalidInput it would raise. One text at a time, a tokenizer between
+        requests runs with its tables out of the CPU's caches: ~40 us for a short query inside a
+        busy server, ~12 us in a loop. A request with a query (not None) is rerank's: its texts are
+        encoded as (query, text) pairs (pair_rows)."""
         out: list = [None] * len(requests)
         for truncate in (True, False):
-            texts, owners = [], []
+            singles, owners = [], []  # owners: (request, its pairs' rows or None, its texts)
             for i, (request_texts, cut, prompt, *query) in enumerate(requests):
                 if bool(cut) is not truncate:
                     continue
@@ -112,31 +121,56 @@ class TextTokenizer:
                     prepared = self._prepared(request_texts, truncate, prompt)
                     if query and query[0] is not None:
                         (q,) = self._prepared([query[0]], truncate, "", "query")
-                        prepared = [(q, t) for t in prepared]
-                    texts += prepared
+                        owners.append((i, self.pair_rows(q, prepared, truncate), len(prepared)))
+                        continue
                 except InvalidInput as e:
                     out[i] = e
                     continue
-                owners.append((i, len(request_texts)))
-            if not texts:
+                owners.append((i, None, len(prepared)))
+                singles += prepared
+            if not owners:
                 continue
             tok = self._cutting if truncate else self._checking
-            rows = [e.ids for e in tok.encode_batch_fast(texts)]  # fast: no character offsets
+            encoded = iter([e.ids for group in groups(singles) for e in tok.encode_batch_fast(group)])  # fast: no offsets
+            rows = [r for _, pairs, n in owners for r in (pairs if pairs is not None else (next(encoded) for _ in range(n)))]
             lens = list(map(len, rows))
             ids, lengths = self._padded(rows, lens)
             start = 0
-            for i, n in owners:
+            for i, pairs, n in owners:
                 mine = lens[start : start + n]
                 too_long = None if truncate else next((j for j, k in enumerate(mine) if k > self.max_length), None)
                 if too_long is None:
                     out[i] = ids[start : start + n, : max(mine)], lengths[start : start + n]
                 else:
-                    what = f"texts[{too_long}]" if len(requests[i]) < 4 or requests[i][3] is None else \
-                        f"the pair (query, texts[{too_long}])"
+                    what = f"texts[{too_long}]" if pairs is None else f"the pair (query, texts[{too_long}])"
                     out[i] = InvalidInput(f"{what} is longer than {self.max_length} tokens (the model's "
                                           "max_seq_length, capped by the largest bucket) and truncation is off")
                 start += n
         return out
+
+    def pair_rows(self, query: str, texts: list[str], truncate: bool) -> list[list[int]]:
+        """(query, text) pairs → their ids, as the tokenizer's own pair encoding gives them: each
+        side read alone, cut longest first (longest_first: the Rust tokenizer's rule) to
+        max_length with the pair template's special tokens around them; the query read once. With
+        truncation off, rows are cut one past max_length (only their being longer matters).
+        The tokenizer's own pair encoding split each over-long side into pieces and paired every
+        piece of one side with every piece of the other: a query and a text of 4,096 "!" made
+        1,024 encodings of 256 tokens, and 512 such pairs took 22 GB."""
+        if self._template is None:
+            raise InvalidInput("this model's tokenizer has no template for pairs: it cannot rerank")
+        lengths, firsts = [], []
+        for group in groups([query, *texts]):
+            for e in self._bare.encode_batch_fast(group, add_special_tokens=False):
+                ids = e.ids
+                lengths.append(len(ids))
+                firsts.append(ids[: self.max_length])
+        before, between, after = self._template
+        budget = self.max_length - self.pair_specials
+        rows = []
+        for n, ids in zip(lengths[1:], firsts[1:]):
+            k1, k2 = longest_first(lengths[0], n, budget) if truncate else (self.max_length, self.max_length)
+            rows.append((before + firsts[0][:k1] + between + ids[:k2] + after)[: self.max_length + 1])
+        return rows
 
     def tokens(self, texts: list[str], prompt: str = "", add_special_tokens: bool = True,
                truncate: bool | None = None) -> list[list[tuple[int, str, bool, int | None, int | None]]]:
@@ -209,6 +243,51 @@ class TextTokenizer:
         width, pad = max(lens), [self.pad_id]
         ids = np.array([r + pad * (width - n) if n < width else r for r, n in zip(rows, lens)], dtype=np.int32)
         return ids, np.array(lens, dtype=np.int64)
+
+
+def longest_first(n1: int, n2: int, budget: int) -> tuple[int, int]:
+    """Tokens kept of a pair's sides of n1 and n2 tokens within `budget`, as the Rust tokenizer's
+    LongestFirst truncation keeps them (tests/server/batching: against it on every length up to
+    30): both halves of the budget when both are long (the longer the odd one), else the short
+    side whole and the rest to the long one. Pure."""
+    if n1 + n2 <= budget:
+        return n1, n2
+    swap = n1 > n2
+    short, long = (n2, n1) if swap else (n1, n2)
+    long = short if short > budget else max(short, budget - short)
+    if short + long > budget:
+        short = budget // 2
+        long = short + budget % 2
+    k1, k2 = (long, short) if swap else (short, long)
+    return min(k1, n1), min(k2, n2)
+
+
+def pair_template(tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """The special ids a tokenizer's post-processor puts before, between and after a pair's two
+    sides ([CLS] / [SEP] / [SEP] for BERT; <s> / </s></s> / </s> for RoBERTa), found where the
+    sides of a probe pair land among them."""
+    empty = tok.encode("", "").ids
+    first = tok.encode("a", "").ids
+    second = tok.encode("", "a").ids
+    i = next((k for k, (x, y) in enumerate(zip(empty, first)) if x != y), len(empty))
+    j = next((k for k, (x, y) in enumerate(zip(empty, second)) if x != y), len(empty))
+    return empty[:i], empty[i:j], empty[j:]
+
+
+def groups(texts: list) -> list[list]:
+    """`texts` (strings, or pairs of them) in runs of at most GROUP_CHARS characters (one longer
+    text: a run of its own)."""
+    out, run, size = [], [], 0
+    for t in texts:
+        n = len(t) if isinstance(t, str) else len(t[0]) + len(t[1])
+        if run and size + n > GROUP_CHARS:
+            out.append(run)
+            run, size = [], 0
+        run.append(t)
+        size += n
+    if run:
+        out.append(run)
+    return out
 
 
 def unreadable(error: Exception) -> InvalidInput:

@@ -126,7 +126,10 @@ class Link(_Endpoint):
             await self.socket.send_multipart([json.dumps({**header, "id": request_id}).encode(), payload], copy=False)
             return await future
         except asyncio.CancelledError:
-            if not future.done():
+            # Unless the answer came: a task cancelled while it awaits the future cancels the future
+            # too, so `not future.done()` alone was never true here, and no cancel was ever sent
+            # (the model process computed every cancelled call, gRPC's and HTTP's, for nobody).
+            if future.cancelled() or not future.done():
                 await self.socket.send_multipart([json.dumps({"op": "cancel", "id": request_id}).encode(), b""])
             raise
         finally:

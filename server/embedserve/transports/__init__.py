@@ -7,5 +7,5 @@ behind besides metrics (outcomes.py: its span and its log line) and the Hub they
 requests into calls of the service and its errors into statuses, and decide nothing about
 admission or batching.
 
-May import: embedserve.config, embedserve.errors, embedserve.metrics, embedserve.tracing, embedserve.logs, embedserve.admission, embedserve.batching, embedserve.model
+May import: embedserve.config, embedserve.errors, embedserve.lifecycle, embedserve.metrics, embedserve.tracing, embedserve.logs, embedserve.admission, embedserve.batching, embedserve.model
 """

@@ -14,7 +14,7 @@ import base64
 
 import numpy as np
 
-from embedserve.errors import InvalidInput
+from embedserve.errors import InvalidInput, ReplyTooLarge
 
 FLOAT, BASE64 = "float", "base64"
 QUANTIZED = ("int8", "uint8", "binary", "ubinary")
@@ -73,6 +73,34 @@ def quantize(rows: np.ndarray, encoding: str, r: float) -> np.ndarray:
         bits = np.packbits(rows > 0, axis=-1)
         return bits if encoding == "ubinary" else (bits.astype(np.int16) - 128).astype(np.int8)
     raise InvalidInput(f"encoding {encoding!r}: expected one of {', '.join(QUANTIZED)}")
+
+
+# The most bytes one value takes in an answer, a separator included: a float32 as JSON writes its
+# float64 ("-1.2345678901234567e-05,"), a quantized byte ("-128,"), and per row its fields.
+JSON_FLOAT_BYTES, JSON_BYTE_BYTES, JSON_ROW_BYTES = 25, 5, 64
+
+
+def reply_bytes(rows: int, dimensions: int, encoding: str, json_text: bool) -> int:
+    """The most an answer of `rows` vectors of `dimensions` takes in `encoding`: as JSON
+    (`json_text`: HTTP) or as the protobuf's bytes (gRPC). Known before any work, so an answer
+    over MAX_REPLY_BYTES is refused before the request is admitted."""
+    stored = dimensions if encoding in (FLOAT, BASE64, "int8", "uint8") else row_bytes(encoding, dimensions)
+    if not json_text:
+        return rows * stored * (4 if encoding == FLOAT else 1) + 64
+    per_value = {FLOAT: JSON_FLOAT_BYTES, BASE64: 0}.get(encoding, JSON_BYTE_BYTES)
+    per_row = 4 * -(-dimensions * 4 // 3) + 2 if encoding == BASE64 else stored * per_value  # base64: 4 per 3 bytes, quoted
+    return rows * (per_row + JSON_ROW_BYTES) + 256
+
+
+def check_reply(rows: int, dimensions: int, encoding: str, json_text: bool, limit: int) -> None:
+    """Refuse (ReplyTooLarge, naming the sizes and what to ask instead) an answer over `limit`."""
+    size = reply_bytes(rows, dimensions, encoding, json_text)
+    if size > limit:
+        cheaper = "" if encoding != FLOAT else (", a smaller encoding (base64 is a sixth the size of floats as JSON)"
+                                                if json_text else ", a quantized encoding")
+        raise ReplyTooLarge(f"the answer to {rows} inputs of {dimensions} dimensions ({encoding}) would be up to "
+                            f"{size} bytes, over MAX_REPLY_BYTES={limit}: send fewer inputs, ask for fewer "
+                            f"dimensions{cheaper}")
 
 
 def dtype_of(encoding: str) -> np.dtype:

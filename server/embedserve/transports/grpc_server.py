@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
-from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import addresses, drain, encodings, outcomes
+from embedserve.transports import addresses, drain, encodings, grpc_budget, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -50,27 +50,28 @@ _STATUS = (
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
                  quantize_range: float = 1.0, model_dimension: Callable[[], int] = lambda: 0,
-                 drain_s: Callable[[], float] = lambda: 0.0):
+                 drain_s: Callable[[], float] = lambda: 0.0, max_reply_bytes: int = 64 * 2**20):
         self._service = get_service  # None until start-up has built it
         self._drain_s = drain_s  # the pod's backlog in seconds of model time, as it is now (drain.py)
         self._model_dimension = model_dimension  # the most `dimensions` may ask (0: not known yet)
         self._health_fields = health_fields
         self._observe = observe
         self._quantize_range = quantize_range  # QUANTIZE_RANGE
+        self._max_reply_bytes = max_reply_bytes  # MAX_REPLY_BYTES
 
     async def Embed(self, request, context):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
             "Embed", context,
             lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None),
-            lambda s: self._embedding(request, s),
+            lambda s: self._embedding(request, s, len(request.texts)),
         )
 
     async def Infer(self, request, context):
         return await self._call(
             "Infer", context,
             lambda s, who: s.infer(request.input_ids, request.attention_mask, request.shape, who),
-            lambda s: self._embedding(request, s),
+            lambda s: self._embedding(request, s, request.shape[0] if len(request.shape) == 2 else 0),
         )
 
     async def EmbedSparse(self, request, context):
@@ -80,7 +81,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return s.embed_sparse(request.texts, who, request.truncate if request.HasField("truncate") else None,
                                   prompt_name=request.prompt_name or None)
 
-        return await self._call("EmbedSparse", context, run, lambda s: sparse_response, task="sparse")
+        return await self._call("EmbedSparse", context, run, lambda s: self._sparse_response, task="sparse")
 
     async def Rerank(self, request, context):
         truncate = request.truncate if request.HasField("truncate") else None
@@ -142,11 +143,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The pod's backlog as the answer leaves, for the caller's balancing (drain.py)."""
         return ((drain.HEADER, drain.drain_ms(self._drain_s())),)
 
-    def _embedding(self, request, service) -> Callable:
-        """Embed's and Infer's rows → response; the encoding and dimensions refused before any work."""
+    def _embedding(self, request, service, rows: int) -> Callable:
+        """Embed's and Infer's rows → response; the encoding, the dimensions and the answer's size
+        (MAX_REPLY_BYTES) refused before any work."""
         encoding = _encoding(request.encoding)
-        encodings.check_dimensions(request.dimensions, self._model_dimension())
+        model_dim = self._model_dimension()
+        encodings.check_dimensions(request.dimensions, model_dim)
+        if model_dim:
+            head = service.head
+            dims = encodings.output_dimensions(request.dimensions, head.truncate_dim if head else None, model_dim)
+            encodings.check_reply(rows, dims, encoding, False, self._max_reply_bytes)
         return lambda out: self._response(out, service.head, request.dimensions, encoding)
+
+    def _sparse_response(self, rows) -> pb.EmbedSparseResponse:
+        """The sparse rows, once their size is known: within MAX_REPLY_BYTES, else refused."""
+        size = 8 * len(rows.values) + 10 * len(rows.offsets) + 64
+        if size > self._max_reply_bytes:
+            raise ReplyTooLarge(f"the answer's {len(rows.values)} non-zero entries would be {size} bytes, over "
+                                f"MAX_REPLY_BYTES={self._max_reply_bytes}: send fewer texts")
+        return sparse_response(rows)
 
     def _response(self, out, head, dimensions: int, encoding: str) -> pb.EmbedResponse:
         """The rows cut to `dimensions` (re-normalized where the model normalizes), as float32 in
@@ -180,16 +195,44 @@ def sparse_response(rows) -> pb.EmbedSparseResponse:
 MIN_PING_INTERVAL_MS = 1000
 
 
+# Health Watch streams at once per process (more: RESOURCE_EXHAUSTED). Open without a key (as
+# kubelet's and grpc-health-probe's Check must be), each holds a stream for as long as its caller
+# likes: a handful per watcher (a mesh's sidecar, a load balancer) is all anyone needs.
+MAX_HEALTH_WATCHES = 64
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with its Watch streams bounded (MAX_HEALTH_WATCHES)."""
+
+    def __init__(self):
+        super().__init__()
+        self.watching = 0
+
+    async def Watch(self, request, context):
+        if self.watching >= MAX_HEALTH_WATCHES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{MAX_HEALTH_WATCHES} health Watch streams are open already: use Check, or retry later")
+        self.watching += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watching -= 1
+
+
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
                  max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 15.0,
-                 reuse_port: bool = False, interceptors=None, credentials: grpc.ServerCredentials | None = None):
+                 reuse_port: bool = False, interceptors=None, credentials: grpc.ServerCredentials | None = None,
+                 max_reply_bytes: int = 64 * 2**20, max_concurrent: int = 1024, max_fields: int = 576):
     """→ (server, health servicer, bound port). Health starts NOT_SERVING. `reuse_port`: front
     ends share the port (one process alone must not: a second server on it would be an error).
     `interceptors`: the API key's check (auth.py), only when keys are configured; `credentials`:
-    TLS only on the port (tls.py), else plain."""
+    TLS only on the port (tls.py), else plain. `max_concurrent` (MAX_CONCURRENT_REQUESTS): calls
+    in progress at once past which gRPC answers RESOURCE_EXHAUSTED, and streams one connection
+    may open; `max_fields`: a request's top-level fields (grpc_budget.py)."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max(max_message_bytes, 64 * 1024 * 1024)),  # responses: rows × dim
+        ("grpc.max_send_message_length", max_reply_bytes),  # MAX_REPLY_BYTES: checked before the work
+        ("grpc.max_concurrent_streams", max_concurrent),
         ("grpc.so_reuseport", int(reuse_port)),
         # Our Client pings connections silent for 5 s, calls or none, to notice a frozen pod.
         # gRPC servers by default accept no ping on a connection without calls and one per
@@ -205,9 +248,11 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
         # close is a GOAWAY: calls in flight finish within the grace, new ones go elsewhere.
         options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    # The key's check first (a refused call is never decoded), then the fields' count.
+    interceptors = [*(interceptors or ()), grpc_budget.WireBudget(max_fields)]
+    server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server

@@ -15,16 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, create_model
 
-from embedserve import logs, tracing
 from embedserve.config import Settings
-from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, http_rerank, http_sparse, http_tei, outcomes
+from embedserve import tracing
+from embedserve.transports import budget, encodings, http_rerank, http_sparse, http_tei, json_reply, outcomes
 from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
-from embedserve.transports.schema import MAX_ITEMS, Text, Texts
+from embedserve.transports.schema import MAX_ITEMS, Text, Texts, texts
 from embedserve.batching.shaping import ID_ROW_BOUND
-
 
 
 class ErrorDetail(BaseModel):
@@ -82,11 +81,12 @@ class ModelList(BaseModel):
 INPUT_DOC = "A text, a list of texts, a list of token ids, or a list of token id lists."
 
 
-def embeddings_input(ids_per_row: int):
-    """/v1/embeddings' `input`, its token-id rows at most `ids_per_row` long (shaping.ID_ROW_BOUND):
-    the schema refuses a longer row on its length, before its ids are validated one by one."""
+def embeddings_input(ids_per_row: int, rows: int = MAX_ITEMS):
+    """/v1/embeddings' `input`: a text, 1..`rows` texts, or token-id rows (1..`rows` of them) at
+    most `ids_per_row` long (shaping.ID_ROW_BOUND): the schema refuses a longer row on its length,
+    before its ids are validated one by one."""
     ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=ids_per_row, fail_fast=True)]
-    return Union[Text, Texts, ids, Annotated[list[ids], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]]
+    return Union[Text, texts(rows), ids, Annotated[list[ids], Field(min_length=1, max_length=rows, fail_fast=True)]]
 
 
 EmbeddingsInput = embeddings_input(ID_ROW_BOUND * Settings().buckets[-1])  # with the default buckets
@@ -202,23 +202,6 @@ def register(app: FastAPI, server: Hub) -> None:
 
     app.add_exception_handler(RequestValidationError, invalid_body)
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next):
-        t0 = time.perf_counter()
-        path = request.url.path
-        trace = outcomes.http_begin(request, path) if tracing.tracer is not None and path in API_PATHS else None
-        try:
-            response = starting(request, server) or await call_next(request)
-        except Exception as e:  # no handler maps it: Starlette answers 500 (and logs its traceback)
-            outcomes.http_end(request, path, 500, time.perf_counter() - t0, trace, bug=e)
-            raise
-        elapsed = time.perf_counter() - t0
-        if path in OBSERVED_PATHS:
-            server.metrics.request_finished(f"HTTP {path}", str(response.status_code), elapsed)
-        if trace is not None or response.status_code >= 400 or logs.access:  # its span, its log line
-            outcomes.http_end(request, path, response.status_code, elapsed, trace)
-        return response
-
 
 STARTING_RETRY_AFTER_S = 5
 # A draining pod left its Service's endpoints before SIGTERM (preStop): a retry on a new connection
@@ -227,6 +210,8 @@ DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
                        "/v1/rerank")) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
+BODY_PATHS = API_PATHS - {"/v1/models"}  # routes that read a JSON body (their budget: install_routes)
+ID_PATHS = frozenset(("/decode",))  # of which token ids only
 
 
 def starting(request: Request, server: Hub) -> JSONResponse | None:
@@ -243,6 +228,10 @@ def install_routes(app: FastAPI, server: Hub) -> None:
     classification route or the sparse ones (transports/http_sparse.py), so the OpenAPI document
     says exactly what this server does."""
     router = APIRouter()
+    s = server.settings
+    # What a body may hold (transports/budget.py): named from the model's max length, now known.
+    app.state.budgets = budget.route_budgets(BODY_PATHS - ID_PATHS, ID_PATHS, s.max_texts_per_request,
+                                             server.service.tokenizer.max_length, s.http_max_body_bytes)
 
     def service():
         if server.service is None:
@@ -256,7 +245,8 @@ def install_routes(app: FastAPI, server: Hub) -> None:
     if server.task == "classify":
         _classify_routes(router, server, service)
     elif server.task == "sparse":
-        http_sparse.install(router, server, service, _caller, Union[Text, Texts], _prompt_field(server, PROMPT_DOC), ERRORS)
+        http_sparse.install(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
+                            _prompt_field(server, PROMPT_DOC), ERRORS)
     elif server.task == "rerank":
         http_rerank.install(router, server, service, _caller, ERRORS, _error)
     else:
@@ -300,10 +290,11 @@ def _dimensions_field(server: Hub, description: str):
 
 
 def _embed_routes(router: APIRouter, server: Hub, service) -> None:
+    s = server.settings
     openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
         server, EmbeddingsRequest.model_fields["prompt_name"].description),
         dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
-        input=(embeddings_input(ID_ROW_BOUND * server.settings.buckets[-1]), Field(description=INPUT_DOC)))
+        input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request), Field(description=INPUT_DOC)))
 
     async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""
@@ -311,22 +302,27 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         if body.model != server.served_name:
             return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
                           f"this server serves {server.served_name!r}", "model_not_found", request=request)
-        encodings.check_dimensions(body.dimensions, server.model_dimension)  # before any work
         inp = body.input
         ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
         if ids and body.prompt_name:
             raise InvalidInput("prompt_name applies to texts, not to token ids")
+        inputs = ([inp] if isinstance(inp[0], int) else inp) if ids else _texts(inp)
+        dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding_format)  # before any work
         if ids:
-            result = await svc.infer_ids([inp] if isinstance(inp[0], int) else inp, _caller(request))
+            result = await svc.infer_ids(inputs, _caller(request))
         else:
-            result = await svc.embed_texts(_texts(inp), _caller(request), prompt_name=body.prompt_name)
-        rows = _cut(result.rows, body.dimensions, server.head, normalized=bool(server.head and server.head.normalize))
-        data = [Embedding(index=i, embedding=row)
-                for i, row in enumerate(encodings.encoded(rows, body.encoding_format, server.settings.quantize_range))]
-        return EmbeddingsResponse(data=data, model=server.served_name,
-                                  usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
+            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name)
+        rows = encodings.truncated(result.rows, dims, bool(server.head and server.head.normalize))
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        await reply.add('{"object":"list","data":')
+        await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
+                          enumerate(json_reply.vectors(rows, body.encoding_format, s.quantize_range)))
+        await reply.add(f',"model":{json_reply.dumps(server.served_name)},"usage":{{"prompt_tokens":{result.tokens},'
+                        f'"total_tokens":{result.tokens}}}}}')
+        return reply.response()
 
     embeddings.__annotations__.update(body=openai_request, request=Request)  # classes made here, not names
+    # The answer is written as JSON text a row at a time (json_reply.py); its schema is stated.
     router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)(embeddings)
 
     normalized = server.head.normalize if server.head else True
@@ -334,17 +330,20 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     tei_request = create_model("TeiEmbedRequest", __base__=TeiEmbedRequest, normalize=(
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
         prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
-        dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description))
+        dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description),
+        inputs=(Union[Text, texts(s.max_texts_per_request)], ...))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
         svc = service()
-        encodings.check_dimensions(body.dimensions, server.model_dimension)  # before any work
-        rows = (await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate,
-                                      prompt_name=body.prompt_name)).rows
+        inputs = _texts(body.inputs)
+        dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding)  # before any work
+        rows = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name)).rows
         rows = _l2(rows) if body.normalize and not normalized else rows
-        rows = _cut(rows, body.dimensions, server.head, normalized=normalized or body.normalize)
-        return encodings.encoded(rows, body.encoding, server.settings.quantize_range)
+        rows = encodings.truncated(rows, dims, normalized or body.normalize)
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        await reply.array(json_reply.vectors(rows, body.encoding, s.quantize_range))
+        return reply.response()
 
     embed.__annotations__.update(body=tei_request, request=Request)
     answer = Union[list[list[float]], list[list[int]], list[str]]  # float (first: see Embedding), quantized, base64
@@ -355,36 +354,75 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
                      lambda description: _prompt_field(server, description), ERRORS)
 
 
-def _cut(rows: np.ndarray, dimensions: int | None, head, normalized: bool) -> np.ndarray:
-    """The first `dimensions` (default: the model's declared truncate_dim), re-normalized where
-    the vectors were normalized; over the model's dimensions: 400 naming the field."""
-    dims = encodings.output_dimensions(dimensions, head.truncate_dim if head else None, rows.shape[1])
-    return encodings.truncated(rows, dims, normalized)
+def _answer_fits(server: Hub, inputs: int, dimensions: int | None, encoding: str) -> int:
+    """The dimensions an answer will have (`dimensions`, else the model's declared truncate_dim,
+    else all: 400 naming the field above the model's), and that answer within MAX_REPLY_BYTES
+    (ReplyTooLarge, 400): both refused before any work."""
+    encodings.check_dimensions(dimensions, server.model_dimension)
+    declared = server.head.truncate_dim if server.head else None
+    dims = encodings.output_dimensions(dimensions, declared, server.model_dimension)
+    encodings.check_reply(inputs, dims, encoding, True, server.settings.max_reply_bytes)
+    return dims
+
+
+def _labels_fit(server: Hub, inputs: int, every_label: bool) -> None:
+    """A classifier's answer within MAX_REPLY_BYTES: per input its top label, or every label with
+    its score (`every_label`), as JSON."""
+    label = max((len(json_reply.dumps(name).encode()) for name in server.labels), default=2)
+    size = inputs * (label + 64 + (len(server.labels) * (label + encodings.JSON_FLOAT_BYTES + 16) if every_label else 0))
+    if size > server.settings.max_reply_bytes:
+        raise ReplyTooLarge(f"the answer to {inputs} inputs with the scores of {len(server.labels)} labels would be "
+                            f"up to {size} bytes, over MAX_REPLY_BYTES={server.settings.max_reply_bytes}: send fewer "
+                            "inputs")
 
 
 def _classify_routes(router: APIRouter, server: Hub, service) -> None:
-    @router.post("/classify", response_model=list[Classification], responses=ERRORS)
-    async def classify(body: ClassifyRequest, request: Request):
+    s = server.settings
+    inputs_field = (Union[Text, texts(s.max_texts_per_request)], ...)
+    classify_request = create_model("ClassifyRequest", __base__=ClassifyRequest, inputs=inputs_field)
+    predict_request = create_model("TeiPredictRequest", __base__=TeiPredictRequest, inputs=inputs_field)
+
+    async def classify(body, request: Request):
         """Sequence classification (TASK=classify): the top label and its probability per input."""
         svc = service()
-        probs = softmax((await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows)
-        out = []
-        for row in probs:
+        inputs = _texts(body.inputs)
+        _labels_fit(server, len(inputs), body.all_scores)
+        probs = softmax((await svc.embed_texts(inputs, _caller(request), body.truncate)).rows)
+
+        def one(row) -> str:
             top = int(row.argmax())
             scores = {label: float(p) for label, p in zip(server.labels, row)} if body.all_scores else None
-            out.append(Classification(label=server.labels[top], score=float(row[top]), scores=scores))
-        return out
+            return json_reply.dumps({"label": server.labels[top], "score": float(row[top]), "scores": scores})
 
-    @router.post("/", response_model=Union[list[Prediction], list[list[Prediction]]], responses=ERRORS,
-                 summary="Predict (TEI's /)")
-    async def predict(body: TeiPredictRequest, request: Request):
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        await reply.array(map(one, probs))
+        return reply.response()
+
+    classify.__annotations__.update(body=classify_request, request=Request)
+    router.post("/classify", response_model=list[Classification], responses=ERRORS)(classify)
+
+    async def predict(body, request: Request):
         """TEI's predict: every label with its score, best first; one list per input when the
         inputs are a list."""
-        rows = (await service().embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows
+        inputs = _texts(body.inputs)
+        _labels_fit(server, len(inputs), True)
+        rows = (await service().embed_texts(inputs, _caller(request), body.truncate)).rows
         scores = rows if body.raw_scores else softmax(rows)
-        out = [sorted((Prediction(label=label, score=float(p)) for label, p in zip(server.labels, row)),
-                      key=lambda p: -p.score) for row in scores]
-        return out[0] if isinstance(body.inputs, str) else out
+
+        def one(row) -> str:
+            ranked = sorted(zip(server.labels, map(float, row)), key=lambda pair: -pair[1])
+            return json_reply.dumps([{"label": label, "score": p} for label, p in ranked])
+
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        if isinstance(body.inputs, str):
+            await reply.add(one(scores[0]))
+        else:
+            await reply.array(map(one, scores))
+        return reply.response()
+
+    predict.__annotations__.update(body=predict_request, request=Request)
+    router.post("/", response_model=Union[list[Prediction], list[list[Prediction]]], responses=ERRORS,
+                summary="Predict (TEI's /)")(predict)
 
 
 def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None,

@@ -15,7 +15,7 @@ from typing import Annotated, Callable, Literal, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, create_model
 
-from embedserve.errors import InvalidInput
+from embedserve.errors import InvalidInput, ReplyTooLarge
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text
 
@@ -96,6 +96,15 @@ def _documents(documents, max_texts: int) -> list[str]:
     return texts
 
 
+def _echo_fits(texts: list[str], limit: int) -> None:
+    """An answer that returns every text (return_text, return_documents) within `limit`, each
+    character as JSON may escape it: refused before any work (ReplyTooLarge)."""
+    size = sum(map(len, texts)) * 6 + 96 * len(texts)
+    if size > limit:
+        raise ReplyTooLarge(f"the answer with its {len(texts)} texts returned would be up to {size} bytes, over "
+                            f"MAX_REPLY_BYTES={limit}: send fewer texts, or leave the texts out of the answer")
+
+
 def install(router: APIRouter, server: Hub, service: Callable, caller: Callable, errors: dict,
             error: Callable) -> None:
     """A reranking server's routes (another task's paths answer 400: http_api.refusals).
@@ -109,6 +118,8 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
 
     async def rerank(body, request: Request):
         """TEI's rerank: each text's score against the query, best first."""
+        if body.return_text:
+            _echo_fits(body.texts, server.settings.max_reply_bytes)
         out = await service().rerank(body.query, body.texts, caller(request), body.truncate, body.raw_scores)
         return [Rank(index=i, score=s, text=body.texts[i] if body.return_text else None) for i, s in ranked(out.rows)]
 
@@ -126,6 +137,8 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         if body.top_n is not None and body.top_n < 1:
             raise InvalidInput(f"top_n must be at least 1, got {body.top_n}")
         texts = _documents(body.documents, server.settings.max_texts_per_request)
+        if body.return_documents:
+            _echo_fits(texts, server.settings.max_reply_bytes)
         try:
             out = await svc.rerank(body.query, texts, caller(request), body.truncate)
         except InvalidInput as e:  # the service names the texts as its own field: here they are documents

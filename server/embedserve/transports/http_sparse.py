@@ -8,14 +8,14 @@ of it."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from pydantic import BaseModel, Field, create_model
 
 from embedserve.admission.gate import Caller
+from embedserve.errors import ReplyTooLarge
+from embedserve.transports import json_reply
 from embedserve.transports.hub import Hub
 
 
@@ -42,10 +42,16 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable[
         """TEI's embed_sparse: per input, its non-zero vocabulary weights."""
         rows = (await service().embed_sparse([body.inputs] if isinstance(body.inputs, str) else list(body.inputs),
                                              caller(request), body.truncate, prompt_name=body.prompt_name)).rows
-        # Large answers are written on a thread: the loop (and, in one process, the batcher on
-        # it) keeps running between the GIL's switches.
-        text = sparse_json(rows) if len(rows.values) <= INLINE_ENTRIES else await asyncio.to_thread(sparse_json, rows)
-        return Response(text, media_type="application/json")
+        # How many entries a model leaves non-zero is known only now: a dense-ish model's rows over a
+        # vocabulary of 30,522 are ~1.2 MB of JSON each. Refused before any is written, else
+        # written a row at a time (json_reply.py).
+        limit = server.settings.max_reply_bytes
+        if (size := len(rows.values) * ENTRY_BYTES + 4 * rows.shape[0]) > limit:
+            raise ReplyTooLarge(f"the answer's {len(rows.values)} non-zero entries would be up to {size} bytes, over "
+                                f"MAX_REPLY_BYTES={limit}: send fewer inputs")
+        reply = json_reply.Reply(limit, "the answer")
+        await reply.array(map(row_json, rows_of(rows)))
+        return reply.response()
 
     embed_sparse.__annotations__.update(body=request_model, request=Request)
     # The answer's schema is stated, not enforced: it is written as JSON text (sparse_json).
@@ -55,15 +61,25 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable[
     router.post("/", response_model=None, responses=answer, summary="Embed sparse (TEI's /)")(embed_sparse)
 
 
-# Entries written on the event loop; more go to a thread (~0.5 us each on this 2-core VM).
-INLINE_ENTRIES = 20_000
+ENTRY_BYTES = 40  # {"index":30521,"value":1.2345678901234567}, : the most one entry takes
+
+
+def rows_of(rows):
+    """CSR rows → each row's (indices, values) as lists, a row at a time."""
+    offsets = rows.offsets.tolist()
+    for a, b in zip(offsets, offsets[1:]):
+        yield rows.indices[a:b].tolist(), rows.values[a:b].tolist()
+
+
+def row_json(row) -> str:
+    """One row as TEI answers it ([{"index", "value"}, ...]), built as text: a model object per
+    entry, validated and dumped by FastAPI, cost ~7 us each (1.1 s and 120 MB for 512 texts of
+    300 non-zeros). Floats as Python writes them (shortest round trip, as json.dumps); SPLADE
+    weights are finite (log1p of relu)."""
+    indices, values = row
+    return "[" + ",".join(f'{{"index":{k},"value":{v!r}}}' for k, v in zip(indices, values)) + "]"
 
 
 def sparse_json(rows) -> bytes:
-    """CSR rows → TEI's answer ([[{"index", "value"}, ...] per input]) as JSON text, built as
-    text: a model object per entry, validated and dumped by FastAPI, cost ~7 us each (1.1 s and
-    120 MB for 512 texts of 300 non-zeros). Floats as Python writes them (shortest round trip, as
-    json.dumps); SPLADE weights are finite (log1p of relu)."""
-    indices, values, offsets = rows.indices.tolist(), rows.values.tolist(), rows.offsets.tolist()
-    return ("[" + ",".join("[" + ",".join(f'{{"index":{k},"value":{v!r}}}' for k, v in zip(indices[a:b], values[a:b]))
-                           + "]" for a, b in zip(offsets, offsets[1:])) + "]").encode()
+    """CSR rows → TEI's answer ([[{"index", "value"}, ...] per input]) as JSON text, at once."""
+    return ("[" + ",".join(map(row_json, rows_of(rows))) + "]").encode()

@@ -17,26 +17,28 @@ from typing import Annotated, Callable, Literal, Union
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from pydantic import BaseModel, Field, create_model
 
-from embedserve.batching.shaping import INLINE_CHARS
+from embedserve.batching.shaping import ID_ROW_BOUND, INLINE_CHARS
 from embedserve.batching.tokenization import validate_texts
 from embedserve.errors import InvalidInput
-from embedserve.transports import encodings
+from embedserve.transports import encodings, json_reply
 from embedserve.transports.hub import Hub
-from embedserve.transports.schema import MAX_ITEMS, Text, Texts
+from embedserve.transports.schema import MAX_ITEMS, Text, Texts, texts
 
 PATHS = frozenset(("/tokenize", "/decode", "/similarity"))
 
-MAX_IDS = 65536  # ids in one /decode row: bounds the schema's work, far over any model's length
+# Texts /tokenize encodes at a time: what a refusal past MAX_REPLY_BYTES has cost at most, and what
+# their tokens hold at once (a token's text and offsets: ~100 bytes in Python).
+TOKENIZE_GROUP = 16
 
 
-def id_row(vocab_size: int):
-    """A list of token ids. The schema states the vocabulary's bound; the tokenizer checks it
-    (400 naming the list), as the prompt names are stated and checked."""
+def id_row(vocab_size: int, most: int = ID_ROW_BOUND * 512):
+    """A list of at most `most` token ids (as /v1/embeddings takes them: ID_ROW_BOUND × the largest
+    bucket). The schema states the vocabulary's bound; the tokenizer checks it (400 naming the
+    list), as the prompt names are stated and checked."""
     return Annotated[list[Annotated[int, Field(ge=0, json_schema_extra={"maximum": vocab_size - 1})]],
-                     Field(max_length=MAX_IDS, fail_fast=True)]
+                     Field(max_length=most, fail_fast=True)]
 
 
 IdRow = id_row(2**31)  # the documented default; each server's own bound: install()
@@ -96,12 +98,31 @@ def cosines(rows: np.ndarray) -> list[float]:
     return (unit[1:] @ unit[0]).tolist()
 
 
-def tokens_json(tokenizer, texts: list[str], prompt: str, add_special_tokens: bool, truncate: bool | None) -> bytes:
-    """/tokenize's answer as JSON text: a model object per token, validated and dumped again by
-    FastAPI, cost 1.2 s of the event loop and 165 MB for 512 texts of 300 tokens (a 0.6 MB body)."""
-    rows = tokenizer.tokens(texts, prompt, add_special_tokens, truncate)
-    return json.dumps([[{"id": i, "text": t, "special": s, "start": a, "stop": b} for i, t, s, a, b in row]
-                       for row in rows], ensure_ascii=False).encode()
+def row_json(row) -> str:
+    """One text's tokens as /tokenize answers them. Written as JSON text, a row at a time: a model
+    object per token, validated and dumped again by FastAPI, had cost 1.2 s of the event loop and
+    165 MB for 512 texts of 300 tokens (a 0.6 MB body)."""
+    return json.dumps([{"id": i, "text": t, "special": s, "start": a, "stop": b} for i, t, s, a, b in row],
+                      ensure_ascii=False)
+
+
+async def tokens_reply(tokenizer, texts: list[str], prompt: str, add_special_tokens: bool, truncate: bool | None,
+                       limit: int) -> json_reply.Reply:
+    """/tokenize's answer, TOKENIZE_GROUP texts at a time (long ones on a thread: the Rust
+    tokenizer releases the GIL), refused (ReplyTooLarge) as soon as it outgrows `limit`: with
+    truncate false, 512 texts of 4,096 "!" had answered 152 MB, +1.15 GB of memory, and stalled
+    the loop 1.6 s."""
+    reply = json_reply.Reply(limit, "the answer (every token of every text, with its text and offsets)")
+    await reply.add("[")
+    for start in range(0, len(texts), TOKENIZE_GROUP):
+        group = texts[start:start + TOKENIZE_GROUP]
+        args = (group, prompt, add_special_tokens, truncate)
+        rows = tokenizer.tokens(*args) if sum(map(len, group)) <= INLINE_CHARS else await asyncio.to_thread(
+            tokenizer.tokens, *args)
+        for i, row in enumerate(rows):
+            await reply.add(("," if start + i else "") + row_json(row))
+    await reply.add("]")
+    return reply
 
 
 def _prompted(model: type, prompt_field: Callable) -> type:
@@ -113,21 +134,21 @@ def install_tokenizer(router: APIRouter, server: Hub, service: Callable, prompt_
     """/tokenize and /decode, on every server whatever its task (as TEI installs them). `service`
     the served service (NotReady before); `prompt_field(description)` a prompt_name field whose
     schema names the model's prompts."""
-    tokenize_request = _prompted(TokenizeRequest, prompt_field)
-    row = id_row(service().tokenizer.vocab_size)
+    s = server.settings
+    most = s.max_texts_per_request
+    tokenize_request = create_model("TokenizeRequest", __base__=_prompted(TokenizeRequest, prompt_field),
+                                    inputs=(Union[Text, texts(most)], ...))
+    row = id_row(service().tokenizer.vocab_size, ID_ROW_BOUND * s.buckets[-1])
     decode_request = create_model("DecodeRequest", __base__=DecodeRequest, ids=(
-        Union[row, Annotated[list[row], Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)]], ...))
+        Union[row, Annotated[list[row], Field(min_length=1, max_length=most, fail_fast=True)]], ...))
 
     async def tokenize(body):
         """TEI's /tokenize: per input, its tokens as the model reads them."""
         svc = service()
-        texts = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs,
-                               server.settings.max_texts_per_request)
-        args = (svc.tokenizer, texts, _prompt(svc, body.prompt_name), body.add_special_tokens, body.truncate)
-        # Long inputs on a thread (the Rust tokenizer releases the GIL), as embedding does: up to
-        # MAX_TEXTS_PER_REQUEST texts of several thousand characters would hold the event loop.
-        text = tokens_json(*args) if sum(map(len, texts)) <= INLINE_CHARS else await asyncio.to_thread(tokens_json, *args)
-        return Response(text, media_type="application/json")
+        inputs = validate_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs, most)
+        reply = await tokens_reply(svc.tokenizer, inputs, _prompt(svc, body.prompt_name), body.add_special_tokens,
+                                   body.truncate, s.max_reply_bytes)
+        return reply.response()
 
     tokenize.__annotations__.update(body=tokenize_request)
     # The answer's schema is stated, not enforced: it is written as JSON text (tokens_json).
@@ -137,12 +158,19 @@ def install_tokenizer(router: APIRouter, server: Hub, service: Callable, prompt_
     async def decode(body):
         """TEI's /decode: token ids back to text, one string per list of ids."""
         rows = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
-        if len(rows) > server.settings.max_texts_per_request:
-            raise InvalidInput(f"{len(rows)} id lists exceed MAX_TEXTS_PER_REQUEST={server.settings.max_texts_per_request}")
-        return service().tokenizer.decode(rows, body.skip_special_tokens)
+        tokenizer = service().tokenizer
+        # Off the loop: the ids checked one by one, then the Rust decoder (it releases the GIL).
+        decoded = await asyncio.to_thread(tokenizer.decode, rows, body.skip_special_tokens) \
+            if sum(map(len, rows)) > INLINE_IDS else tokenizer.decode(rows, body.skip_special_tokens)
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer (the decoded texts)")
+        await reply.array(map(json_reply.dumps, decoded))
+        return reply.response()
 
     decode.__annotations__.update(body=decode_request)
     router.post("/decode", response_model=list[str], responses=errors)(decode)
+
+
+INLINE_IDS = 4096  # /decode rows of more ids in all are decoded on a thread
 
 
 def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, embed_request: type,
@@ -171,7 +199,7 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
 
     # POST /: TEI's embed payload or its similarity payload, told apart by `inputs`.
     root_request = create_model("TeiRootRequest", __base__=embed_request,
-                                inputs=(Union[Text, Texts, SimilarityInput], ...),
+                                inputs=(Union[Text, texts(server.settings.max_texts_per_request), SimilarityInput], ...),
                                 parameters=(parameters | None, None))
 
     async def root(body, request: Request):

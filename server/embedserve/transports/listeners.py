@@ -14,7 +14,8 @@ import asyncio
 import logging
 import time
 
-from embedserve.transports import addresses, auth, drain, grpc_server, http_api, http_server, metrics_port, reloads, tls
+from embedserve.transports import addresses, auth, drain, grpc_budget, grpc_server, http_api, http_server, metrics_port, reloads, tls
+from embedserve.lifecycle import watch_loop_lag
 from embedserve.transports.hub import Hub
 
 log = logging.getLogger(__name__)
@@ -36,20 +37,25 @@ class Transports:
         for reason in auth.MESSAGES if keyed else ():
             hub.metrics.auth_refused(reason, 0)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 s.quantize_range, lambda: hub.model_dimension, hub.drain_s)
+                                                 s.quantize_range, lambda: hub.model_dimension, hub.drain_s,
+                                                 s.max_reply_bytes)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
-            credentials=self.tls.grpc_credentials() if self.tls else None)
+            credentials=self.tls.grpc_credentials() if self.tls else None, max_reply_bytes=s.max_reply_bytes,
+            max_concurrent=s.max_concurrent_requests,
+            max_fields=s.max_texts_per_request + grpc_budget.FIELDS_BESIDE_TEXTS)
         self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
         api = drain.DrainHeader(self.api, hub.drain_s, http_api.API_PATHS)
         api = auth.HttpKeys(api, self.keys, http_api.API_PATHS) if keyed else api
         self.http = http_server.HttpServer(
             http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), host, s.http_port,
-            reuse_port, self.tls.http_context if self.tls else None)
-        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), host, s.metrics_port, reuse_port)
+            reuse_port, self.tls.http_context if self.tls else None, limit_concurrency=s.max_concurrent_requests)
+        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), host, s.metrics_port, reuse_port,
+                                                   limit_concurrency=metrics_port.MAX_CONNECTIONS)
         self._reloads = [c.reload for c in (self.keys, self.tls) if c is not None]
         self._reloading: asyncio.Task | None = None
+        self._lag: asyncio.Task | None = None
 
     async def start(self) -> None:
         await grpc_server.set_serving(self.health, False)  # grpc's default is SERVING
@@ -58,6 +64,7 @@ class Transports:
         await self.metrics_http.start()
         if self._reloads:
             self._reloading = asyncio.create_task(reloads.every(reloads.RELOAD_EVERY_S, self._reloads), name="reloads")
+        self._lag = asyncio.create_task(watch_loop_lag(self.hub.metrics.loop_lag.observe), name="loop-lag")
         log.info("metrics (plain HTTP: /health, /metrics) on :%d; gRPC and API HTTP: %s, %s", self.metrics_http.port,
                  "TLS" + (" with client certificates" if self.tls.client_auth else "") if self.tls else "plain text",
                  "API key required" if self.keys is not None else "no API key")
@@ -87,4 +94,6 @@ class Transports:
         await self.metrics_http.stop(deadline - time.monotonic())
         if self._reloading:
             self._reloading.cancel()
+        if self._lag:
+            self._lag.cancel()
 

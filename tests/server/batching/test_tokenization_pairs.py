@@ -88,3 +88,41 @@ def test_a_declared_default_prompt_goes_before_the_query():
     assert r.query == "query: q" and r.texts == ["a"] and r.prompt == ""
     no_default = Head(("mean",), False, (), 32, False, {"query": "query: "}, None)
     assert pairs_request("q", ["a"], Limits(4, 32, True), None, no_default).query == "q"
+
+
+# Longer than every max_length below in tokens, within its max_chars (16 × max_length) in characters:
+# a side cut at max_chars before tokenizing may change which side is the longer, and with it
+# the odd token of the split (docs/api.md, Limits).
+LONG = ["word " * 50, "!" * 250, "supercalifragilisticexpialidocious " * 7, "a, b. " * 40,
+        "naïve café déjà-vu " * 13, "x" * 150 + " tail"]  # the last: one [UNK] word (over 100 characters), then one
+
+
+@pytest.mark.parametrize("max_length", [16, 40, 128])
+def test_pairs_whose_two_sides_both_overflow_match_the_hf_tokenizer(hf, max_length):
+    """Each side of a pair is cut to its first whole words spanning max_length tokens before the
+    pair is encoded (TextTokenizer.pair_sides: the tokenizer pairs every overflow piece of one
+    side with every piece of the other, a product that took 22 GB for 512 long pairs). Cut so,
+    the pair's ids are the uncut pair's, side by side with long words, punctuation and accents."""
+    tok = TextTokenizer.from_hf(hf, max_length, truncate=True)
+    for query in LONG:
+        ids, lengths = tok.encode_pairs(query, LONG)
+        want = hf([query] * len(LONG), LONG, truncation="longest_first", max_length=max_length)["input_ids"]
+        assert [r[:n].tolist() for r, n in zip(ids, lengths)] == want, query[:20]
+
+
+@pytest.mark.parametrize("max_length", [5, 8, 13, 16, 23])
+def test_longest_first_keeps_what_the_rust_tokenizer_keeps(model_dir, max_length):
+    """The pure rule against the tokenizer's own pair truncation, every pair of side lengths up to 30
+    (sides of single-token words)."""
+    from tokenizers import Tokenizer
+
+    from embedserve.batching.tokenization import longest_first
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    a, b = tok.token_to_id("a"), tok.token_to_id("b")
+    for n1 in range(30):
+        for n2 in range(30):
+            ids = tok.encode(" ".join(["a"] * n1), " ".join(["b"] * n2)).ids
+            assert (ids.count(a), ids.count(b)) == longest_first(n1, n2, max_length - 3), (n1, n2)

@@ -115,7 +115,7 @@ def test_huggingface_hub_client(default_server, reference):
     ("/decode", {"ids": [[101, 30522]]}, 400, "outside the vocabulary [0, 30522)"),
     ("/decode", {"ids": [101, -1]}, 422, "ids"),
     ("/decode", {"ids": []}, 200, ""),  # one empty list decodes to "", as TEI
-    ("/decode", {"ids": [[]] * 600}, 400, "MAX_TEXTS_PER_REQUEST"),
+    ("/decode", {"ids": [[]] * 600}, 422, "at most 512 items"),  # the schema states MAX_TEXTS_PER_REQUEST
     ("/tokenize", {"inputs": []}, 422, "inputs"),
     ("/tokenize", {"inputs": "x", "prompt_name": "query"}, 400, "unknown prompt_name 'query'"),
     ("/tokenize", {"inputs": "word " * 1100 * 16, "truncate": False}, 400, "truncation is off"),

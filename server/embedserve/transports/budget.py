@@ -1,0 +1,153 @@
+"""Every HTTP route within one budget (DESIGN.md, "Every route within one budget"): what a
+request body may hold, checked before anything is parsed, so that no body, with or without a
+key, stalls the event loop long enough to starve the probes (kubelet: 3 s, twice) or grows the
+process by much more than its own size. The replies' bound is MAX_REPLY_BYTES (json_reply.py,
+encodings.reply_bytes); gRPC's requests have theirs in grpc_budget.py.
+
+Two bounds per route, named from what the model can use:
+- bytes: MAX_TEXTS_PER_REQUEST texts (and a query) of the model's max_length ×
+  CHARS_PER_TOKEN_BOUND characters, where texts are cut before tokenizing anyway, each character
+  as JSON escapes it (\\uXXXX, 6 bytes); or, for /decode, as many token ids as a request can
+  embed (MAX_TEXTS_PER_REQUEST × max_length);
+- JSON items (array elements and object members, counted outside strings): the most a route
+  can use is a token-id request's, MAX_TEXTS_PER_REQUEST × max_length ids. The parser makes an
+  object per item (a list, an int, a string: ~60-70 bytes and 0.1-0.3 µs each, more with the
+  collections they set off), and only an item count bounds that: 33 MB of `[],` had been 740 MiB
+  and 2.3 s of the loop inside json.loads, before any schema could refuse it.
+A path not listed (a route added without naming its own budget, another task's path, a GET)
+gets DEFAULT: a short JSON body. Over either bound: 413, naming the bound, before parsing.
+
+Counting items costs three passes of bytes.count (~1-2 ms a MB) where commas and brackets alone
+stay under the bound; past it (commas inside texts) the strings are skipped exactly: escapes
+removed, then quote parity in numpy, whose loops run off the GIL on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Callable
+
+import numpy as np
+
+from embedserve.config import CHARS_PER_TOKEN_BOUND
+
+JSON_BYTES_PER_CHAR = 6  # \uXXXX: a character as JSON may escape it (one outside the BMP: two of them, for one)
+ID_BYTES = 12  # "2147483647, " : one token id as JSON writes it, a separator and a space
+OVERHEAD_BYTES = 64 * 1024  # the other fields of a body, and room for whitespace
+THREAD_BYTES = 1 << 20  # an exact count of a longer body runs on a thread (numpy drops the GIL)
+_CHUNK = 1 << 22  # the exact count's numpy pass, this much at a time (memory: ~4 bytes per byte of it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    body_bytes: int  # the most a body may hold (413 above)
+    items: int  # the most JSON items (elements and members) outside strings (413 above)
+
+
+DEFAULT = Budget(OVERHEAD_BYTES, 1024)
+
+
+def route_budgets(text_paths: frozenset[str], id_paths: frozenset[str], max_texts: int, max_length: int,
+                  body_cap: int) -> dict[str, Budget]:
+    """Each body route's budget: `text_paths` take texts (and perhaps token ids, which fit in the
+    same items), `id_paths` only token ids (/decode); `max_length` the model's (tokens per text),
+    `body_cap` HTTP_MAX_BODY_BYTES, the most any route reads. Pure."""
+    items = max_texts * max_length + 4 * max_texts + 256  # ids, their rows' brackets, a few fields
+    text_bytes = (max_texts + 1) * max_length * CHARS_PER_TOKEN_BOUND * JSON_BYTES_PER_CHAR + OVERHEAD_BYTES
+    id_bytes = max_texts * max_length * ID_BYTES + OVERHEAD_BYTES
+    budgets = {path: Budget(min(body_cap, text_bytes), items) for path in text_paths}
+    budgets.update({path: Budget(min(body_cap, id_bytes), items) for path in id_paths})
+    return budgets
+
+
+def json_items(body: bytes, limit: int) -> int:
+    """Items (array elements and object members) of a JSON text, counted outside its strings: at
+    most, and exactly once commas and brackets alone exceed `limit`. A count over `limit` may be
+    returned as soon as it is known to be over. Pure; not a validator (an invalid text is the
+    parser's to refuse, and it stops where it fails, before making more than this counts)."""
+    rough = body.count(b",") + body.count(b"[") + body.count(b"{")  # strings' own included: an upper bound
+    if rough <= limit:
+        return rough
+    # Escapes out (an escaped backslash first, so `\\"` stays a string's end), then every quote
+    # left opens or closes a string.
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    if text.count(b'"') // 2 > 2 * limit + 1:  # every string is a member or a member's key
+        return limit + 1
+    codes = np.frombuffer(text, dtype=np.uint8)
+    count, inside = 0, 0
+    for start in range(0, len(codes), _CHUNK):
+        chunk = codes[start:start + _CHUNK]
+        parity = np.bitwise_xor.accumulate((chunk == ord('"')).view(np.uint8)) ^ inside
+        inside = int(parity[-1])
+        outside = chunk[parity == 0]
+        count += int(np.count_nonzero(outside == ord(",")) + np.count_nonzero(outside == ord("["))
+                     + np.count_nonzero(outside == ord("{")))
+        if count > limit:
+            break
+    return count
+
+
+def _too_large(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "code": "request_too_large"}}).encode()
+
+
+class BodyBudget:
+    """ASGI middleware: a request's body against its route's Budget (`budgets()`: path → Budget,
+    filled as the model's routes are installed; DEFAULT for any other path), read whole and
+    counted before the app parses it, then handed on as one piece. A refusal is a 413 in the
+    API's error shape; `refused(scope, message)` notes why (its log line and span)."""
+
+    def __init__(self, app, budgets: Callable[[], dict[str, Budget]], refused: Callable[[dict, str], None]):
+        self.app, self.budgets, self.refused = app, budgets, refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)  # our GET routes read no body
+        budget = self.budgets().get(scope["path"], DEFAULT)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > budget.body_bytes:
+            return await self._refuse(scope, send, f"the body has {int(length)} bytes, more than this route "
+                                      f"reads ({budget.body_bytes}: docs/api.md, Limits)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before its body was read: nothing to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > budget.body_bytes:
+                return await self._refuse(scope, send, f"the body has more than {budget.body_bytes} bytes, "
+                                          "the most this route reads (docs/api.md, Limits)")
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        del chunks
+        if len(body) > THREAD_BYTES:
+            items = await asyncio.to_thread(json_items, body, budget.items)
+        else:
+            items = json_items(body, budget.items)
+        if items > budget.items:
+            return await self._refuse(scope, send, f"the body holds more than {budget.items} JSON items (array "
+                                      "elements and object members outside strings), the most this route uses "
+                                      "(docs/api.md, Limits)")
+        await asyncio.sleep(0)  # the loop's turn between the count and the parse, each up to tens of ms
+        handed = False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, send, message: str) -> None:
+        self.refused(scope, message)
+        body = _too_large(message)
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})  # the rest of a large body is not read
+        await send({"type": "http.response.body", "body": body})
