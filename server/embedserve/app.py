@@ -114,10 +114,12 @@ class Server:
         self.warm_start = self._warm_start(m, plan, sim_rate)
 
         def load():
-            # Before the first compile: torch.compile's caches beside the warm-up files.
+            # Before the first compile: torch.compile's caches beside the warm-up files, only
+            # where COMPILE_CACHE=shared says the cache's writers are trusted to run code here.
             # Not with WARM_START=false: nothing of a start is kept for the next.
             os.environ.update(warm_start.compile_cache_env(os.environ, s.model_cache_dir, placement.device.type,
-                                                           placement.compile and s.warm_start != "false"))
+                                                           placement.compile and s.warm_start != "false",
+                                                           shared=s.compile_cache == "shared"))
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
             return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)

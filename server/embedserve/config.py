@@ -59,9 +59,16 @@ class Settings:
     budget, service rate) under MODEL_CACHE_DIR/embedfleet-warmup/ and reuse them at the next
     start whose model revision, device, dtype, library versions (and our measuring code) and
     batch-shaping settings match, for up to 7 days: no sweep, only one checked batch per shape.
-    On CUDA with COMPILE=true, torch.compile's caches go there too (unless TORCHINDUCTOR_CACHE_DIR
-    / TRITON_CACHE_DIR are set, or the directory cannot be written). refresh: measure and replace
+    With COMPILE_CACHE=shared, torch.compile's caches go there too. refresh: measure and replace
     the file (a sweep taken on a busy host). false: every start measures, nothing is saved."""
+    compile_cache: str = "pod"
+    """COMPILE_CACHE: pod or shared. Where torch.compile's caches (COMPILE=true on CUDA) are kept.
+    pod (default): in their defaults in the container's own /tmp; each pod compiles again.
+    shared: under MODEL_CACHE_DIR/embedfleet-warmup/compile/ (unless TORCHINDUCTOR_CACHE_DIR /
+    TRITON_CACHE_DIR are set, or the directory cannot be written), kept for the next pod.
+    Inductor unpickles and imports what it finds there: whoever can write MODEL_CACHE_DIR then
+    runs code in this pod. Only where every writer of the cache is trusted as much as this pod's
+    own code."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
@@ -237,6 +244,7 @@ class Settings:
             warm_start={"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(
                 w := s.choice("WARM_START", d.warm_start, ("true", "false", "refresh", "1", "yes", "on", "0", "no", "off")),
                 w),
+            compile_cache=s.choice("COMPILE_CACHE", d.compile_cache, ("pod", "shared")),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),
