@@ -24,6 +24,7 @@ from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts
 from embedserve.batching.shaping import ID_ROW_BOUND
+from embedserve.model import activation
 
 
 
@@ -165,11 +166,6 @@ def _texts(inputs) -> list[str]:
 def _l2(rows: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     return rows / np.where(norms == 0, 1, norms)
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
 
 
 def register(app: FastAPI, server: Hub) -> None:
@@ -367,7 +363,8 @@ def _classify_routes(router: APIRouter, server: Hub, service) -> None:
     async def classify(body: ClassifyRequest, request: Request):
         """Sequence classification (TASK=classify): the top label and its probability per input."""
         svc = service()
-        probs = softmax((await svc.embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows)
+        probs = activation.apply(server.activation, (await svc.embed_texts(_texts(body.inputs), _caller(request),
+                                                                           body.truncate)).rows)
         out = []
         for row in probs:
             top = int(row.argmax())
@@ -381,7 +378,7 @@ def _classify_routes(router: APIRouter, server: Hub, service) -> None:
         """TEI's predict: every label with its score, best first; one list per input when the
         inputs are a list."""
         rows = (await service().embed_texts(_texts(body.inputs), _caller(request), body.truncate)).rows
-        scores = rows if body.raw_scores else softmax(rows)
+        scores = rows if body.raw_scores else activation.apply(server.activation, rows)
         out = [sorted((Prediction(label=label, score=float(p)) for label, p in zip(server.labels, row)),
                       key=lambda p: -p.score) for row in scores]
         return out[0] if isinstance(body.inputs, str) else out

@@ -52,6 +52,7 @@ class Hub(Protocol):
     served_name: str  # the model's id in the OpenAI API
     task: str  # embed, classify, rerank or sparse
     labels: list[str]  # a classifier's, in output order
+    activation: str  # classify, rerank: the logits' activation (embedserve.model.activation)
     head: Head | None  # how the model is served (prompts, normalize), once known
     model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask
     started_at: float  # monotonic
