@@ -165,7 +165,14 @@ class Settings:
     """QUANTIZE_RANGE: r > 0, the fixed range [-r, r] of every dimension that int8 and uint8
     encodings map onto their 256 levels (sentence-transformers' quantize_embeddings with
     `ranges` [-r, r]); 1.0 covers every component of a unit vector. Fixed, not calibrated on the
-    request: the same vector quantizes the same in every request and on every pod."""
+    request: the same vector quantizes the same in every request and on every pod. `calibrated`:
+    see quantize_calibrated (this field keeps its default then)."""
+    quantize_calibrated: bool = False
+    """QUANTIZE_RANGE=calibrated: each dimension's own range, the min and max of the model's float32
+    vectors of a fixed corpus (embedserve.model.calibration), the same on every pod of a model
+    revision: read from MODEL_CACHE_DIR (python -m embedserve.prefetch computes it there), else
+    computed at start-up on the CPU and saved. /health names it by a digest (quantize_calibration),
+    GET /quantization gives the ranges."""
     max_message_bytes: int = 0
     """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
     can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters
@@ -275,7 +282,9 @@ class Settings:
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
-            quantize_range=s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
+            # `calibrated`, or r > 0 (read first: keyword arguments are evaluated in order).
+            quantize_calibrated=(calibrated := s.str("QUANTIZE_RANGE", "").strip().lower() == "calibrated"),
+            quantize_range=d.quantize_range if calibrated else s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),

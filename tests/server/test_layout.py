@@ -32,7 +32,9 @@ LAYERS = [
     {"embedserve.service"},
     {"embedserve.metrics"},
     {"embedserve.transports"},
-    {"embedserve.frontends", "embedserve.prepare", "embedserve.prefetch"},
+    {"embedserve.calibrate"},
+    {"embedserve.frontends", "embedserve.prepare"},
+    {"embedserve.prefetch"},
     {"embedserve.app"},
     {"embedserve.__main__"},
 ]

@@ -19,7 +19,7 @@ from embedserve import logs, tracing
 from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import encodings, http_rerank, http_sparse, http_tei, outcomes
+from embedserve.transports import encodings, http_quantization, http_rerank, http_sparse, http_tei, outcomes
 from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts
@@ -221,7 +221,7 @@ STARTING_RETRY_AFTER_S = 5
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
-                       "/v1/rerank")) | http_tei.PATHS
+                       "/v1/rerank", http_quantization.PATH)) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 
 
@@ -318,7 +318,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
             result = await svc.embed_texts(_texts(inp), _caller(request), prompt_name=body.prompt_name)
         rows = _cut(result.rows, body.dimensions, server.head, normalized=bool(server.head and server.head.normalize))
         data = [Embedding(index=i, embedding=row)
-                for i, row in enumerate(encodings.encoded(rows, body.encoding_format, server.settings.quantize_range))]
+                for i, row in enumerate(encodings.encoded(rows, body.encoding_format, server.quantization,
+                                                          bool(server.head and server.head.normalize)))]
         return EmbeddingsResponse(data=data, model=server.served_name,
                                   usage=Usage(prompt_tokens=result.tokens, total_tokens=result.tokens))
 
@@ -340,7 +341,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
                                       prompt_name=body.prompt_name)).rows
         rows = _l2(rows) if body.normalize and not normalized else rows
         rows = _cut(rows, body.dimensions, server.head, normalized=normalized or body.normalize)
-        return encodings.encoded(rows, body.encoding, server.settings.quantize_range)
+        return encodings.encoded(rows, body.encoding, server.quantization, normalized or body.normalize)
 
     embed.__annotations__.update(body=tei_request, request=Request)
     answer = Union[list[list[float]], list[list[int]], list[str]]  # float (first: see Embedding), quantized, base64
@@ -349,6 +350,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     # InferenceClient(model=URL) posts there), which takes /embed's and /similarity's payloads.
     http_tei.install(router, server, service, embed, tei_request, _caller,
                      lambda description: _prompt_field(server, description), ERRORS)
+    http_quantization.install(router, server, ERRORS)  # GET /quantization: the int8/uint8 ranges
 
 
 def _cut(rows: np.ndarray, dimensions: int | None, head, normalized: bool) -> np.ndarray:

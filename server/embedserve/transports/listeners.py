@@ -36,7 +36,7 @@ class Transports:
         for reason in auth.MESSAGES if keyed else ():
             hub.metrics.auth_refused(reason, 0)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 s.quantize_range, lambda: hub.model_dimension, hub.drain_s)
+                                                 lambda: hub.quantization, lambda: hub.model_dimension, hub.drain_s)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
