@@ -64,8 +64,8 @@ import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve import tracing
-from embedserve.client_calls import HEDGE_MARK, Failed, Router
+from embedserve import client_metadata
+from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
 from embedserve.client_routing import RetryBudget, budget_for
 
@@ -103,10 +103,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# A call that does not fit a server's drain budget now waits on that server for the room booked
-# for it (within the reservation horizon and its deadline), rather than coming back: the retry
-# of a round-robin channel would land on another pod, where nothing is booked for it.
-WAIT_FOR_BOOKED_ROOM = ("embedfleet-queue", "wait")
+WAIT_FOR_BOOKED_ROOM = client_metadata.WAIT_FOR_BOOKED_ROOM  # embedfleet-queue: wait (client_metadata says why)
 UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
 # Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
 # cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
@@ -203,40 +200,6 @@ def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | N
 
 
 ROUTINGS = ("least-drain", "round-robin")
-# Keys the Client sets itself on each try: what they say (a retry, a hedge, waiting for booked
-# room) is the Client's to say, so a caller's metadata may not hold them.
-OWN_KEYS = frozenset(("embedfleet-attempt", WAIT_FOR_BOOKED_ROOM[0], HEDGE_MARK[0]))
-
-
-def metadata_pairs(metadata, where: str) -> tuple[tuple[str, str | bytes], ...]:
-    """A caller's metadata (a mapping or (key, value) pairs) as gRPC takes it, or ValueError naming
-    what is wrong: keys lower-case ASCII (digits, letters, `-_.`), not one the Client sets itself;
-    values str, or bytes for a key ending `-bin`."""
-    if metadata is None:
-        return ()
-    pairs = tuple(metadata.items()) if hasattr(metadata, "items") else tuple(metadata)
-    for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise ValueError(f"{where}: {pair!r} is not a (key, value) pair")
-        key, value = pair
-        if not isinstance(key, str) or not key or not all(c in METADATA_KEY_CHARS for c in key):
-            raise ValueError(f"{where}: key {key!r} is not gRPC metadata (lower-case letters, digits, '-', '_', '.')")
-        if key in OWN_KEYS:
-            raise ValueError(f"{where}: {key!r} is set by the Client itself")
-        if not isinstance(value, bytes if key.endswith("-bin") else str):
-            raise ValueError(f"{where}: the value of {key!r} must be {'bytes' if key.endswith('-bin') else 'str'}")
-    return pairs
-
-
-METADATA_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
-
-
-def merged(own: tuple, call: tuple) -> tuple:
-    """The Client's metadata with the call's: a key the call sets replaces the Client's values."""
-    keys = {k for k, _ in call}
-    return (*(p for p in own if p[0] not in keys), *call)
-
-
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
     deadline); `max_attempts` optionally bounds the tries too (None: as many as the deadline
@@ -272,7 +235,7 @@ class Client:
             self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._metadata = merged(auth, metadata_pairs(metadata, "Client(metadata=)"))
+        self._metadata = client_metadata.merged(auth, client_metadata.pairs(metadata, "Client(metadata=)"))
 
     @property
     def hedges(self) -> int:
@@ -332,14 +295,7 @@ class Client:
             raise f.error from None
 
     def _call_metadata(self, metadata) -> tuple:
-        """What a call sends besides the Client's own marks: the Client's metadata, the call's,
-        and the caller's trace context (unless the call's metadata carries one already)."""
-        sent = merged(self._metadata, metadata_pairs(metadata, "metadata="))
-        if not any(k == "traceparent" for k, _ in sent):
-            context: dict[str, str] = {}
-            tracing.inject_current(context)
-            sent = merged(sent, tuple(context.items()))
-        return sent
+        return client_metadata.for_call(self._metadata, metadata)
 
     async def _call(self, rpc: str, request, call_metadata=None):
         sent = self._call_metadata(call_metadata)

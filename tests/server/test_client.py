@@ -276,7 +276,7 @@ async def test_clients_made_per_call_share_one_retry_budget_per_target(routing):
 
 
 def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
-    from embedserve.client import merged, metadata_pairs
+    from embedserve.client_metadata import merged, pairs as metadata_pairs
 
     assert merged((("authorization", "Bearer a"), ("x-team", "search")),
                   metadata_pairs({"authorization": "Bearer b", "x-request-id": "7"}, "metadata=")) == (

@@ -26,6 +26,7 @@ LAYERS = [
     # The Client is no stage of the server: its decisions, its pods, and the façade over both.
     {"embedserve.client_pods"},
     {"embedserve.client_calls"},
+    {"embedserve.client_metadata"},
     {"embedserve.client"},
     {"embedserve.model", "embedserve.admission"},
     {"embedserve.batching"},

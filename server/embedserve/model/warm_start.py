@@ -15,17 +15,12 @@ warning; the server serves either way.
 
 File: <MODEL_CACHE_DIR>/embedfleet-warmup/<sha256 of the key>.json, written atomically.
 
-What a writer of the cache can do with these files, and what not: they are JSON read with
-json.loads (at most MAX_FILE_BYTES), under a name that is the key's digest, so a file can run no
-code and point nowhere else. What it holds decides, until measured batches take over: each
-bucket's batch cap (or the packed token budget), held to what the batcher can form under this
-pod's own MAX_BATCH_SIZE, MAX_TOKENS_PER_BATCH and captured sizes, and run once per shape before
-serving (a shape that fails or runs out of memory sends the start back to the sweep); and the
-service-rate prior, any positive rate, which admission and the autoscaler read until served
-batches replace it (it weighs a quarter of the estimator's 2 s horizon of busy time, and is at most
-MAX_RATE: even that fades within about half a minute of busy time). So a writer can make a pod's batches smaller than
-they should be, or its first seconds of admission too generous or too strict; it cannot make a pod
-form a batch its settings forbid."""
+A writer of a shared cache controls these files: JSON (json.loads, at most MAX_FILE_BYTES) under
+its key's digest, so no code and no other path; caps held to what this pod's settings let the
+batcher form, each shape run before serving; a service-rate prior of at most MAX_RATE, which
+served batches replace within about half a minute of busy time. It can make batches smaller or
+the first seconds of admission wrong, not more (docs/configuration.md, the shared cache's trust
+boundary)."""
 
 from __future__ import annotations
 
