@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from embedserve import metrics
+from embedserve import calibrate, metrics
 from embedserve.admission import policy as admission
 from embedserve.frontends.count import container_cores
 from embedserve.model import simulated, warm_key, warm_start
@@ -28,6 +28,7 @@ from embedserve.service import EmbeddingService
 from embedserve.batching.shaping import Limits
 from embedserve.lifecycle import settle_heap, watch_loop_lag
 from embedserve.threads import in_daemon_thread
+from embedserve.transports.encodings import Quantization
 from embedserve.transports.listeners import Transports
 from embedserve.model.worker import WarmupPlan, Watchdog
 
@@ -72,6 +73,7 @@ class Server:
         self.head: Head | None = None  # what the model declares, with the environment's overrides
         self.model_dir = ""
         self.warm_start: warm_start.WarmStart | None = None
+        self.quantization = Quantization(settings.quantize_range)  # QUANTIZE_RANGE=calibrated: once loaded
         self.started_at = time.monotonic()
         self.draining = False
         self.loaded = asyncio.Event()
@@ -116,10 +118,12 @@ class Server:
         self.warm_start = self._warm_start(m, plan, sim_rate)
 
         def load():
-            # Before the first compile: torch.compile's caches beside the warm-up files.
+            # Before the first compile: torch.compile's caches beside the warm-up files, only
+            # where COMPILE_CACHE=shared says the cache's writers are trusted to run code here.
             # Not with WARM_START=false: nothing of a start is kept for the next.
             os.environ.update(warm_start.compile_cache_env(os.environ, s.model_cache_dir, placement.device.type,
-                                                           placement.compile and s.warm_start != "false"))
+                                                           placement.compile and s.warm_start != "false",
+                                                           shared=s.compile_cache == "shared"))
             if sim_rate:
                 return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
             return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)
@@ -135,6 +139,11 @@ class Server:
         await self.engine.start()
         if m.head and not sim_rate:
             m.head.check_dimension(self.engine.dim)
+        if s.quantize_calibrated and self.task == "embed":  # before the API: every quantized answer calibrated
+            self.quantization = await in_daemon_thread(calibrate.calibrated, s, m, self.engine.dim, sim_rate,
+                                                       name="calibrate")
+        elif s.quantize_calibrated:
+            log.info("QUANTIZE_RANGE=calibrated: a %s server has no int8/uint8 encodings, nothing to calibrate", self.task)
         self.service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
@@ -201,7 +210,7 @@ class Server:
             "in_flight_requests": self.service.in_flight if self.service else 0,
             "embedding_dimension": self._dimension(),  # served by default (a declared truncate_dim)
             "model_dimension": self.engine.dim if self.engine else 0,  # the most `dimensions` may ask
-            "quantize_range": self.settings.quantize_range,
+            **self.quantization.health(),  # quantize_range, quantize_calibration (the calibration's digest)
             "uptime_seconds": time.monotonic() - self.started_at,
             "task": self.task if self.model_dir else "",  # known once the model's files are read
             **(self.head.describe() if self.head else {}),

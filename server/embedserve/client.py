@@ -18,8 +18,7 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   once more to another pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and
   servers count it as no new demand) when the deadline leaves room; the first answer wins and the
   other try is cancelled.
-  Hedges are held to a tenth of calls (10 at once): a fleet slow everywhere is not sent twice its
-  load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
+  Hedges spend the retry budget (below): a fleet slow everywhere is not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
   resolution: embedserve.client_pods.
 - "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
   Client did before; servers' connection ages make it resolve again).
@@ -35,6 +34,15 @@ short backoff if every pod says so. A pod that stops answering without closing i
 are retried likewise; least-drain's hedges move them sooner, and its picks leave that pod alone
 (its calls there unanswered, then its connection not READY) while it is still in DNS.
 Retries after a refusal are marked so servers do not count them as new demand.
+
+Retries and hedges together are held to a tenth of successful calls (10 at once), by one budget
+per target shared by every Client of the process (client_routing.RetryBudget: gRPC's retry
+throttling): code that makes a Client per request is held as one that keeps one. A call whose
+retry the budget refuses ends with its last error.
+
+Every call sends the caller's OpenTelemetry context (W3C `traceparent`, with the OpenTelemetry API
+installed and a span current: the server's span is its child), the Client's `metadata=` and the
+call's own `metadata=` (the call's replace the Client's of the same key).
 
 A server with API keys takes `api_key=` (sent as `authorization: Bearer <key>` metadata on every
 call); one with TLS takes `ca_file=` (the PEM bundle its certificate is verified against; `tls=True`
@@ -56,8 +64,10 @@ import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
+from embedserve import client_metadata
 from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
+from embedserve.client_routing import RetryBudget, budget_for
 
 # A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
 # is retried elsewhere, a third of the default 30 s deadline. 5 s for the answer is generous:
@@ -93,10 +103,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# A call that does not fit a server's drain budget now waits on that server for the room booked
-# for it (within the reservation horizon and its deadline), rather than coming back: the retry
-# of a round-robin channel would land on another pod, where nothing is booked for it.
-WAIT_FOR_BOOKED_ROOM = ("embedfleet-queue", "wait")
+WAIT_FOR_BOOKED_ROOM = client_metadata.WAIT_FOR_BOOKED_ROOM  # embedfleet-queue: wait (client_metadata says why)
 UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
 # Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
 # cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
@@ -193,8 +200,6 @@ def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | N
 
 
 ROUTINGS = ("least-drain", "round-robin")
-
-
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
     deadline); `max_attempts` optionally bounds the tries too (None: as many as the deadline
@@ -202,12 +207,14 @@ class Client:
     target of another scheme than dns:, ipv4:, ipv6: or host:port is one channel either way).
     `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
     `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
-    UNAUTHENTICATED, which is never retried."""
+    UNAUTHENTICATED, which is never retried. `metadata`: sent on every call (each call's own
+    `metadata=` replaces it key by key). `retry_budget`: what retries and hedges spend; default
+    the process's one for `target` (client_routing.budget_for)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
                  client_cert_file: str | None = None, client_key_file: str | None = None,
-                 routing: str = "least-drain"):
+                 routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         if routing not in ROUTINGS:
@@ -216,17 +223,19 @@ class Client:
         parsed = parse_target(target) if routing == "least-drain" else None
         self.routing = routing if routing == "round-robin" or parsed is not None else "round-robin"
         creds = credentials(tls, ca_file, client_cert_file, client_key_file)
+        self.retry_budget = retry_budget or budget_for(target)
         self.pods: Pods | None = None
         self.stub = None
         self._router: Router | None = None
         if parsed is not None:
             self.pods = Pods(parsed, lambda address: pod_channel(parsed, address, creds))
-            self._router = Router(self.pods, target)
+            self._router = Router(self.pods, target, self.retry_budget)
         else:
             self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
             self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
-        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata = client_metadata.merged(auth, client_metadata.pairs(metadata, "Client(metadata=)"))
 
     @property
     def hedges(self) -> int:
@@ -246,43 +255,50 @@ class Client:
             await self.channel.close()
 
     async def embed(self, texts: list[str], dimensions: int = 0, encoding: str = "float",
-                    prompt_name: str = "") -> np.ndarray:
+                    prompt_name: str = "", metadata=None) -> np.ndarray:
         """→ float32 [rows, dimensions] (0: the model's default), or quantized (`encoding` int8,
-        uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)])."""
+        uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)]).
+        `metadata`: this call's own, with the Client's (every call takes it)."""
         request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name)
-        return decode_embeddings(await self._call("Embed", request))
+        return decode_embeddings(await self._call("Embed", request, metadata))
 
-    async def embed_sparse(self, texts: list[str], prompt_name: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
+    async def embed_sparse(self, texts: list[str], prompt_name: str = "",
+                           metadata=None) -> list[tuple[np.ndarray, np.ndarray]]:
         """A sparse (SPLADE) server: per text, its non-zero vocabulary ids and their weights."""
         request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name)
-        return decode_sparse(await self._call("EmbedSparse", request))
+        return decode_sparse(await self._call("EmbedSparse", request, metadata))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
-                    encoding: str = "float") -> np.ndarray:
+                    encoding: str = "float", metadata=None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype="<i4")
         mask = np.ascontiguousarray(attention_mask, dtype="<i4")
         request = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape),
                                   dimensions=dimensions, encoding=_encoding(encoding))
-        return decode_embeddings(await self._call("Infer", request))
+        return decode_embeddings(await self._call("Infer", request, metadata))
 
     async def rerank(self, query: str, texts: list[str], truncate: bool | None = None,
-                     raw_scores: bool = False) -> np.ndarray:
+                     raw_scores: bool = False, metadata=None) -> np.ndarray:
         """A reranking server's score of each text against the query: float32 [len(texts)], in the
         order of texts (not sorted). `truncate` None: the server's TRUNCATE. Retried as `embed` is."""
         request = pb.RerankRequest(query=query, texts=texts, truncate=truncate, raw_scores=raw_scores)
-        response = await self._call("Rerank", request)
+        response = await self._call("Rerank", request, metadata)
         return np.asarray(response.scores, dtype=np.float32)
 
-    async def health(self) -> pb.HealthCheckResponse:
+    async def health(self, metadata=None) -> pb.HealthCheckResponse:
         """One pod's health (least-drain: the pod a call would go to now)."""
+        sent = self._call_metadata(metadata)
         if self._router is None:
-            return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._auth)
+            return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=sent)
         try:
-            return await self._router.health(pb.HealthCheckRequest(), self.timeout_s, self._auth)
+            return await self._router.health(pb.HealthCheckRequest(), self.timeout_s, sent)
         except Failed as f:
             raise f.error from None
 
-    async def _call(self, rpc: str, request):
+    def _call_metadata(self, metadata) -> tuple:
+        return client_metadata.for_call(self._metadata, metadata)
+
+    async def _call(self, rpc: str, request, call_metadata=None):
+        sent = self._call_metadata(call_metadata)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         refused = unavailable = final = attempt = 0
         last: tuple[grpc.StatusCode, Pod | None] | None = None  # the last try's error, and its pod
@@ -291,11 +307,14 @@ class Client:
             remaining = None if deadline is None else deadline - time.monotonic()
             # embedfleet-attempt counts admission's refusals: a request refused before is not new
             # demand; one that a draining pod turned away was never counted, and is.
-            metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM, *self._auth)
+            metadata = (("embedfleet-attempt", str(refused + 1)), WAIT_FOR_BOOKED_ROOM, *sent)
             try:
                 if self._router is None:
-                    return await getattr(self.stub, rpc)(request, timeout=remaining, metadata=metadata)
-                return await self._router.call(rpc, request, remaining, metadata, last)
+                    response = await getattr(self.stub, rpc)(request, timeout=remaining, metadata=metadata)
+                else:
+                    response = await self._router.call(rpc, request, remaining, metadata, last)
+                self.retry_budget.succeeded()
+                return response
             except (grpc.aio.AioRpcError, Failed) as caught:
                 e, pod = (caught.error, caught.pod) if isinstance(caught, Failed) else (caught, None)
                 wait = self._wait_before_retry(e, unavailable, final)
@@ -305,7 +324,8 @@ class Client:
                     refused += 1
                     final += is_final(e)
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
-                if wait is None or out_of_time or attempt == self.max_attempts:
+                # The budget last: a retry that would not be sent anyway spends nothing.
+                if wait is None or out_of_time or attempt == self.max_attempts or not self.retry_budget.spend():
                     raise e from None
                 last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)

@@ -55,11 +55,11 @@ def reachable(pods: list[Pod]) -> list[Pod]:
 class Router:
     """Least-drain tries over `pods`; `target` names them in errors."""
 
-    def __init__(self, pods: Pods, target: str):
+    def __init__(self, pods: Pods, target: str, budget: client_routing.RetryBudget):
         self.pods, self.target = pods, target
+        self.budget = budget  # hedges spend it (shared with retries, and with the process's other Clients)
         self._turn = 0  # picks so far: round robin's position while no pod's estimate is known
         self._rng = random.Random()
-        self._hedge_tokens = client_routing.HEDGE_BURST
         self.hedges = 0  # tries sent as hedges, since start (tests and benches read it)
 
     async def live_pods(self) -> list[Pod]:
@@ -89,18 +89,16 @@ class Router:
             pod = was
         else:
             pod = self.pick(pods, was)
-        self._hedge_tokens = client_routing.hedge_tokens(self._hedge_tokens)
         now = time.monotonic()
         delay = client_routing.hedge_delay_s(pod.view(now), pod.latency, remaining) \
-            if len(pods) > 1 and client_routing.may_hedge(self._hedge_tokens) else None
+            if len(pods) > 1 and self.budget.allows() else None
         first = self._start(pod, rpc, request, remaining, metadata)
         tries = {first}
         try:
             if delay is not None:
                 await asyncio.wait(tries, timeout=delay)
                 others = [p for p in await self.pods.current() if p is not pod]
-                if not first.done() and others and client_routing.may_hedge(self._hedge_tokens):
-                    self._hedge_tokens -= 1
+                if not first.done() and others and self.budget.spend():
                     self.hedges += 1
                     second = self.pick(others, None)
                     left = None if remaining is None else remaining - (time.monotonic() - now)

@@ -17,14 +17,16 @@ how long this client's answered calls there took.
 - `hedge_delay_s`: when a try that has not answered is sent once more to another pod: after
   the pod's queue (its estimate) and what this client's calls there usually take (`latency`,
   smoothed as TCP smooths round trips), so that a request that is simply big is not "late".
-- `hedge_tokens`, `may_hedge`: hedges stay a small share of calls, so that a fleet that is slow
-  everywhere is not sent twice its load.
+- `RetryBudget`, `budget_for`: retries and hedges stay a small share of successful calls, so
+  that a fleet that is slow or refusing everywhere is not sent twice its load: gRPC's retry
+  throttling (gRFC A6), one budget per target for every Client of the process.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from typing import NamedTuple, Sequence
 
 AGE_HALF_LIFE_S = 1.0  # an estimate counts half after this long without news from its pod
@@ -37,8 +39,13 @@ HEDGE_FACTOR = 2.0  # a try is late when it outlives its pod's drain twice over 
 HEDGE_MARGIN_S = 0.25
 LATENCY_GAIN, DEVIATION_GAIN = 1 / 8, 1 / 4  # RFC 6298's smoothing of round trips
 HEDGE_MIN_LEFT_S = 0.1  # a hedge needs at least this much of the deadline left to be of use
-HEDGE_BUDGET = 0.1  # hedges per call, in the long run
-HEDGE_BURST = 10.0  # hedges at once (a stalled pod's calls in flight), and the budget at start
+# Retry throttling, as gRPC's retryThrottling: every successful call earns TOKEN_RATIO, every
+# retry or hedge spends 1, and one is allowed while the tokens are above half of MAX_TOKENS. In
+# the long run retries and hedges are then at most a tenth of successful calls, with MAX_TOKENS / 2
+# (10) at once for a stall or a pod's drain; when calls stop succeeding (every pod refusing or
+# gone), they stop after those 10 rather than doubling the load.
+MAX_TOKENS = 20.0
+TOKEN_RATIO = 0.1
 UNKNOWN_MS = 1e9  # what a server sends when it has measured no service rate yet
 
 
@@ -129,15 +136,53 @@ def latency_after(latency: tuple[float, float] | None, sample_s: float) -> tuple
     return mean + LATENCY_GAIN * (sample_s - mean), deviation
 
 
-def hedge_tokens(tokens: float) -> float:
-    """The hedge budget after one more call: HEDGE_BUDGET earned per call, at most HEDGE_BURST
-    saved; a hedge spends 1 (`may_hedge`). When every pod is slow, hedging would only double the
-    load: a token bucket keeps hedges to a tenth of calls, with a burst for one pod's stall."""
-    return min(HEDGE_BURST, tokens + HEDGE_BUDGET)
+class RetryBudget:
+    """gRPC's retry throttling (gRFC A6, the service config's retryThrottling): `max_tokens` in
+    (0, 1000], full at start, `token_ratio` in (0, 1] earned by each successful call
+    (`succeeded`), 1 spent by each retry or hedge (`spend`), which is allowed only while the
+    tokens are above max_tokens / 2. Shared by every Client of a process for one target
+    (`budget_for`): a Client made per request starts with nothing of its own, so code that makes
+    one per call cannot hedge every late call or retry every refusal. Thread-safe (Clients on
+    several event loops)."""
+
+    def __init__(self, max_tokens: float = MAX_TOKENS, token_ratio: float = TOKEN_RATIO):
+        if not 0 < max_tokens <= 1000:
+            raise ValueError(f"max_tokens={max_tokens!r}: must be in (0, 1000], as gRPC's retryThrottling")
+        if not 0 < token_ratio <= 1:
+            raise ValueError(f"token_ratio={token_ratio!r}: must be in (0, 1], as gRPC's retryThrottling")
+        self.max_tokens, self.token_ratio = float(max_tokens), float(token_ratio)
+        self.tokens = self.max_tokens
+        self._lock = threading.Lock()
+
+    def allows(self) -> bool:
+        """Whether a retry or hedge may be sent now (without spending)."""
+        return self.tokens > self.max_tokens / 2
+
+    def spend(self) -> bool:
+        """Take one token for a retry or a hedge; False (nothing taken): throttled, do not send it."""
+        with self._lock:
+            if self.tokens <= self.max_tokens / 2:
+                return False
+            self.tokens -= 1.0
+            return True
+
+    def succeeded(self) -> None:
+        """A call succeeded: earn token_ratio, up to max_tokens."""
+        with self._lock:
+            self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
 
 
-def may_hedge(tokens: float) -> bool:
-    return tokens >= 1.0
+_budgets: dict[str, RetryBudget] = {}
+_budgets_lock = threading.Lock()
+
+
+def budget_for(target: str) -> RetryBudget:
+    """The process's one RetryBudget for `target` (as given to the Client), made at first use."""
+    with _budgets_lock:
+        budget = _budgets.get(target)
+        if budget is None:
+            budget = _budgets[target] = RetryBudget()
+        return budget
 
 
 def drain_ms(metadata) -> float | None:

@@ -59,9 +59,16 @@ class Settings:
     budget, service rate) under MODEL_CACHE_DIR/embedfleet-warmup/ and reuse them at the next
     start whose model revision, device, dtype, library versions (and our measuring code) and
     batch-shaping settings match, for up to 7 days: no sweep, only one checked batch per shape.
-    On CUDA with COMPILE=true, torch.compile's caches go there too (unless TORCHINDUCTOR_CACHE_DIR
-    / TRITON_CACHE_DIR are set, or the directory cannot be written). refresh: measure and replace
+    With COMPILE_CACHE=shared, torch.compile's caches go there too. refresh: measure and replace
     the file (a sweep taken on a busy host). false: every start measures, nothing is saved."""
+    compile_cache: str = "pod"
+    """COMPILE_CACHE: pod or shared. Where torch.compile's caches (COMPILE=true on CUDA) are kept.
+    pod (default): in their defaults in the container's own /tmp; each pod compiles again.
+    shared: under MODEL_CACHE_DIR/embedfleet-warmup/compile/ (unless TORCHINDUCTOR_CACHE_DIR /
+    TRITON_CACHE_DIR are set, or the directory cannot be written), kept for the next pod.
+    Inductor unpickles and imports what it finds there: whoever can write MODEL_CACHE_DIR then
+    runs code in this pod. Only where every writer of the cache is trusted as much as this pod's
+    own code."""
     grpc_port: int = 50051
     """GRPC_PORT: the gRPC listening port."""
     http_port: int = 8001
@@ -158,7 +165,14 @@ class Settings:
     """QUANTIZE_RANGE: r > 0, the fixed range [-r, r] of every dimension that int8 and uint8
     encodings map onto their 256 levels (sentence-transformers' quantize_embeddings with
     `ranges` [-r, r]); 1.0 covers every component of a unit vector. Fixed, not calibrated on the
-    request: the same vector quantizes the same in every request and on every pod."""
+    request: the same vector quantizes the same in every request and on every pod. `calibrated`:
+    see quantize_calibrated (this field keeps its default then)."""
+    quantize_calibrated: bool = False
+    """QUANTIZE_RANGE=calibrated: each dimension's own range, the min and max of the model's float32
+    vectors of a fixed corpus (embedserve.model.calibration), the same on every pod of a model
+    revision: read from MODEL_CACHE_DIR (python -m embedserve.prefetch computes it there), else
+    computed at start-up on the CPU and saved. /health names it by a digest (quantize_calibration),
+    GET /quantization gives the ranges."""
     max_message_bytes: int = 0
     """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
     can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters
@@ -247,6 +261,7 @@ class Settings:
             warm_start={"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(
                 w := s.choice("WARM_START", d.warm_start, ("true", "false", "refresh", "1", "yes", "on", "0", "no", "off")),
                 w),
+            compile_cache=s.choice("COMPILE_CACHE", d.compile_cache, ("pod", "shared")),
             grpc_port=s.int("GRPC_PORT", d.grpc_port),
             http_port=s.int("HTTP_HEALTH_PORT", d.http_port),
             host=s.str("BIND_HOST", d.host),
@@ -277,7 +292,9 @@ class Settings:
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
-            quantize_range=s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
+            # `calibrated`, or r > 0 (read first: keyword arguments are evaluated in order).
+            quantize_calibrated=(calibrated := s.str("QUANTIZE_RANGE", "").strip().lower() == "calibrated"),
+            quantize_range=d.quantize_range if calibrated else s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
             max_message_bytes=s.int("GRPC_MAX_MESSAGE_BYTES", d.max_message_bytes),
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             max_reply_bytes=s.int("MAX_REPLY_BYTES", d.max_reply_bytes, low=2**20),

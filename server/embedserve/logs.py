@@ -7,21 +7,70 @@ UNAUTHENTICATED, ...) is the server doing its job, at INFO, and under overload t
 thousands a second (LOG_LEVEL=WARNING drops them, metrics still count them); a failure (5xx,
 UNAVAILABLE, INTERNAL) at WARNING; a bug (an exception no transport maps) at ERROR. A request line
 never holds a request's texts or its credentials: what it names is the route or RPC, its status,
-the message the caller was answered with, and its trace id."""
+the message the caller was answered with, and its trace id.
+
+A line is one record, whatever a caller sent. Paths, methods, metadata, model names and messages
+that echo input reach log lines, and a caller's line break would forge a record of its own. So in
+the text format a record's message has every character that breaks a line (C0 and C1 controls,
+U+2028, U+2029; what str.splitlines and terminals honour) escaped, `\\n` for a newline, and the
+lines a record needs beyond its first (a traceback) are indented: a line that starts at column 0
+is a record's own start. JSON escapes what json.dumps leaves raw of those (DEL, C1, U+2028, U+2029)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 REQUESTS = logging.getLogger("embedserve.requests")
 access = False  # ACCESS_LOG: a line per served request too
 REASON_CHARS = 512  # a message may echo what the caller sent: the line stays bounded
+ROUTE_CHARS = 256  # an unrouted path is the caller's choice (a 404's, a 401's), and so is its length
+METHOD_CHARS = 64
 # The fields a request line adds to its record (`extra`), in the order a JSON line lists them.
 REQUEST_FIELDS = ("rpc", "method", "route", "status", "reason", "trace_id", "duration_ms")
 _REFUSED, _FAILED = logging.INFO, logging.WARNING
+
+
+# What breaks a line for some reader: C0 controls but tab, DEL, C1 controls (U+0085 is NEL), and
+# the Unicode line and paragraph separators (str.splitlines splits on \x0b, \x0c, \x1c-\x1e too).
+_BREAKING = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r"}
+_JSON_RAW = str.maketrans({c: f"\\u{c:04x}" for c in [*range(0x7f, 0xa0), 0x2028, 0x2029]})
+CONTINUATION = "    "  # before each further line of a record (a traceback's)
+
+
+def _escaped(match: re.Match) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that could break a line escaped (a newline as \\n)."""
+    return _BREAKING.sub(_escaped, text) if _BREAKING.search(text) else text
+
+
+class TextFormatter(logging.Formatter):
+    """The text format: a record's message on its own line whatever it holds (`one_line`), and a
+    traceback's lines indented by CONTINUATION, their line breaks but the newline escaped too, so
+    an exception message that echoes input cannot start a line either."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = one_line(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if "\n" not in text:
+            return text
+        first, *rest = text.split("\n")
+        return "\n".join([first, *(CONTINUATION + one_line(line) for line in rest)])
 
 
 class JsonFormatter(logging.Formatter):
@@ -52,7 +101,8 @@ class JsonFormatter(logging.Formatter):
             line["exc"] = record.exc_text
         if record.stack_info:
             line["stack"] = record.stack_info
-        return json.dumps(line, ensure_ascii=False, default=str)
+        # ensure_ascii=False keeps text readable, and leaves DEL, C1 controls (NEL), U+2028 and U+2029 raw.
+        return json.dumps(line, ensure_ascii=False, default=str).translate(_JSON_RAW)
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s{process}: %(message)s"
@@ -74,7 +124,7 @@ def configure(log_format: str, level: str, process: str = "") -> None:
         logging._defaultFormatter = formatter  # type: ignore[attr-defined]
         logging.captureWarnings(True)
     else:
-        formatter = logging.Formatter(TEXT_FORMAT.format(process=f"[{process}]" if process else ""))
+        formatter = TextFormatter(TEXT_FORMAT.format(process=f"[{process}]" if process else ""))
     handler.setFormatter(formatter)
     root.addHandler(handler)
     root.setLevel(level.upper())
@@ -123,7 +173,9 @@ refusals = PerSecond(REFUSAL_LINES_PER_S)
 def request_line(what: dict, status: str | int, duration_s: float, reason: str, trace_id: str, level: int) -> None:
     """One request's line: `what` names it ({"rpc": "Embed"} or {"method": "POST", "route":
     "/v1/embeddings"}), `status` the gRPC code name or the HTTP status, `reason` the message it
-    was answered with ("" when served). Refusals: at most REFUSAL_LINES_PER_S a second."""
+    was answered with ("" when served). Refusals: at most REFUSAL_LINES_PER_S a second. The
+    caller's strings in it are cut (REASON_CHARS, ROUTE_CHARS, METHOD_CHARS); the formatters keep
+    them on the line."""
     if not REQUESTS.isEnabledFor(level):
         return
     if level == _REFUSED and reason:
@@ -134,6 +186,8 @@ def request_line(what: dict, status: str | int, duration_s: float, reason: str, 
             REQUESTS.log(_REFUSED, "%d more refused requests were not logged (at most %d lines a second; "
                          "embedfleet_requests_total counts every one)", skipped, REFUSAL_LINES_PER_S)
     reason = reason[:REASON_CHARS]
+    if "route" in what:
+        what = {**what, "route": what["route"][:ROUTE_CHARS], "method": what.get("method", "")[:METHOD_CHARS]}
     duration_ms = round(duration_s * 1000, 3)
     name = what.get("rpc") or f"{what.get('method', '')} {what.get('route', '')}"
     text = f"{name} {status} in {duration_ms:.1f} ms"

@@ -5,13 +5,18 @@ bucket or directory; credentials refused; a bad setting), 1 when it may pass (a 
 a hub 5xx or 429, a timeout; also any traceback, Python's own exit status 1). The operator's fill
 Job runs it in the server image with the servers' own environment, so that pods mounting the
 filled cache read-only (HF_HUB_OFFLINE=1) find exactly the layout they look for; it fails at once
-on REFUSED and retries on anything else."""
+on REFUSED and retries on anything else.
+
+With QUANTIZE_RANGE=calibrated it also computes the model's calibration for int8/uint8
+(embedserve.calibrate: the corpus's float32 vectors on the CPU) into the cache, keyed by the model's
+revision and how it is served, so every pod of the revision reads the same one."""
 
 from __future__ import annotations
 
 import sys
 
 from embedserve.config import ConfigError, Settings
+from embedserve.model.declared import DeclarationError
 from embedserve.model.source import ModelSourceError, resolve
 
 # The fill Job's podFailurePolicy fails the Job at once on this code (operator/embedop/
@@ -28,11 +33,27 @@ def main() -> int:
             print("MODEL_PATH is a simulated device: nothing to fetch")
             return 0
         path = resolve(s.model_path, s.model_cache_dir, s.trust_remote_code, s.model_revision)
-    except (ConfigError, ModelSourceError) as e:
+        if s.quantize_calibrated:
+            calibrate_into_cache(s)
+    except (ConfigError, ModelSourceError, DeclarationError) as e:
         print(f"prefetch failed: {e}", file=sys.stderr)
         return FAILED if isinstance(e, ModelSourceError) and not e.permanent else REFUSED
     print(path)
     return 0
+
+
+def calibrate_into_cache(s: Settings) -> None:
+    """QUANTIZE_RANGE=calibrated: the calibration in MODEL_CACHE_DIR (read if there, else computed
+    and saved), as a server with these settings would look for it."""
+    from embedserve import calibrate
+    from embedserve.prepare import prepare
+
+    prepared = prepare(s)  # the model is in the cache now: no network call
+    if prepared.task != "embed":
+        print(f"QUANTIZE_RANGE=calibrated: a {prepared.task} model has no int8/uint8 encodings, nothing to calibrate",
+              file=sys.stderr)
+        return
+    calibrate.calibrated(s, prepared)
 
 
 if __name__ == "__main__":

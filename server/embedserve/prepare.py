@@ -28,7 +28,7 @@ class Prepared:
     buckets: tuple[int, ...]
     tokenizer: TextTokenizer
     exclude_ids: list[int]
-    activation: str = ""  # rerank: the cross-encoder's activation (embedserve.model.activation)
+    activation: str = ""  # rerank, classify: the logits' activation (embedserve.model.activation)
     sep_id: int | None = None  # rerank: the separator between a pair's texts (token types)
 
 
@@ -59,6 +59,10 @@ def prepare(s: Settings) -> Prepared:
             raise declared.DeclarationError(str(e)) from None
         for note in act_notes:
             log.info("%s", note)
+    elif task == "classify":  # as transformers' text-classification pipeline scores it
+        act, why = activation.for_classifier(getattr(config, "problem_type", None), int(config.num_labels),
+                                             getattr(config, "function_to_apply", None))
+        log.info("classify activation: torch.nn.%s (%s)", act, why)
     architectures = getattr(config, "architectures", None) or []
     if task == "sparse" and not any(a.endswith("ForMaskedLM") for a in architectures):
         # AutoModelForMaskedLM would load any encoder, with a random MLM head and only a warning.

@@ -17,7 +17,10 @@ OpenTelemetry, no Recorder is made, and what a request pays is a check of `calle
 `request.trace` against None where a stage would stamp.
 
 Trace ids for log lines: `trace_id` (a traced request's span), else `traceparent_trace_id` (the
-caller's header, read only on a refused or failed request)."""
+caller's header, read only on a refused or failed request).
+
+The caller's side: `inject_current` (embedserve.client) writes the caller's current context into
+a call's metadata, with the OpenTelemetry API alone."""
 
 from __future__ import annotations
 
@@ -269,3 +272,23 @@ def traceparent_trace_id(header: str | None) -> str:
     if m is None or m.group(1) == "0" * 32:
         return ""
     return m.group(1)
+
+
+_inject = None  # opentelemetry.propagate.inject once looked up; False: the API is not installed
+
+
+def inject_current(carrier: dict) -> None:
+    """A caller's side (embedserve.client): the current OpenTelemetry context, the caller's span,
+    into `carrier` as its propagators write it (W3C `traceparent`, `tracestate`, `baggage` by
+    default; OTEL_PROPAGATORS), so the server's span continues the caller's trace. The API only
+    (opentelemetry-api; no SDK, no exporter): without it installed, or with no span current,
+    nothing is written."""
+    global _inject
+    if _inject is None:
+        try:
+            from opentelemetry.propagate import inject
+        except ImportError:
+            inject = False
+        _inject = inject
+    if _inject:
+        _inject(carrier)

@@ -231,3 +231,59 @@ async def test_an_idle_clients_keepalive_is_accepted_and_notices_a_frozen_server
     finally:
         server.proc.send_signal(signal.SIGCONT)  # a stopped process acts on no SIGTERM
         server.stop()
+
+
+class Unavailable:
+    """What a fleet with no pod left looks like from the Client: a proxy (Envoy, a mesh) with no
+    healthy upstream answers every call UNAVAILABLE. Counts the calls it was sent."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def __aenter__(self):
+        async def embed(request, context):
+            self.calls += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy upstream")
+
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("embedfleet.v1.Inference", {
+            "Embed": grpc.unary_unary_rpc_method_handler(embed, pb.EmbedRequest.FromString,
+                                                         pb.EmbedResponse.SerializeToString)})])
+        self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.server.stop(0)
+
+
+@pytest.mark.parametrize("routing", ["least-drain", "round-robin"])
+async def test_clients_made_per_call_share_one_retry_budget_per_target(routing):
+    """Code that makes a Client per call: each one started with a full budget of its own and
+    retried every failure (here each call until its deadline). One budget per target for the
+    process: the first calls spend half of it (10 retries), later ones fail at their first
+    answer, and no retry is earned back by failing."""
+    from embedserve.client_routing import MAX_TOKENS
+
+    async with Unavailable() as fleet:
+        for _ in range(30):
+            async with Client(fleet.target, timeout_s=1.0, routing=routing) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await client.embed(["a text"])
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert fleet.calls == 30 + MAX_TOKENS / 2
+        assert client.retry_budget is Client(fleet.target).retry_budget  # one per target
+
+
+def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
+    from embedserve.client_metadata import merged, pairs as metadata_pairs
+
+    assert merged((("authorization", "Bearer a"), ("x-team", "search")),
+                  metadata_pairs({"authorization": "Bearer b", "x-request-id": "7"}, "metadata=")) == (
+        ("x-team", "search"), ("authorization", "Bearer b"), ("x-request-id", "7"))
+    for bad, says in (({"X-Upper": "v"}, "is not gRPC metadata"), ({"embedfleet-attempt": "3"}, "set by the Client"),
+                      ({"x-bin": "text"}, "must be bytes"), ({"x": 1}, "must be str"), ([("x",)], "not a \\(key, value\\)")):
+        with pytest.raises(ValueError, match=says):
+            metadata_pairs(bad, "metadata=")
+    with pytest.raises(ValueError, match="Client\\(metadata=\\)"):
+        Client("127.0.0.1:1", metadata={"embedfleet-hedge": "1"})

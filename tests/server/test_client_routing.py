@@ -8,9 +8,8 @@ import pytest
 
 from embedserve.client_pods import Target, parse_target
 from embedserve.client_routing import (
-    AGE_HALF_LIFE_S, FORGET_S, HEDGE_BURST, HEDGE_MARGIN_S, PodView, aged_drain_ms, better, drain_ms,
-    hedge_delay_s, latency_after, load_ms,
-    hedge_tokens, may_hedge, pick,
+    AGE_HALF_LIFE_S, FORGET_S, HEDGE_MARGIN_S, MAX_TOKENS, PodView, RetryBudget, aged_drain_ms, better,
+    budget_for, drain_ms, hedge_delay_s, latency_after, load_ms, pick,
 )
 
 
@@ -89,14 +88,41 @@ def test_a_pod_keeping_our_calls_unanswered_counts_as_that_far_behind_and_does_n
     assert all(pick([PodView(None, 0.0, 0), PodView(None, 9.0, 1, 2.0)], t, rng) == 0 for t in range(20))
 
 
-def test_hedges_are_a_tenth_of_calls_after_a_burst():
-    tokens, hedges = HEDGE_BURST, 0
-    for _ in range(1000):
-        tokens = hedge_tokens(tokens)
-        if may_hedge(tokens):
-            tokens -= 1
-            hedges += 1
-    assert HEDGE_BURST + 90 <= hedges <= HEDGE_BURST + 101
+def test_retries_and_hedges_are_a_tenth_of_successful_calls_after_a_burst_of_half_the_tokens():
+    """gRPC's retry throttling: full at start, 1 spent per retry or hedge while above half."""
+    budget = RetryBudget()
+    burst = 0
+    while budget.spend():
+        burst += 1
+    assert burst == MAX_TOKENS / 2 == 10
+    assert not budget.allows() and budget.tokens == MAX_TOKENS / 2  # a refused spend takes nothing
+    spent = 0
+    for _ in range(1000):  # every call succeeds and asks for a hedge
+        budget.succeeded()
+        spent += budget.spend()
+    assert 90 <= spent <= 101
+
+
+def test_failures_alone_earn_nothing():
+    """Calls that keep failing are not a reason to retry more: only successes refill the budget
+    (a Client that refilled on every try let each retry pay for the next)."""
+    budget = RetryBudget()
+    spent = sum(budget.spend() for _ in range(1000))
+    assert spent == 10
+    for _ in range(10):
+        budget.succeeded()
+    assert budget.spend() and not budget.spend()
+
+
+def test_the_budget_is_one_per_target_for_the_whole_process():
+    assert budget_for("dns:///a.test:50051") is budget_for("dns:///a.test:50051")
+    assert budget_for("dns:///a.test:50051") is not budget_for("dns:///b.test:50051")
+
+
+@pytest.mark.parametrize("max_tokens, ratio", [(0, 0.1), (1001, 0.1), (10, 0), (10, 1.5)])
+def test_a_budget_outside_grpcs_bounds_is_refused(max_tokens, ratio):
+    with pytest.raises(ValueError, match="retryThrottling"):
+        RetryBudget(max_tokens, ratio)
 
 
 @pytest.mark.parametrize("metadata, ms", [

@@ -171,3 +171,17 @@ def test_logs_default_to_text_without_an_access_log():
     s = Settings.from_env({})
     assert (s.log_format, s.access_log, s.tracing) == ("text", False, False)
     assert Settings.from_env({"LOG_FORMAT": "JSON"}).log_format == "json"
+
+
+@pytest.mark.parametrize("value, calibrated, r", [("calibrated", True, 1.0), ("Calibrated", True, 1.0),
+                                                  ("0.3", False, 0.3), ("", False, 1.0)])
+def test_quantize_range_is_a_positive_number_or_calibrated(value, calibrated, r):
+    s = Settings.from_env({"QUANTIZE_RANGE": value})
+    assert (s.quantize_calibrated, s.quantize_range) == (calibrated, r)
+
+
+@pytest.mark.parametrize("env", [{"QUANTIZE_RANGE": "calibrate"}, {"QUANTIZE_RANGE": "0"},
+                                 {"COMPILE_CACHE": "everywhere"}])
+def test_quantize_range_and_compile_cache_name_themselves_when_wrong(env):
+    with pytest.raises(ConfigError, match=next(iter(env))):
+        Settings.from_env(env)

@@ -26,13 +26,16 @@ LAYERS = [
     # The Client is no stage of the server: its decisions, its pods, and the façade over both.
     {"embedserve.client_pods"},
     {"embedserve.client_calls"},
+    {"embedserve.client_metadata"},
     {"embedserve.client"},
     {"embedserve.model", "embedserve.admission"},
     {"embedserve.batching"},
     {"embedserve.service"},
     {"embedserve.metrics"},
     {"embedserve.transports"},
-    {"embedserve.frontends", "embedserve.prepare", "embedserve.prefetch"},
+    {"embedserve.calibrate"},
+    {"embedserve.frontends", "embedserve.prepare"},
+    {"embedserve.prefetch"},
     {"embedserve.app"},
     {"embedserve.__main__"},
 ]

@@ -138,3 +138,91 @@ def test_refusal_lines_are_bounded_per_second_and_what_is_left_out_is_counted(mo
     refuse()
     assert caplog.records[-2].getMessage().startswith("7 more refused requests were not logged")
     assert "overloaded" in caplog.records[-1].getMessage()
+
+
+# A forged record: what a caller would make a reader see as a line of its own.
+FORGED = "2026-01-01 00:00:00,000 ERROR embedserve: forged by the caller"
+BREAKS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def record_starts(text: str) -> list[str]:
+    """The lines a reader takes for records: every line (as str.splitlines splits, which breaks at
+    more than a newline) that does not start with the text format's continuation indent."""
+    return [line for line in text.splitlines() if not line.startswith(logs.CONTINUATION)]
+
+
+def test_no_caller_string_breaks_a_text_or_json_line_apart():
+    """A path, a message echoing input, an exception message: each line break escaped in the text
+    format (a traceback's further lines indented), and none left raw in JSON."""
+    script = textwrap.dedent("""
+        import logging, sys
+        from embedserve import logs
+        logs.configure(sys.argv[1], "INFO")
+        breaks, forged = sys.argv[2].split("|"), sys.argv[3]
+        for b in breaks:
+            logs.request_line({"method": "GET", "route": "/x" + b + forged}, 404, 0.001, "Not Found", "", logging.WARNING)
+            logging.getLogger("embedserve.x").warning("model %r, text %s", "m" + b + forged, "t" + b + forged)
+            try:
+                raise ValueError("bad input" + b + forged)
+            except ValueError:
+                logging.getLogger("embedserve.x").exception("failed on %s", b + forged)
+    """)
+    for fmt in ("text", "json"):
+        out = subprocess.run([sys.executable, "-c", script, fmt, "|".join(BREAKS), FORGED], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        if fmt == "json":
+            lines = out.stderr.splitlines()
+            records = [json.loads(line) for line in lines]  # each line a whole object
+            assert len(records) == 3 * len(BREAKS)
+            assert [r["route"] for r in records[::3]] == ["/x" + b + FORGED for b in BREAKS]  # the data kept as sent
+            continue
+        starts = record_starts(out.stderr)
+        assert len(starts) == 3 * len(BREAKS), starts
+        assert not [line for line in out.stderr.splitlines() if line.startswith(FORGED)]
+        assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (WARNING|ERROR) embedserve", s) for s in starts)
+        assert f"GET /x\\n{FORGED} 404 in" in starts[0]  # escaped, readable
+        assert f"'m\\u2028{FORGED}'" in out.stderr  # repr escapes it; the formatter the rest
+
+
+def test_a_request_line_bounds_the_callers_path_and_method(caplog):
+    caplog.set_level(logging.INFO, logger="embedserve.requests")
+    logs.request_line({"method": "M" * 1000, "route": "/" + "p" * 10_000}, 404, 0.001, "", "", logging.WARNING)
+    (record,) = caplog.records
+    assert len(record.route) == logs.ROUTE_CHARS and len(record.method) == logs.METHOD_CHARS
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_a_path_with_a_line_break_is_one_line_in_a_real_servers_log(frontends):
+    """The text format (the default) on a real server, one process and FRONTENDS=2: a 404's path
+    and, behind API keys, a 401's hold an encoded line break (uvicorn decodes %0A); neither
+    starts a line of the log."""
+    import urllib.error
+    import urllib.request
+
+    from tests.conftest import ServerProcess
+    from tests.server.frontends.test_frontend import children, kill_front_ends
+
+    server = ServerProcess({"MODEL_PATH": "sim:50000", "FRONTENDS": frontends, "API_KEYS": "right-key"}).wait_ready()
+    fronts = children(server.proc.pid)
+    forged = FORGED.replace(" ", "%20")
+    try:
+        for key, status in (("right-key", 404), ("wrong-key", 401)):
+            request = urllib.request.Request(f"{server.http}/nowhere%0A{forged}%E2%80%A8{forged}",
+                                             headers={"Authorization": f"Bearer {key}"})
+            with pytest.raises(urllib.error.HTTPError) as answered:
+                urllib.request.urlopen(request, timeout=10)
+            assert answered.value.code == status
+        deadline = time.monotonic() + 10
+        while len(lines := [x for x in server.log().splitlines() if "/nowhere" in x]) < 2:
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.05)
+    finally:
+        server.stop()
+        kill_front_ends(fronts)
+    assert not [line for line in server.log().splitlines() if "forged by the caller" in line and not "/nowhere" in line]
+    assert sorted(line.split(" /nowhere")[0].rsplit(" ", 1)[-1] for line in lines) == ["GET", "GET"]
+    # Escaped where it reaches the line (the routed 404's path, read through Starlette's URL, has
+    # lost its newline to urllib's parsing; the 401's is the path as uvicorn decoded it).
+    assert all(f"{FORGED}\\u2028{FORGED} 40" in line for line in lines), lines
+    assert any(f"/nowhere\\n{FORGED}" in line for line in lines), lines

@@ -145,6 +145,30 @@ def test_an_http_request_from_the_openai_client_continues_the_callers_trace(serv
     assert line["duration_ms"] > 0 and line["reason"] == ""
 
 
+async def test_our_client_continues_the_callers_current_trace(server, sink):
+    """Our Client injects the caller's current OpenTelemetry context (the API's propagate.inject:
+    a span current in the caller's own tracer, no global provider set), and a call's own
+    `metadata=` reaches the server: an explicit traceparent there is the caller's word."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from embedserve.client import Client
+
+    with TracerProvider().get_tracer("the caller").start_as_current_span("caller's work") as span:
+        async with Client(server.target) as client:
+            assert (await client.embed(["traced by our client"])).shape == (1, 384)
+    context = span.get_span_context()
+    trace_id, parent = format(context.trace_id, "032x"), format(context.span_id, "016x")
+    root, kids = request_span(sink, trace_id, children=len(STAGES))
+    assert root.name == "embedfleet.v1.Inference/Embed" and root.parent_span_id == parent
+    assert sorted(assert_children_of(root, kids, trace_id)) == sorted(STAGES)
+
+    explicit, parent, header = caller_context()
+    async with Client(server.target) as client:
+        assert (await client.embed(["traced by the call's metadata"], metadata={"traceparent": header})).shape == (1, 384)
+    root, _ = request_span(sink, explicit, children=len(STAGES))
+    assert root.parent_span_id == parent
+
+
 def test_refused_requests_are_spans_with_their_reason_and_one_log_line_each(server, sink):
     trace_id, _, header = caller_context()
     with grpc.insecure_channel(server.target) as channel:

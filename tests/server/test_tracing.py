@@ -5,7 +5,6 @@ costing no import of the SDK. Spans through a real exporter: test_traces_and_log
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys

@@ -95,7 +95,7 @@ class HealthCheckRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthCheckResponse(_message.Message):
-    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload", "task", "quantize_range")
+    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload", "task", "quantize_range", "quantize_calibration")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class HealthCheckResponse(_message.Message):
     SUSTAINED_OVERLOAD_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     status: str
     accepting_requests: bool
     queued_tokens: int
@@ -138,4 +139,5 @@ class HealthCheckResponse(_message.Message):
     sustained_overload: bool
     task: str
     quantize_range: float
-    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ...) -> None: ...
+    quantize_calibration: str
+    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ..., quantize_calibration: _Optional[str] = ...) -> None: ...

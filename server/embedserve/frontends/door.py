@@ -45,9 +45,13 @@ class ModelDoor:
         if head:
             head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
             head.pop("splade", None)
+        q = s.quantization  # int8/uint8's ranges: the calibration's vectors travel as the payload
+        calibration = q.calibration if q.calibrated else np.zeros((0, 0), dtype=np.float32)
         return {"task": s.task, "labels": s.labels, "activation": s.activation, "head": head,
                 "tokenizer": s.service.tokenizer.spec, "simulated": s.service.head is None,
-                "model_dimension": s.model_dimension}, b""
+                "model_dimension": s.model_dimension,
+                "quantization": {"r": q.r, "normalized": q.normalized, "digest": q.digest,
+                                 "shape": list(calibration.shape)}}, np.ascontiguousarray(calibration, "<f4").tobytes()
 
     async def rows(self, header: dict, payload) -> ipc.Message:
         ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])

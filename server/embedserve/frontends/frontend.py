@@ -25,8 +25,10 @@ from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import IDLE_SIGNAL, Metrics
 from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
+from embedserve.model.calibration import digest
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
+from embedserve.transports.encodings import Quantization
 from embedserve.transports.listeners import Transports
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,19 @@ class RemoteService(PreTokenized):
         return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
 
 
+def quantization_from(said: dict, payload) -> Quantization:
+    """The model process's Quantization from its hello: a fixed range, or the calibration's
+    vectors (the payload, float32), checked against the digest it named."""
+    shape = tuple(said["shape"])
+    if not all(shape):
+        return Quantization(said["r"])
+    calibration = np.frombuffer(payload, dtype="<f4").reshape(shape).astype(np.float32)
+    q = Quantization(calibration=calibration, normalized=said["normalized"], digest=said["digest"])
+    if q.digest != digest(calibration):
+        raise RuntimeError(f"the calibration from the model process is not the one it named ({said['digest']})")
+    return q
+
+
 class Frontend:
     """The hub the transports serve, in a front end: the model's state comes from the model
     process, refreshed every STATE_EVERY_S."""
@@ -96,6 +111,7 @@ class Frontend:
         self.served_name, self.model_name = served_model_name(settings), settings.model_path
         self.task, self.labels, self.head, self.activation = "embed", [], None, ""
         self.model_dimension = 0  # dimensions the model computes: from the model process
+        self.quantization = Quantization(settings.quantize_range)  # the model process's, once it is ready
         self.started_at = time.monotonic()
         self.draining = False
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
@@ -126,12 +142,13 @@ class Frontend:
         self._watcher = asyncio.create_task(self._watch_model(), name="model-process")
         if not self.late:  # at the pod's start: nothing serves the ports yet, and probes read "starting"
             await self.transports.start()
-        hello, _ = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the model is ready
+        hello, payload = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the model is ready
         head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
         s = self.settings
         tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
         self.task, self.labels, self.head = hello["task"], hello["labels"], head
         self.model_dimension = hello["model_dimension"]
+        self.quantization = quantization_from(hello["quantization"], payload)
         self.activation = hello.get("activation", "")
         self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
                                      None if hello["simulated"] else head, self.task, self._executor, self.activation)

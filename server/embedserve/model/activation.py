@@ -1,7 +1,8 @@
 """A cross-encoder's activation (TASK=rerank): which one its authors declared, found as
-sentence-transformers' CrossEncoder finds its default, and the activation itself on float32
-logits in numpy (the scores are formed where the answer is: in a front end too, which has no
-torch).
+sentence-transformers' CrossEncoder finds its default; a classifier's (TASK=classify), found as
+transformers' text-classification pipeline finds it (`for_classifier`); and the activation
+itself on float32 logits in numpy (the scores are formed where the answer is: in a front end
+too, which has no torch).
 
 CrossEncoder 6.2, loading a directory with no activation passed, takes the first of:
 config_sentence_transformers.json's `activation_fn` (what `CrossEncoder.save` writes, read when
@@ -78,6 +79,25 @@ def resolve(st_config: dict, hf_config: dict, num_labels: int) -> tuple[str, lis
     name = "Sigmoid" if num_labels == 1 else "Identity"
     notes.append(f"rerank activation: torch.nn.{name} (CrossEncoder's default for {num_labels} label(s))")
     return name, notes
+
+
+def for_classifier(problem_type: str | None, num_labels: int, function_to_apply: object = None) -> tuple[str, str]:
+    """A sequence classifier's config.json (`problem_type`, `num_labels`, `function_to_apply`) →
+    (the activation's class name, why), as transformers' TextClassificationPipeline picks its
+    default: `regression` → none; `multi_label_classification`, or one label → sigmoid (each
+    label's own probability: softmax over one label is always 1); `single_label_classification`,
+    or several labels → softmax; else the config's `function_to_apply`, else none. Pure."""
+    if problem_type == "regression":
+        return "Identity", "problem_type regression: the logits as they are"
+    if problem_type == "multi_label_classification" or num_labels == 1:
+        why = "problem_type multi_label_classification" if problem_type == "multi_label_classification" else "one label"
+        return "Sigmoid", f"{why}: each label's sigmoid"
+    if problem_type == "single_label_classification" or num_labels > 1:
+        return "Softmax", f"{num_labels} labels, one true: softmax over them"
+    declared = {"sigmoid": "Sigmoid", "softmax": "Softmax", "none": "Identity"}.get(str(function_to_apply).lower())
+    if declared:
+        return declared, f"function_to_apply {function_to_apply}"
+    return "Identity", "no labels declared: the logits as they are"
 
 
 def apply(name: str, logits: np.ndarray) -> np.ndarray:

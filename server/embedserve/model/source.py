@@ -106,16 +106,43 @@ def _fetched_file(cache_dir: str, repo_id: str, revision: str, trust_remote_code
     return Path(cache_dir) / FETCHED / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
+class OutsideCache(ValueError):
+    """A fetch record naming a path outside the directory it must stay in."""
+
+
+def confined(root: str | os.PathLike, name: object, within: str | os.PathLike | None = None) -> Path:
+    """`root`/`name` where `name` is a relative path that stays under `root`: no absolute path, no
+    `..`, and nothing that resolves (through symbolic links) outside `within` (default `root`). A record in a shared
+    cache is written by whoever can write the cache: it must not make a pod load a model from
+    anywhere else (a directory it was never given), nor probe the filesystem for files. The
+    hub's own layout resolves inside: a snapshot's files are links to ../../blobs/."""
+    if not isinstance(name, str) or not name:
+        raise OutsideCache(f"{name!r} is not a relative path")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise OutsideCache(f"{name!r} is not a path inside {root}")
+    path = Path(root) / relative
+    base = Path(root if within is None else within)
+    if not path.resolve().is_relative_to(base.resolve()):
+        raise OutsideCache(f"{name!r} leads outside {base} (to {path.resolve()})")
+    return path
+
+
 def fetched(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revision: str = "") -> Path | None:
     """The snapshot of `repo_id` at `revision` that this cache holds complete, read with no network
     call: a filled volume (a pre-filled claim, one a previous pod filled) serves whether or not the
     hub is reachable. A branch (main) stays at the commit first fetched: set MODEL_REVISION to
     move a fleet to another one."""
+    path = _fetched_file(cache_dir, repo_id, revision, trust_remote_code)
     try:
-        record = json.loads(_fetched_file(cache_dir, repo_id, revision, trust_remote_code).read_text())
-        snapshot = Path(cache_dir) / record["snapshot"]
-        if record["selection"] != SELECTION or not all((snapshot / f).is_file() for f in record["files"]):
+        record = json.loads(path.read_text())
+        snapshot = confined(cache_dir, record["snapshot"])
+        files = [confined(snapshot, f, within=cache_dir) for f in record["files"]]
+        if record["selection"] != SELECTION or not all(f.is_file() for f in files):
             return None  # other rules chose these files, or one is gone: fetched again
+    except OutsideCache as e:
+        log.warning("ignoring %s: %s; fetching %s again", path, e, repo_id)
+        return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not snapshot.is_dir():

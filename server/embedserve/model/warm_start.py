@@ -13,7 +13,14 @@ measured again (INFO), and WARM_START=refresh measures and overwrites. Failing t
 read-only cache (a pre-filled claim mounted readOnly) is said once at INFO, anything else is a
 warning; the server serves either way.
 
-File: <MODEL_CACHE_DIR>/embedfleet-warmup/<sha256 of the key>.json, written atomically."""
+File: <MODEL_CACHE_DIR>/embedfleet-warmup/<sha256 of the key>.json, written atomically.
+
+A writer of a shared cache controls these files: JSON (json.loads, at most MAX_FILE_BYTES) under
+its key's digest, so no code and no other path; caps held to what this pod's settings let the
+batcher form, each shape run before serving; a service-rate prior of at most MAX_RATE, which
+served batches replace within about half a minute of busy time. It can make batches smaller or
+the first seconds of admission wrong, not more (docs/configuration.md, the shared cache's trust
+boundary)."""
 
 from __future__ import annotations
 
@@ -48,6 +55,9 @@ MAX_FILE_BYTES = 1 << 20  # a warm-up file is a few kB: anything larger is not o
 # off nearly every start (a rollout, a scale-up) and bounds how long an unlucky one lasts.
 MAX_AGE_S = 7 * 86400
 STALE_TMP_S = 3600  # a .tmp file this old is a writer that died before its rename
+# No device computes a billion real tokens a second (an H200 runs a MiniLM at ~2 million): a rate
+# above is no measurement, and as the service-rate prior it would take minutes of busy time to fade.
+MAX_RATE = 1e9
 PROBE_SEED = 20261202
 PROBE_VALUES = 8
 # The probe must survive the same model on the same device giving slightly different numbers
@@ -75,14 +85,22 @@ def file_for(cache_dir: str | os.PathLike, key: dict) -> Path:
 
 
 def compile_cache_env(environ: Mapping[str, str], cache_dir: str | os.PathLike, device_type: str,
-                      compiles: bool) -> dict[str, str]:
+                      compiles: bool, shared: bool = False) -> dict[str, str]:
     """The variables to set so torch.compile's caches (inductor's FX graphs and autotuning,
     Triton's kernels) go beside the warm-up files, where a volume that outlives the pod keeps
-    them: only on CUDA with COMPILE=true, never over the user's own, and only where the directory
-    can be written. Inductor raises on a cache directory it cannot create, which would fail every
-    start of a pod whose cache is a pre-filled read-only claim: then nothing is set (one log line),
-    and the caches stay in their defaults under /tmp."""
-    if device_type != "cuda" or not compiles:
+    them: only with `shared` (COMPILE_CACHE=shared), on CUDA with COMPILE=true, never over the
+    user's own, and only where the directory can be written.
+
+    Not by default: inductor unpickles and imports what it finds in its cache, so whoever can
+    write that directory runs code in every pod that compiles from it. On a volume several
+    services share (a ReadWriteMany claim), one whose model runs its own code (TRUST_REMOTE_CODE)
+    could then run code in the others' pods. Per pod (unset), they stay in their defaults in the
+    container's own /tmp, and each pod compiles again.
+
+    Inductor raises on a cache directory it cannot create, which would fail every start of a pod
+    whose cache is a pre-filled read-only claim: then nothing is set (one log line), and the
+    caches stay in their defaults."""
+    if device_type != "cuda" or not compiles or not shared:
         return {}
     base = Path(cache_dir) / DIRECTORY / "compile"
     wanted = {"TORCHINDUCTOR_CACHE_DIR": base / "inductor", "TRITON_CACHE_DIR": base / "triton"}
@@ -157,8 +175,8 @@ def _count(v: object) -> int:
 
 
 def _rate(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{v!r} is not a positive rate")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= MAX_RATE):
+        raise ValueError(f"{v!r} is not a positive rate of at most {MAX_RATE:g} tokens/s")
     return float(v)
 
 

@@ -2,15 +2,20 @@
 float32, float32 as base64, or quantized as sentence-transformers' `quantize_embeddings` does it.
 Pure numpy, one place for gRPC and HTTP alike.
 
-Quantization uses fixed ranges, never ones calibrated on the request: [-r, r] for every dimension,
-r = QUANTIZE_RANGE. A vector then quantizes the same whatever else its request holds and on
-whichever pod answers, so an index built from many requests is coherent. The result equals
-`quantize_embeddings(vectors, precision, ranges=np.array([[-r] * d, [r] * d]))` byte for byte.
+Quantization uses ranges fixed before any request, never ones calibrated on the request: a vector
+then quantizes the same whatever else its request holds and on whichever pod answers, so an index
+built from many requests is coherent. Either [-r, r] for every dimension, r = QUANTIZE_RANGE (the
+result equals `quantize_embeddings(vectors, precision, ranges=np.array([[-r] * d, [r] * d]))` byte
+for byte), or, QUANTIZE_RANGE=calibrated, each dimension's min and max over the model's own vectors
+of a fixed corpus (embedserve.model.calibration), cut and normalized as the request's vectors are:
+`quantize_embeddings(vectors, precision, calibration_embeddings=those)` byte for byte.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import threading
 
 import numpy as np
 
@@ -56,17 +61,68 @@ def truncated(rows: np.ndarray, dimensions: int, renormalize: bool) -> np.ndarra
     return (cut / np.where(norms == 0, 1, norms)).astype(np.float32, copy=False)
 
 
-def quantize(rows: np.ndarray, encoding: str, r: float) -> np.ndarray:
-    """float32 rows → `encoding`'s rows: int8/uint8 [n, d] (d's every component over [-r, r] in 256
-    levels, clipped outside), binary/ubinary [n, ceil(d / 8)] (1 where > 0, 8 bits to a byte,
-    binary's bytes offset by -128). The arithmetic is sentence-transformers' own, in float32, so
-    the bytes are the same."""
+class Quantization:
+    """The ranges int8 and uint8 map onto their 256 levels: fixed, [-r, r] of every dimension
+    (`r`, QUANTIZE_RANGE), or calibrated: per dimension, the min and max of `calibration` (the
+    model's float32 vectors of the calibration corpus, as served: `normalized` says whether the
+    server's vectors are unit-length), cut and normalized as the quantized rows were. `digest`
+    names a calibration (model.calibration.digest); "" for a fixed range."""
+
+    CACHED = 64  # widths (and normalizations) whose ranges are kept: each is one pass over the corpus
+
+    def __init__(self, r: float = 1.0, calibration: np.ndarray | None = None, normalized: bool = True,
+                 digest: str = ""):
+        self.r, self.calibration, self.normalized, self.digest = r, calibration, normalized, digest
+        self._ranges: collections.OrderedDict[tuple[int, bool], np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()  # front ends and the one process call this from the event loop, tests from threads
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibration is not None
+
+    def health(self) -> dict:
+        """What /health and gRPC HealthCheck say of it: `quantize_range` r (0 when calibrated) and
+        `quantize_calibration` the calibration's digest ("" for a fixed range)."""
+        return {"quantize_range": 0.0 if self.calibrated else self.r, "quantize_calibration": self.digest}
+
+    def ranges(self, dimensions: int, normalized: bool = True) -> np.ndarray:
+        """float32 [2, dimensions]: each dimension's start and end, for rows of that width
+        (`normalized`: the rows were L2-normalized, and again after a cut, as encodings.truncated)."""
+        if self.calibration is None:
+            return np.array([[-self.r] * dimensions, [self.r] * dimensions]).astype(np.float32)
+        if not 0 < dimensions <= self.calibration.shape[1]:
+            raise InvalidInput(f"dimensions={dimensions}: the calibration has {self.calibration.shape[1]}")
+        key = (dimensions, normalized)
+        with self._lock:
+            found = self._ranges.get(key)
+            if found is not None:
+                self._ranges.move_to_end(key)
+                return found
+        vectors = self.calibration
+        if normalized and not self.normalized:  # a request that asks normalized vectors of a model that gives raw ones
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = (vectors / np.where(norms == 0, 1, norms)).astype(np.float32)
+        vectors = truncated(vectors, dimensions, normalized)
+        found = np.vstack((vectors.min(axis=0), vectors.max(axis=0))).astype(np.float32)
+        with self._lock:
+            self._ranges[key] = found
+            while len(self._ranges) > self.CACHED:
+                self._ranges.popitem(last=False)
+        return found
+
+
+def quantize(rows: np.ndarray, encoding: str, r: "float | Quantization", normalized: bool = True) -> np.ndarray:
+    """float32 rows → `encoding`'s rows: int8/uint8 [n, d] (each component over its dimension's
+    range in 256 levels, clipped outside: `r` a Quantization, or a float for the fixed [-r, r]),
+    binary/ubinary [n, ceil(d / 8)] (1 where > 0, 8 bits to a byte, binary's bytes offset by
+    -128). The arithmetic is sentence-transformers' own, in float32, so the bytes are the same."""
     rows = np.asarray(rows, dtype=np.float32)
     if encoding in ("int8", "uint8"):
         d = rows.shape[1]
-        ranges = np.array([[-r] * d, [r] * d]).astype(np.float32)
+        ranges = (r if isinstance(r, Quantization) else Quantization(r)).ranges(d, normalized)
         starts = ranges[0, :]
         steps = (ranges[1, :] - starts) / LEVELS
+        steps = np.where(steps == 0, 1, steps)  # as sentence-transformers: a flat dimension is one level
         levels = np.clip(np.floor((rows - starts) / steps), 0, LEVELS)
         return levels.astype(np.uint8) if encoding == "uint8" else (levels - 128).astype(np.int8)
     if encoding in ("binary", "ubinary"):
@@ -118,10 +174,10 @@ def base64_rows(rows: np.ndarray) -> list[str]:
     return [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in rows]
 
 
-def encoded(rows: np.ndarray, encoding: str, r: float) -> list:
+def encoded(rows: np.ndarray, encoding: str, r: "float | Quantization", normalized: bool = True) -> list:
     """Rows as JSON carries them: lists of floats, base64 strings, or lists of ints (quantized)."""
     if encoding == FLOAT:
         return rows.tolist()
     if encoding == BASE64:
         return base64_rows(rows)
-    return quantize(rows, encoding, r).tolist()
+    return quantize(rows, encoding, r, normalized).tolist()

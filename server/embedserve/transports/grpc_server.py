@@ -49,14 +49,15 @@ _STATUS = (
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
-                 quantize_range: float = 1.0, model_dimension: Callable[[], int] = lambda: 0,
+                 quantization: Callable[[], encodings.Quantization] = encodings.Quantization,
+                 model_dimension: Callable[[], int] = lambda: 0,
                  drain_s: Callable[[], float] = lambda: 0.0, max_reply_bytes: int = 64 * 2**20):
         self._service = get_service  # None until start-up has built it
         self._drain_s = drain_s  # the pod's backlog in seconds of model time, as it is now (drain.py)
         self._model_dimension = model_dimension  # the most `dimensions` may ask (0: not known yet)
         self._health_fields = health_fields
         self._observe = observe
-        self._quantize_range = quantize_range  # QUANTIZE_RANGE
+        self._quantization = quantization  # the hub's (QUANTIZE_RANGE: fixed, or calibrated once the model is loaded)
         self._max_reply_bytes = max_reply_bytes  # MAX_REPLY_BYTES
 
     async def Embed(self, request, context):
@@ -170,7 +171,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         out = encodings.truncated(out, dims, bool(head and head.normalize))
         if encoding == encodings.FLOAT:
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
-        quantized = encodings.quantize(out, encoding, self._quantize_range)
+        quantized = encodings.quantize(out, encoding, self._quantization(), bool(head and head.normalize))
         return pb.EmbedResponse(quantized=quantized.tobytes(), shape=out.shape, encoding=pb.Encoding.Value(encoding.upper()))
 
 

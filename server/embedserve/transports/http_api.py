@@ -19,11 +19,12 @@ from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
-from embedserve.transports import budget, encodings, http_rerank, http_sparse, http_tei, json_reply, outcomes
+from embedserve.transports import budget, encodings, http_quantization, http_rerank, http_sparse, http_tei, json_reply, outcomes
 from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts, texts
 from embedserve.batching.shaping import ID_ROW_BOUND
+from embedserve.model import activation
 
 
 class ErrorDetail(BaseModel):
@@ -167,11 +168,6 @@ def _l2(rows: np.ndarray) -> np.ndarray:
     return rows / np.where(norms == 0, 1, norms)
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
 def register(app: FastAPI, server: Hub) -> None:
     """Error handlers and request metrics: installed before the app serves its first request."""
     for error, status, kind in _STATUS:
@@ -208,7 +204,7 @@ STARTING_RETRY_AFTER_S = 5
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
-                       "/v1/rerank")) | http_tei.PATHS
+                       "/v1/rerank", http_quantization.PATH)) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 BODY_PATHS = API_PATHS - {"/v1/models"}  # routes that read a JSON body (their budget: install_routes)
 ID_PATHS = frozenset(("/decode",))  # of which token ids only
@@ -316,7 +312,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")
         await reply.add('{"object":"list","data":')
         await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
-                          enumerate(json_reply.vectors(rows, body.encoding_format, s.quantize_range)))
+                          enumerate(json_reply.vectors(rows, body.encoding_format, server.quantization,
+                                                                    bool(server.head and server.head.normalize))))
         await reply.add(f',"model":{json_reply.dumps(server.served_name)},"usage":{{"prompt_tokens":{result.tokens},'
                         f'"total_tokens":{result.tokens}}}}}')
         return reply.response()
@@ -342,7 +339,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         rows = _l2(rows) if body.normalize and not normalized else rows
         rows = encodings.truncated(rows, dims, normalized or body.normalize)
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")
-        await reply.array(json_reply.vectors(rows, body.encoding, s.quantize_range))
+        await reply.array(json_reply.vectors(rows, body.encoding, server.quantization, normalized or body.normalize))
         return reply.response()
 
     embed.__annotations__.update(body=tei_request, request=Request)
@@ -352,6 +349,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     # InferenceClient(model=URL) posts there), which takes /embed's and /similarity's payloads.
     http_tei.install(router, server, service, embed, tei_request, _caller,
                      lambda description: _prompt_field(server, description), ERRORS)
+    http_quantization.install(router, server, ERRORS)  # GET /quantization: the int8/uint8 ranges
 
 
 def _answer_fits(server: Hub, inputs: int, dimensions: int | None, encoding: str) -> int:
@@ -387,7 +385,7 @@ def _classify_routes(router: APIRouter, server: Hub, service) -> None:
         svc = service()
         inputs = _texts(body.inputs)
         _labels_fit(server, len(inputs), body.all_scores)
-        probs = softmax((await svc.embed_texts(inputs, _caller(request), body.truncate)).rows)
+        probs = activation.apply(server.activation, (await svc.embed_texts(inputs, _caller(request), body.truncate)).rows)
 
         def one(row) -> str:
             top = int(row.argmax())
@@ -407,7 +405,7 @@ def _classify_routes(router: APIRouter, server: Hub, service) -> None:
         inputs = _texts(body.inputs)
         _labels_fit(server, len(inputs), True)
         rows = (await service().embed_texts(inputs, _caller(request), body.truncate)).rows
-        scores = rows if body.raw_scores else softmax(rows)
+        scores = rows if body.raw_scores else activation.apply(server.activation, rows)
 
         def one(row) -> str:
             ranked = sorted(zip(server.labels, map(float, row)), key=lambda pair: -pair[1])

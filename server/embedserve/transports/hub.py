@@ -14,6 +14,7 @@ from embedserve.batching.tokenization import TextTokenizer
 from embedserve.config import Settings
 from embedserve.metrics import Metrics
 from embedserve.model.declared import Head
+from embedserve.transports.encodings import Quantization
 
 
 class Service(Protocol):
@@ -52,8 +53,10 @@ class Hub(Protocol):
     served_name: str  # the model's id in the OpenAI API
     task: str  # embed, classify, rerank or sparse
     labels: list[str]  # a classifier's, in output order
+    activation: str  # classify, rerank: the logits' activation (embedserve.model.activation)
     head: Head | None  # how the model is served (prompts, normalize), once known
     model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask
+    quantization: Quantization  # int8/uint8's ranges: QUANTIZE_RANGE's fixed one, or calibrated once loaded
     started_at: float  # monotonic
 
     @property

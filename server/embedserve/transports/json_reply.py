@@ -72,11 +72,12 @@ def dumps(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def vectors(rows: np.ndarray, encoding: str, quantize_range: float) -> Iterator[str]:
+def vectors(rows: np.ndarray, encoding: str, quantization: "encodings.Quantization", normalized: bool) -> Iterator[str]:
     """Each row as JSON in `encoding` (encodings.py): a list of floats, a base64 string of its
-    float32 bytes, or a quantized list of ints; a row at a time, as the answer is written."""
+    float32 bytes, or a quantized list of ints (over `quantization`'s ranges, as for rows that
+    are `normalized` or not); a row at a time, as the answer is written."""
     if encoding == encodings.BASE64:
         return (f'"{text}"' for text in encodings.base64_rows(rows))
     if encoding != encodings.FLOAT:
-        rows = encodings.quantize(rows, encoding, quantize_range)
+        rows = encodings.quantize(rows, encoding, quantization, normalized)
     return map(row_json, rows)

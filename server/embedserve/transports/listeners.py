@@ -37,7 +37,7 @@ class Transports:
         for reason in auth.MESSAGES if keyed else ():
             hub.metrics.auth_refused(reason, 0)
         servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 s.quantize_range, lambda: hub.model_dimension, hub.drain_s,
+                                                 lambda: hub.quantization, lambda: hub.model_dimension, hub.drain_s,
                                                  s.max_reply_bytes)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,

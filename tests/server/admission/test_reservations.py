@@ -1,6 +1,5 @@
 """The reservation book on its own: booking, claiming on time, early and late, and expiry."""
 
-import pytest
 
 from embedserve.admission.reservations import EARLY_S, GRACE_OF_WAIT, GRACE_S, ReservationBook
 

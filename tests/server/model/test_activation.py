@@ -89,3 +89,36 @@ async def test_rerank_applies_the_activation_to_each_pair_as_cross_encoder_does(
         want = getattr(torch.nn, name)(**({"dim": -1} if name == "Softmax" else {}))(torch.from_numpy(logits))[:, 0]
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
     assert (await service.rerank("q", ["a", "b", "c"], raw_scores=True)).rows.tolist() == logits[:, 0].tolist()
+
+
+CLASSIFIERS = {  # config.json's fields → what transformers' text-classification pipeline applies
+    "several labels": ({"num_labels": 3}, "Softmax"),
+    "single-label": ({"num_labels": 3, "problem_type": "single_label_classification"}, "Softmax"),
+    "multi-label": ({"num_labels": 3, "problem_type": "multi_label_classification"}, "Sigmoid"),
+    "one label": ({"num_labels": 1}, "Sigmoid"),
+    "regression": ({"num_labels": 1, "problem_type": "regression"}, "Identity"),
+}
+
+
+@pytest.mark.parametrize("case", CLASSIFIERS)
+def test_a_classifiers_activation_is_the_text_classification_pipelines(case, model_dir):
+    """Judged by transformers' own TextClassificationPipeline (top_k=None: every label's score) on
+    tiny classifiers of each kind: our activation on the same logits gives its scores."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, pipeline
+
+    fields, expected = CLASSIFIERS[case]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, **fields)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    name, why = activation.for_classifier(config.problem_type, config.num_labels, getattr(config, "function_to_apply", None))
+    assert name == expected and why
+    judge = pipeline("text-classification", model=model, tokenizer=tok, top_k=None, device="cpu")
+    texts = ["what a great day", "this is terrible"]
+    with torch.inference_mode():
+        logits = torch.cat([model(**tok(t, return_tensors="pt")).logits for t in texts]).numpy()
+    ours = activation.apply(name, logits)
+    for row, judged in zip(ours, judge(texts)):
+        theirs = {d["label"]: d["score"] for d in judged}
+        assert np.abs(row - np.array([theirs[config.id2label[i]] for i in range(config.num_labels)])).max() <= 1e-6

@@ -117,6 +117,34 @@ def test_a_record_of_other_selection_rules_or_with_a_file_gone_is_not_trusted(fi
     assert source.fetched(REPO, str(copy), revision="v1") is None
 
 
+def test_a_record_naming_a_snapshot_outside_the_cache_is_not_followed(filled, tmp_path, model_dir, caplog):
+    """A writer of a shared cache writes its fetch records too: a record must not make a pod load
+    a model from anywhere but the cache (an absolute path, `..`, a link out of it), nor a file
+    named in it lead out of the cache. Each is ignored with a warning, and the model fetched again."""
+    import logging
+
+    cache, snapshot = filled
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy, symlinks=True)
+    outside = tmp_path / "elsewhere"  # a whole model, outside the cache
+    shutil.copytree(model_dir, outside)
+    record_file = next((copy / source.FETCHED).iterdir())
+    record_file.chmod(0o644)
+    record = json.loads(record_file.read_text())
+    (copy / "models--org--minilm").chmod(0o755)
+    (copy / "models--org--minilm" / "out").symlink_to(outside, target_is_directory=True)
+    caplog.set_level(logging.WARNING)
+    for forged in ({"snapshot": str(outside)}, {"snapshot": "../elsewhere"},
+                   {"snapshot": "models--org--minilm/../../elsewhere"}, {"snapshot": "models--org--minilm/out"},
+                   {"files": [*record["files"], "../../../../../../../../etc/hostname"]}):
+        record_file.write_text(json.dumps({**record, **forged}))
+        caplog.clear()
+        assert source.fetched(REPO, str(copy), revision="v1") is None, forged
+        assert [r for r in caplog.records if str(record_file) in r.getMessage()], forged
+    record_file.write_text(json.dumps(record))
+    assert source.fetched(REPO, str(copy), revision="v1") == copy / snapshot.relative_to(cache)
+
+
 def test_offline_reads_the_snapshot_of_the_revision(filled):
     cache, snapshot = filled
     out = run(["-c", RESOLVE], {"HF_HUB_OFFLINE": "1", "MODEL_PATH": REPO, "MODEL_REVISION": "v1",

@@ -141,6 +141,8 @@ DAMAGE = {
     "a bucket missing": lambda p: _edit(p, lambda d: d["result"]["caps"].pop("32")),
     "negative rate": lambda p: _edit(p, lambda d: d["result"]["rates"].update({"16": -5.0})),
     "NaN rate": lambda p: _edit(p, lambda d: d["result"]["rates"].update({"16": float("nan")})),  # json reads NaN
+    # A writer of a shared cache setting the service-rate prior past any device: minutes to fade.
+    "rate past any device": lambda p: _edit(p, lambda d: d["result"]["rates"].update({"16": 1e300})),
     "infinite probe": lambda p: _edit(p, lambda d: d["probe"].update(norm=float("inf"))),
     "no probe": lambda p: _edit(p, lambda d: d.pop("probe")),
 }
@@ -247,18 +249,30 @@ def test_the_revision_of_a_directory_follows_its_files_but_not_the_weights_bytes
     ({}, "cuda", False, {}),  # CUDA graphs alone compile nothing
     ({}, "cpu", True, {}),
 ])
-def test_torch_compile_caches_go_beside_the_warm_up_files(tmp_path, environ, device, compiles, expected):
-    env = warm_start.compile_cache_env(environ, tmp_path, device, compiles)
+def test_shared_torch_compile_caches_go_beside_the_warm_up_files(tmp_path, environ, device, compiles, expected):
+    env = warm_start.compile_cache_env(environ, tmp_path, device, compiles, shared=True)
     assert env == {name: str(tmp_path / path) for name, path in expected.items()}
     assert all(Path(path).is_dir() for path in env.values())  # made, and written to (its probe file gone)
     assert all(not any(Path(path).iterdir()) for path in env.values())
+
+
+def test_torch_compile_caches_stay_in_the_pod_unless_the_setting_shares_them(tmp_path):
+    """Inductor unpickles and imports what its cache holds: on a cache volume other services
+    write, theirs would be code run in this pod. By default (COMPILE_CACHE=pod) nothing is set and
+    nothing is made under the cache."""
+    from embedserve.config import Settings
+
+    assert Settings.from_env({}).compile_cache == "pod"
+    assert Settings.from_env({"COMPILE_CACHE": "shared"}).compile_cache == "shared"
+    assert warm_start.compile_cache_env({}, tmp_path, "cuda", True) == {}
+    assert not any(tmp_path.iterdir())
 
 
 def test_torch_compile_caches_stay_in_their_defaults_where_the_cache_cannot_be_written(tmp_path, caplog):
     """Inductor raises on a cache directory it cannot make: a read-only cache would crash-loop the
     pod. (As root, which writes anywhere: a directory under a regular file cannot be made.)"""
     (tmp_path / "file").write_text("")
-    assert warm_start.compile_cache_env({}, tmp_path / "file", "cuda", True) == {}
+    assert warm_start.compile_cache_env({}, tmp_path / "file", "cuda", True, shared=True) == {}
     (said,) = [r for r in caplog.records if "torch.compile" in r.getMessage()]
     assert str(tmp_path / "file") in said.getMessage() and "defaults" in said.getMessage()
 

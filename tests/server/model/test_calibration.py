@@ -1,0 +1,129 @@
+"""QUANTIZE_RANGE=calibrated's parts (embedserve.model.calibration, transports.encodings.Quantization):
+the corpus is the same in every process, the file keeps what it was given and refuses what is not
+a calibration, and the ranges are sentence-transformers' calibration ranges of the same vectors,
+cut and normalized as a request's are. On real servers: tests/server/test_calibrated_quantization.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from sentence_transformers.util import quantize_embeddings
+
+from embedserve.model import calibration
+from embedserve.transports import encodings
+from embedserve.transports.encodings import Quantization
+
+KEY = calibration.key("abc123", {"pooling": "mean", "normalize": True})
+
+
+def unit_rows(n: int, d: int, seed: int = 0) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32) * np.linspace(0.2, 3, d, dtype=np.float32)
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_the_corpus_is_the_same_in_every_process():
+    """Pods compute the same calibration only from the same texts: nothing in the corpus may hang
+    on hash seeds or anything else of the process."""
+    code = "from embedserve.model import calibration as c; print(c.CORPUS_DIGEST, len(c.CORPUS), len(set(c.CORPUS)))"
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()[0] for seed in ("1", "2")}
+    assert seen == {calibration.CORPUS_DIGEST}
+    assert len(calibration.CORPUS) == len(set(calibration.CORPUS)) == 512
+
+
+def test_a_saved_calibration_is_read_back_as_it_was(tmp_path):
+    rows = unit_rows(len(calibration.CORPUS), 16)
+    path = calibration.file_for(tmp_path, KEY)
+    assert calibration.write(path, KEY, rows)
+    assert oct(path.stat().st_mode & 0o777) == "0o644"  # pods of another user read it too
+    back = calibration.read(path, KEY, 16)
+    assert back.dtype == np.float32 and back.tobytes() == rows.tobytes()
+    assert calibration.digest(back) == calibration.digest(rows)
+    assert calibration.read(calibration.file_for(tmp_path, {**KEY, "model_revision": "other"}), KEY) is None
+
+
+def _save(path, key, embeddings, allow_pickle=False):
+    import io
+    import json
+
+    buffer = io.BytesIO()
+    np.savez(buffer, embeddings=embeddings, key=np.array(json.dumps(key, sort_keys=True)), allow_pickle=allow_pickle)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+
+
+N, D = len(calibration.CORPUS), 16
+BAD = {
+    "another key": lambda p: _save(p, {**KEY, "model_revision": "forged"}, unit_rows(N, D)),
+    "not finite": lambda p: _save(p, KEY, np.full((N, D), np.nan, dtype=np.float32)),
+    "too few rows": lambda p: _save(p, KEY, unit_rows(N - 1, D)),
+    "another width": lambda p: _save(p, KEY, unit_rows(N, D + 1)),
+    "float64": lambda p: _save(p, KEY, unit_rows(N, D).astype(np.float64)),
+    "a flat dimension": lambda p: _save(p, KEY, np.hstack([unit_rows(N, D - 1), np.zeros((N, 1), np.float32)])),
+    # A pickled object array: np.load(allow_pickle=False) refuses to unpickle it, so no code runs.
+    "pickled objects": lambda p: _save(p, KEY, np.array([object()] * 3, dtype=object), allow_pickle=True),
+    "not an archive": lambda p: (p.parent.mkdir(parents=True, exist_ok=True), p.write_bytes(os.urandom(500))),
+}
+
+
+@pytest.mark.parametrize("damage", BAD, ids=list(BAD))
+def test_a_file_that_is_not_a_usable_calibration_is_warned_of_and_not_used(tmp_path, damage, caplog):
+    path = calibration.file_for(tmp_path, KEY)
+    BAD[damage](path)
+    caplog.set_level(logging.WARNING)
+    assert calibration.read(path, KEY, D) is None
+    assert [r for r in caplog.records if str(path) in r.getMessage()], caplog.text
+
+
+def test_a_read_only_cache_is_said_at_info(tmp_path, caplog):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    caplog.set_level(logging.INFO)
+    path = calibration.file_for(tmp_path / "ro", KEY)
+    if os.geteuid() == 0:  # root writes anywhere: a directory under a regular file cannot be made
+        (tmp_path / "file").write_text("")
+        path = calibration.file_for(tmp_path / "file", KEY)
+    assert not calibration.write(path, KEY, unit_rows(N, D))
+    assert any("cannot save" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+@pytest.mark.parametrize("dims, normalized, model_normalizes", [
+    (16, True, True),  # a normalizing model, every dimension
+    (6, True, True),  # a cut, re-normalized (Matryoshka)
+    (16, False, False),  # a model that does not normalize
+    (6, False, False),
+    (6, True, False),  # TEI's normalize: true on a model that does not normalize
+])
+def test_calibrated_ranges_are_sentence_transformers_calibration_of_the_same_vectors(precision, dims, normalized,
+                                                                                      model_normalizes):
+    """What the server sends equals quantize_embeddings(vectors, calibration_embeddings=the corpus's
+    vectors transformed as the request's were): L2-normalized, cut, normalized again."""
+    raw = unit_rows(N, D, seed=1) * np.float32(3.0)
+    calib = raw / np.linalg.norm(raw, axis=1, keepdims=True) if model_normalizes else raw
+    calib = calib.astype(np.float32)
+    q = Quantization(calibration=calib, normalized=model_normalizes, digest=calibration.digest(calib))
+    requested = unit_rows(40, D, seed=2) * np.float32(1.0 if model_normalizes else 3.0)
+    if normalized and not model_normalizes:
+        requested = requested / np.linalg.norm(requested, axis=1, keepdims=True)
+        calib = calib / np.linalg.norm(calib, axis=1, keepdims=True)
+    rows = encodings.truncated(requested.astype(np.float32), dims, normalized)
+    judge_calibration = encodings.truncated(calib.astype(np.float32), dims, normalized)
+    ours = encodings.quantize(rows, precision, q, normalized)
+    theirs = quantize_embeddings(rows, precision, calibration_embeddings=judge_calibration)
+    assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()
+    assert np.ptp(ours.astype(np.int32)) > 200  # the calibrated ranges use the byte (the fixed [-1, 1] would not)
+    assert q.health() == {"quantize_range": 0.0, "quantize_calibration": q.digest}
+
+
+def test_a_fixed_range_is_as_before():
+    rows = unit_rows(10, 12)
+    assert encodings.quantize(rows, "int8", Quantization(0.3)).tobytes() == encodings.quantize(rows, "int8", 0.3).tobytes()
+    assert Quantization(0.3).health() == {"quantize_range": 0.3, "quantize_calibration": ""}
+    with pytest.raises(Exception, match="dimensions=17"):
+        Quantization(calibration=unit_rows(N, 16)).ranges(17)
