@@ -67,6 +67,8 @@ CALLS = {
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
                                                       "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
       for v in ("list", "watch")),
+    # A scale-down's pods ranked by their queued work (controller.kubernetes.io/pod-deletion-cost).
+    ("", "pods", "patch"),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
     # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
