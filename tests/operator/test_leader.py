@@ -10,16 +10,17 @@ import time
 
 import pytest
 
+from embedop.kube import CALLS
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
 
 NS = "default"
 LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/embedop-leader"
-# What a service's fleet is made of: kopf's own patches of the service (its annotations) and the
-# Events it posts are kopf's, made by every operator process.
-OWNED = {"deployments", "deployments/scale", "services", "poddisruptionbudgets", "horizontalpodautoscalers",
-         "networkpolicies", "embeddingservices/status", "embeddingservices/scale"}
+# Every resource the operator writes (kube.CALLS, which the chart's RBAC mirrors): the services
+# themselves, their scale and status, what they own, Jobs, InferencePools, pods' deletion costs,
+# Events. Only the Lease is written by every candidate (to take it when it has expired).
+OWNED = {resource for _, resource, verb in CALLS if verb in ("create", "patch", "update", "delete")} - {"leases"}
 
 
 @pytest.fixture
@@ -100,9 +101,26 @@ def test_a_crashed_leader_is_followed_after_the_lease_expires(emulator, start):
 def test_renewals_that_time_out_pause_the_leader_and_it_carries_on(emulator, start):
     """An API server too slow to answer for longer than the lease: the leader stops writing until it
     renews, then every service is served again (a loop must not end on a lapse)."""
-    start("a")
+    a = start("a")
     eventually(lambda: holder(emulator).startswith("a_"), timeout=15)
     create(emulator, "lapsed")
     em.faults[("PATCH", "leases")] = [em.TIMEOUT] * 6  # ~8 s without a renewal; the lease is 3 s
     eventually(lambda: not em.faults[("PATCH", "leases")], timeout=60)
     assert change_model(emulator, "lapsed", "m1") == {"a"}
+    # A lapse that no successor took is not a loss: the service's loop, and its autoscaling
+    # history, went on (closing every loop wiped every service's history).
+    log = a.log()
+    assert "lease of default/embedop-leader lapsed" in log and f"{NS}/lapsed: loop ended" not in log
+
+
+def test_an_answer_no_one_foresaw_does_not_end_the_election(emulator, start):
+    """A renewal answered 200 with a proxy's HTML page: not an API error the election knows. The
+    election used to end there, silently: the operator lived on, its liveness green, writing
+    nothing once the lease ran out. It tries again, and the leader carries on."""
+    a = start("a")
+    eventually(lambda: holder(emulator).startswith("a_"), timeout=15)
+    create(emulator, "proxied")
+    em.faults[("PATCH", "leases")] = [em.GARBAGE] * 2
+    eventually(lambda: not em.faults[("PATCH", "leases")], timeout=30)
+    assert change_model(emulator, "proxied", "m1") == {"a"}
+    assert "leader election: a round failed" in a.log()
