@@ -78,11 +78,12 @@ def test_only_the_lease_holder_writes_and_a_successor_takes_over(emulator, start
     create(emulator, "led")
     assert change_model(emulator, "led", "m1") == {"a"}
     assert holder(emulator).startswith("a_")
-    # A clean stop releases the lease: the standby takes over without waiting out its duration.
-    stopped = time.monotonic()
+    # A clean stop releases the lease: once a has exited, the Lease names it no more (released, or
+    # taken by b already), where a crash leaves it a's until it expires. (Not timed: how long
+    # the stop takes is this VM's.)
     a.stop()
+    assert not holder(emulator).startswith("a_")
     eventually(lambda: holder(emulator).startswith("b_"), timeout=10)
-    assert time.monotonic() - stopped < 3  # the lease's duration in these tests
     assert change_model(emulator, "led", "m2") == {"b"}
 
 

@@ -104,11 +104,18 @@ IPS = {"ok": "127.0.0.21", "slow": "127.0.0.22", "broken": "127.0.0.23"}  # "pod
 
 @pytest.fixture
 async def pods_server():
-    """A server per pod address (loopback 127.0.0.x), all on one port, as pods share theirs."""
+    """A server per pod address (loopback 127.0.0.x), all on one port, as pods share theirs. The
+    ok pod answers only once the slow one has been asked (so only a concurrent scrape reads it);
+    the slow one never answers."""
+    slow_asked, done = asyncio.Event(), asyncio.Event()
+
     def app(kind):
         async def metrics(request):
             if kind == "slow":
-                await asyncio.sleep(2)
+                slow_asked.set()
+                await done.wait()
+            if kind == "ok":
+                await slow_asked.wait()
             if kind == "broken":
                 return aiohttp.web.Response(status=500)
             return aiohttp.web.Response(text=exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45),
@@ -126,27 +133,26 @@ async def pods_server():
         await aiohttp.web.TCPSite(runner, ip, port).start()
         runners.append(runner)
     yield port
+    done.set()
     for runner in runners:
         await runner.cleanup()
 
 
 async def test_scrape_reads_ready_pods_concurrently_and_reports_failures(pods_server):
+    """Concurrently: the ok pod, listed first, answers only once the slow one has been asked."""
     pods = [pod(name, ip) for name, ip in IPS.items()] + [
         pod("starting", "127.0.0.24", ready=False), pod("refused", "127.0.0.25")]
     async with Reader() as reader:
-        start = asyncio.get_running_loop().time()
         errors = {}
-        samples = {s.name: s for s in await reader.scrape(pods, (pods_server,), timeout=0.5, errors=errors)}
-        took = asyncio.get_running_loop().time() - start
-    assert took < 1.5  # concurrent, and the slow pod is cut off at the timeout
-    assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90
+        samples = {s.name: s for s in await reader.scrape(pods, (pods_server,), timeout=2, errors=errors)}
+    assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90, errors
     assert samples["slow"].ready and not samples["slow"].scraped and samples["slow"].timed_out
     assert samples["broken"].ready and not samples["broken"].scraped and not samples["broken"].timed_out
     assert samples["refused"].ready and not samples["refused"].scraped and not samples["refused"].timed_out
     assert not samples["starting"].ready and not samples["starting"].scraped
     # Each failure's error, by pod, for the MetricsUnavailable condition.
     assert set(errors) == {"slow", "broken", "refused"}
-    assert "0.5 s" in errors["slow"] and "500" in errors["broken"] and "127.0.0.25" in errors["refused"], errors
+    assert "2 s" in errors["slow"] and "500" in errors["broken"] and "127.0.0.25" in errors["refused"], errors
 
 
 def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
@@ -216,11 +222,16 @@ def test_start_up_is_creation_to_the_first_ready():
     assert scrape.pod_view(kubelet_pod(restarts=1)).startup_s is None  # a restarted container's
 
 
-async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not(pods_server):
-    pods = [kubelet_pod("serving", ready=False, started=True, ip=IPS["ok"]),
-            kubelet_pod("new", ready=False, started=False, ready_at="2026-01-01T00:00:02Z", ip=IPS["ok"])]
-    async with Reader() as reader:
-        samples = {s.name: s for s in await reader.scrape(pods, (pods_server,), timeout=1)}
+async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not():
+    ip, port = "127.0.0.38", free_port()
+    server = serve_metrics(ip, port, exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45))
+    pods = [kubelet_pod("serving", ready=False, started=True, ip=ip),
+            kubelet_pod("new", ready=False, started=False, ready_at="2026-01-01T00:00:02Z", ip=ip)]
+    try:
+        async with Reader() as reader:
+            samples = {s.name: s for s in await reader.scrape(pods, (port,), timeout=1)}
+    finally:
+        server.shutdown()
     assert samples["serving"].scraped and samples["serving"].was_ready and samples["serving"].arrival_rate == 500
     assert not samples["new"].scraped and not samples["new"].was_ready
 
