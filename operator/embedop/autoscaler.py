@@ -62,7 +62,7 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     blind = unscraped(samples, errors, ports, len(decision.saturated))
     refused = None
     if decision.desired < current:
-        await _mark_deletion_costs(cluster, pods, samples, current - decision.desired)
+        await _mark_deletion_costs(cluster, namespace, pods, samples, current - decision.desired)
     if decision.desired != current:
         scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired)
         if not scaled:
@@ -72,8 +72,8 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     return Step(decision.history, decision, current, body, blind, refused)
 
 
-async def _mark_deletion_costs(cluster: Cluster, pods: list[dict], samples: list[autoscale.PodSample],
-                               removed: int) -> None:
+async def _mark_deletion_costs(cluster: Cluster, namespace: str, pods: list[dict],
+                               samples: list[autoscale.PodSample], removed: int) -> None:
     """Before `removed` pods go: each read pod's deletion cost, where it changed (the ReplicaSet
     reads it only now, when it picks which pods to delete). Best effort: a pod gone meanwhile, a
     refusal (RBAC without patch on pods: a chart from before this call) or an outage never holds the
@@ -83,7 +83,6 @@ async def _mark_deletion_costs(cluster: Cluster, pods: list[dict], samples: list
     costs = autoscale.deletion_costs(samples, annotated, removed)
 
     async def mark(pod: str, cost: str) -> None:
-        namespace = pods[0]["metadata"]["namespace"]
         try:
             await cluster.annotate("Pod", namespace, pod, {autoscale.DELETION_COST: cost})
         except NotLeader:

@@ -125,7 +125,8 @@ def test_a_fleet_too_busy_to_answer_grows_by_the_step(emulator, operator_):
         for pod in pods:
             pod.hang()
         eventually(lambda: replicas(emulator, name) == 8, timeout=30)
-        assert "2 pod(s) saturated" in emulator.get(service_path(NS, name))["status"]["lastScaleReason"]
+        reason = eventually(lambda: emulator.get(service_path(NS, name))["status"].get("lastScaleReason"))
+        assert "2 pod(s) saturated" in reason, reason
         c = eventually(lambda: (c := condition(emulator, name, "MetricsUnavailable")).get("reason") == "Saturated" and c)
         assert c["status"] == "True" and "fleet grows" in c["message"], c
         mark = len(operator_.log())
@@ -206,3 +207,26 @@ def test_a_deployment_deleted_before_its_scale_call_is_made_again(emulator, oper
         eventually(lambda: replicas(emulator, name) == 6, timeout=30)  # and it goes on scaling
     finally:
         pod.stop()
+
+
+def test_a_scale_down_goes_ahead_when_pods_cannot_be_annotated(emulator, operator_):
+    """RBAC without patch on pods (a chart from before the call) refuses the deletion cost: the
+    scale-down goes ahead all the same, said in the log, the ReplicaSet choosing by itself."""
+    name = "trim-forbidden"
+    emulator.request("POST", service_path(NS), new_service(name, {
+        "model": "m", "replicas": 2, "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+        "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 1,
+                        "scaleDownStabilizationSeconds": 0}}))
+    eventually(lambda: emulator.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"))
+    ips = pod_addresses(PORT, 2)
+    for i, ip in enumerate(ips):
+        post_pod(emulator, name, f"{name}-{i}", ip)
+    em.faults[("PATCH", "pods")] = [(403, 'pods "x" is forbidden: cannot patch resource "pods"')] * 100
+    pods = [Pod(ip, exposition(service_rate=1000, arrival_rate=100, queued=queued)) for ip, queued in zip(ips, (0, 200))]
+    try:
+        eventually(lambda: replicas(emulator, name) == 1, timeout=30)
+        assert "deletion cost not set" in operator_.log()
+    finally:
+        em.faults.pop(("PATCH", "pods"), None)
+        for pod in pods:
+            pod.stop()
