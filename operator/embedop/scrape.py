@@ -153,9 +153,10 @@ class Reader:
     async def scrape(self, pods: list[dict], ports: tuple[int, ...], timeout: float,
                      errors: dict[str, str] | None = None) -> list[autoscale.PodSample]:
         """Every pod that has served (Ready, or turned unready: it may still carry load) is scraped,
-        on `ports` in order (ports()), each with `timeout`: the next one only after
-        the pod refused the connection or let none through (a pod never read may so cost two
-        timeouts, once). `errors`, when given, gets each failed scrape's error by pod name."""
+        on `ports` in order (ports()), each with `timeout`: the next one only after the pod refused
+        the connection or let none through (a pod never read may so cost two timeouts, once), and
+        then on the one that answered. `errors`, when given, gets each failed scrape's error by
+        pod name."""
         views = [v for v in map(pod_view, pods) if v is not None]
         self.ports = {v.name: p for v in views if (p := self.ports.get(v.name)) in ports}
         return list(await asyncio.gather(*(self._one(v, ports, timeout, errors) for v in views)))
@@ -194,8 +195,8 @@ class Reader:
 
 def _unreachable(error: Exception, sent: bool) -> bool:
     """Nothing took the connection: refused (nothing binds the port) or none within the timeout."""
-    if isinstance(error, aiohttp.ClientConnectorError):
-        return getattr(error.os_error, "errno", None) == errno.ECONNREFUSED or isinstance(error, aiohttp.ConnectionTimeoutError)
+    if isinstance(error, aiohttp.ClientConnectorError):  # no route to the host is no better on another port
+        return getattr(error.os_error, "errno", None) == errno.ECONNREFUSED
     return isinstance(error, asyncio.TimeoutError) and not sent
 
 
