@@ -54,8 +54,8 @@ unknown_status: set[str] = set()
 
 
 # Faults to inject into the operator's calls: (HTTP method, resource plural, or plural/subresource
-# for a subresource's calls alone) → statuses (or (status, message) pairs) to answer with, one per
-# call, in order. The tests' own calls are never faulted.
+# for a subresource's calls alone[, the caller's token: its calls alone]) → statuses (or (status,
+# message) pairs) to answer with, one per call, in order. The tests' own calls are never faulted.
 faults: dict[tuple[str, str], list[int]] = {}
 TIMEOUT = 0  # a fault that is a slow answer instead of an error status
 GONE = -1  # the object is deleted (its watchers told) just before the call, which answers 404
@@ -154,6 +154,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             key = (request.method.value, request.resource.plural)
             if request.subresource and faults.get((key[0], f"{key[1]}/{request.subresource}")):
                 key = (key[0], f"{key[1]}/{request.subresource}")
+            if faults.get(by := (*key, request.headers.get("Authorization", "").removeprefix("Bearer "))):
+                key = by
             if faults.get(key):
                 status = faults[key].pop(0)
                 calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",

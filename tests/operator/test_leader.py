@@ -114,6 +114,24 @@ def test_renewals_that_time_out_pause_the_leader_and_it_carries_on(emulator, sta
     assert "lease of default/embedop-leader lapsed" in log and f"{NS}/lapsed: loop ended" not in log
 
 
+def test_a_lapsed_leader_that_finds_a_successor_stops_for_good(emulator, start):
+    """a's renewals time out (its calls alone) until b has taken the expired lease. When a's calls
+    go through again, its renewal is refused (the Lease changed) and it finds b holding it: its
+    term is over, its loops close, and only b writes."""
+    a = start("a")
+    eventually(lambda: holder(emulator).startswith("a_"), timeout=15)
+    start("b")
+    create(emulator, "succeeded")
+    em.faults[("PATCH", "leases", "a")] = [em.TIMEOUT] * 100
+    try:
+        eventually(lambda: holder(emulator).startswith("b_"), timeout=30)
+    finally:
+        em.faults.pop(("PATCH", "leases", "a"), None)
+    eventually(lambda: "lost leadership" in a.log(), timeout=30)
+    assert f"{NS}/succeeded: loop ended" in a.log()
+    assert change_model(emulator, "succeeded", "m1") == {"b"}
+
+
 def test_an_answer_no_one_foresaw_does_not_end_the_election(emulator, start):
     """A renewal answered 200 with a proxy's HTML page: not an API error the election knows. The
     election used to end there, silently: the operator lived on, its liveness green, writing
