@@ -88,9 +88,9 @@ TRACES = {
 class Ours:
     interval = 5.0
 
-    def __init__(self):
+    def __init__(self, policy: autoscale.Policy | None = None):
         self.history = autoscale.History(startup_s=STARTUP_S)
-        self.policy = autoscale.Policy(MIN_R, MAX_R, 0.7, 1.0, 0, 120, max_drain_s=MAX_DRAIN_S)
+        self.policy = policy or autoscale.Policy(MIN_R, MAX_R, 0.7, 1.0, 0, 120, max_drain_s=MAX_DRAIN_S)
 
     def __call__(self, fleet, t):
         samples = [autoscale.PodSample(str(id(r)), r.ready(t), r.ready(t), CAPACITY if r.ready(t) else 0.0,
@@ -190,13 +190,16 @@ POLICIES = {"ours": Ours, "hpa-util": HpaUtilization, "ray-serve": RayServe, "kn
             "bound": ReactiveBound}
 
 
-def simulate(trace: str, policy_name: str, seed: int = 0, rejections_at: list | None = None) -> dict:
-    duration, load = TRACES[trace]
+def simulate(trace, policy_name: str, seed: int = 0, rejections_at: list | None = None, *,
+             replicas_at: list | None = None, policy=None, initial: int = INITIAL) -> dict:
+    """`trace`: a name of TRACES, or (duration, load); `policy`: an instance to run instead of
+    POLICIES[policy_name]'s default; `replicas_at` gets (time, replicas) after every decision."""
+    duration, load = TRACES[trace] if isinstance(trace, str) else trace
     rng = np.random.default_rng(seed)
-    policy = POLICIES[policy_name]()
+    policy = policy or POLICIES[policy_name]()
     if isinstance(policy, ReactiveBound):
         policy.load = load
-    fleet = [Replica(created=-STARTUP_S) for _ in range(INITIAL)]
+    fleet = [Replica(created=-STARTUP_S) for _ in range(initial)]
     replica_seconds = 0.0
     sent = rejected = 0
     tokens_sent = tokens_rejected = 0.0
@@ -249,6 +252,8 @@ def simulate(trace: str, policy_name: str, seed: int = 0, rejections_at: list | 
                 order = sorted(range(len(fleet)), key=lambda i: (fleet[i].ready(t), fleet[i].created))
                 drop = set(order[: len(fleet) - desired])
                 fleet = [r for i, r in enumerate(fleet) if i not in drop]
+            if replicas_at is not None:
+                replicas_at.append((t, len(fleet)))
             next_decision += policy.interval
     lat = np.array(latencies) if latencies else np.zeros(1)
     return {

@@ -2,9 +2,9 @@
 
 The real operator process (`python -m embedop`) against the emulated API server
 (tests/operator/emulator.py), N services in mode operator, each with one ready pod whose /metrics
-(served here, on its own loopback address, on the API port where the operator reads an unguarded
-service: render.health_port) says a steady load that one replica carries, and a
-cluster holding as many Deployments and Pods of others (no label of ours) as it has services.
+(served here, on its own loopback address, on the API port, where the operator reads an
+unguarded service's pod that refuses the metrics port: scrape.ports) says a steady load that
+one replica carries, and a cluster holding as many Deployments and Pods of others (no label of ours) as it has services.
 The pods' gauges move by a few % at every scrape and their offered counters grow, as a live
 server's do. Once every service has settled (its autoscaler's status written), every request the
 operator makes in a window is counted, watches aside, and printed per service per minute, beside
@@ -111,7 +111,9 @@ def settled(emulator: Emulator, names: list[str], interval_s: int, live: bool = 
     servers = []
     spec = {"model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
             "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": interval_s}}
-    port = render.health_port(spec)  # no guard: the API port, which the operator scrapes
+    # No guard: the API port, where the operator reads a server from before the metrics port (it
+    # finds it after one refused connection, and remembers it).
+    port = render.health_port(spec)
     for i, (name, ip) in enumerate(zip(names, pod_addresses(port, len(names)))):
         servers.append(serve_metrics(ip, port, steady_load(i) if live else exposition(1000, 500)))
         emulator.request("POST", service_path(NS), new_service(name, spec))

@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-two modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-three modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -23,7 +23,8 @@ I/O, from the edge in:
   leader     leader election on a coordination.k8s.io Lease
   reconcile  one reconcile: render, apply what drifted, report status
   fill       a pre-filled model cache's Job: read, and whether the pods wait for it
-  autoscaler one autoscaling step: scrape the pods, decide, scale, record
+  scrape     the pods' readings: which pods count, their /metrics (ports, fallback, timeouts)
+  autoscaler one autoscaling step: read the pods, decide, scale, record
   fleet      one task per service: reconciles and autoscaler steps, kicked by watch events
   handlers   the only module with kopf handlers: startup, the services' events
   config     the operator's settings, from the environment, once

@@ -22,6 +22,14 @@ under load, a node NotReady, a crash and restart) is not starting but *blind* (w
 of it, autoscaler.pod_view, or a decision saw it Ready), as is a failed scrape or an answer
 without the shared signal: blindness never lets the fleet shrink (overload makes pods unready, so
 cutting them would be a death spiral), though what the readable pods show may still grow it.
+One kind of unreadable pod is read as *saturated* instead: a pod whose scrape was taken by its
+kernel (an open connection) and got no answer in time, and whose last good reading had demand ≥
+capacity × targetUtilization. An overload that starves the servers' event loop starves their
+/metrics with it, and holding the count then would leave the fleet overloaded for as long as it
+lasts; such a pod's demand is taken as MAX_STEP_FACTOR replicas' worth, so a fleet that cannot
+answer grows by the usual step, at each decision where no pod is still starting (pods on their way
+count as capacity, as always), until readings return. A refused scrape, one that never connected
+(a node gone, a policy dropping packets) or a pod gone stays blind.
 All rates and backlogs are in the servers' one unit, real tokens (capacity is real tokens per
 second of model-busy time, so padding shows as lower capacity).
 """
@@ -63,6 +71,10 @@ class PodSample:
     backlog_limit_s: float | None = None  # the queue its admission lets grow, s of model time (None: not exported)
     served: bool = False  # the API shows it has been Ready (autoscaler.pod_view), though not now
     task: str | None = None  # the task label of its embedfleet_model_info (None: not exported); not a decision input
+    # Not scraped because no answer came in time on a connection the pod had taken (its kernel
+    # accepted it, or it was kept alive): the pod is there and too busy to answer. With a hot last
+    # reading, saturated (decide); any other failure is blind.
+    timed_out: bool = False
 
     @property
     def was_ready(self) -> bool:
@@ -120,6 +132,7 @@ class Seen:
     at: float
     offered_total: float | None
     queued_tokens: float
+    load: float | None = None  # its demand over the capacity per replica (None: no capacity known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +147,7 @@ class Decision:
     history: History
     offered: float = 0.0  # Σ offered tokens/s of the scraped pods
     needed: int = 0  # replicas demand needs, before the bounds (what ScalingLimited reports)
+    saturated: tuple[str, ...] = ()  # pods read as saturated (saturated_pod)
 
 
 def offered_rate(sample: PodSample, previous: Seen | None, now: float) -> float:
@@ -201,6 +215,13 @@ def startups(samples: list[PodSample], known: tuple[tuple[str, float], ...]) -> 
                  if s.name in first or s.startup_s is not None)
 
 
+def saturated_pod(sample: PodSample, last: Seen | None, served: set[str], policy: Policy) -> bool:
+    """Whether a pod reads as saturated: it has served, its scrape timed out on a connection it had
+    taken, and its last good reading had demand at or above capacity × targetUtilization."""
+    return (sample.name in served and sample.timed_out and not sample.scraped and last is not None
+            and last.load is not None and last.load >= policy.target_utilization)
+
+
 def decide(samples: list[PodSample], current: int, policy: Policy, history: History, now: float) -> Decision:
     """`current` is the Deployment's replica count, starting pods included."""
     # Pods that have been Ready: as the API shows them, or as a decision saw them (a container that
@@ -227,11 +248,15 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
 
     seen = {p.name: p for p in history.pods}
     offered = {s.name: offered_rate(s, seen.get(s.name), now) for s in scraped}
-    demand = sum(offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name)) - held(s)) / policy.target_drain_s
-                 for s in scraped)
-    # A pod not scraped this time keeps its last reading, so the next rate spans both intervals.
-    pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens) for s in scraped) + tuple(
+    own = {s.name: offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name)) - held(s)) / policy.target_drain_s
+           for s in scraped}  # each pod's demand
+    demand = sum(own.values())
+    # A pod not scraped this time keeps its last reading, so the next rate spans both intervals
+    # (and a saturated pod stays saturated until it answers again).
+    pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens, own[s.name] / capacity if capacity else None)
+                 for s in scraped) + tuple(
         p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
+    saturated = [s.name for s in samples if saturated_pod(s, seen.get(s.name), served, policy)]
     # The trend is the offered load's: a backlog is cleared once, not a rate that goes on growing
     # (counted in it, a step that saturates a pod read as a third rise). The window holds at least
     # four reads, whatever the interval (ramp() needs them).
@@ -242,6 +267,11 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
     # later: until then, what we decide now has to carry the load.
     forecast = demand + min(ramp(demand_points) * (startup_s + interval), LOOKAHEAD_CAP * demand)
+    # A saturated pod's demand is past what it can say: MAX_STEP_FACTOR replicas' worth (not in
+    # the trend, which is the offered load read).
+    if saturated and capacity:
+        extra = len(saturated) * MAX_STEP_FACTOR * capacity * policy.target_utilization
+        demand, forecast = demand + extra, forecast + extra
     # Pods that served and could not be read, or serve no more (unready): demand is a floor.
     blind = any(s.name in served and not (s.ready and s.scraped) for s in samples)
 
@@ -280,6 +310,9 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         step = max(current * MAX_STEP_FACTOR, current + MAX_STEP_ADD)
         desired = max(current, min(target, step))
         reason = f"scale up: demand {forecast:.0f} tok/s needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
+        if saturated:
+            reason += (f" ({len(saturated)} pod(s) saturated: no answer in time after a reading at or above target, "
+                       f"each taken as {MAX_STEP_FACTOR} replicas' worth)")
         if desired > current:
             surge = Surge(now, surge.base if surge else current)
     elif recommendation < current:
@@ -311,4 +344,29 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         desired, reason = current, "steady"
     desired = min(max(desired, policy.min_replicas), policy.max_replicas)
     return Decision(desired, reason, recommendation, capacity, demand, forecast, limited,
-                    dataclasses.replace(new_history, surge=surge), sum(offered.values()), raw)
+                    dataclasses.replace(new_history, surge=surge), sum(offered.values()), raw, tuple(saturated))
+
+
+# What the ReplicaSet controller reads, only when it scales down, to choose which pods go: the
+# lowest cost first, among pods otherwise alike (pods not Ready go before any Ready one, whatever
+# their cost). An int32, as a string; absent is 0.
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+INT32_MAX = 2**31 - 1
+
+
+def deletion_costs(samples: list[PodSample], annotated: dict[str, str | None], removed: int) -> dict[str, str]:
+    """The pod-deletion-cost annotations to write before `removed` pods go, so the idlest go: each
+    read pod's cost is its queued work (real tokens waiting, clamped to an int32), written only
+    where it differs from the pod's annotation (`annotated`, by pod name). None at all when the
+    pods that go are all among those not Ready, which the ReplicaSet takes first anyway."""
+    if removed <= sum(1 for s in samples if not s.ready):
+        return {}
+
+    def value(raw: str | None) -> int | None:
+        try:
+            return int(raw) if raw is not None else 0
+        except ValueError:
+            return None  # not an int32 the controller can read: written again
+
+    costs = {s.name: min(INT32_MAX, max(0, round(s.queued_tokens))) for s in samples if s.scraped}
+    return {name: str(cost) for name, cost in costs.items() if value(annotated.get(name)) != cost}

@@ -247,6 +247,12 @@ class Cluster:
         self._check(f"scale of Deployment/{name}")
         await self.kube.scale_deployment(namespace, name, replicas, resource_version)
 
+    async def annotate(self, kind: str, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        """Merge `annotations` into an object's (a merge patch without a precondition: only these
+        keys change, whatever else did meanwhile)."""
+        self._check(f"annotations of {kind}/{name}")
+        self._keep(kind, await self.kube.merge_patch(kind, namespace, name, {"metadata": {"annotations": annotations}}))
+
     async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
         self._check(f"finalizers of {name}")
         await self.kube.set_finalizers(namespace, name, finalizers, resource_version)

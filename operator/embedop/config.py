@@ -25,9 +25,12 @@ class OperatorSettings:
     scrape_timeout_s: float = 2.0
     """EMBEDOP_SCRAPE_TIMEOUT_S: per-pod timeout of a /metrics scrape."""
     api_timeout_s: float = 5.0
-    """EMBEDOP_API_TIMEOUT_S: timeout of each Kubernetes API call the operator makes itself (the
-    leader stops starting writes this long, and at least a third of the lease, before a successor
-    may take over: keep it well under EMBEDOP_LEASE_SECONDS)."""
+    """EMBEDOP_API_TIMEOUT_S: the longest each Kubernetes API call the operator makes itself may
+    take, all of it (connecting, sending, waiting, reading; watches and lists aside). Default 5,
+    or a third of EMBEDOP_LEASE_SECONDS if less. With leader election it must stay under 0.4 × the
+    lease (a start-up error otherwise): the leader stops starting writes this long, and at least a
+    third of the lease, before a successor may take over, and renews every fifth of the lease with
+    a call that may take this long, which must land before it stops (leader.py)."""
     metrics_port: int = 8002
     """EMBEDOP_METRICS_PORT: the servers' plain-text port of /health and /metrics only (never API
     keys or TLS): rendered into their METRICS_PORT, the container port `metrics`, the Services' port
@@ -47,7 +50,8 @@ class OperatorSettings:
     lease_seconds: int = 15
     """EMBEDOP_LEASE_SECONDS: the Lease's duration in whole seconds (at least 3): how long a
     successor waits after the leader stops renewing (a crash; a clean stop releases it at once).
-    Renewed every fifth of it; the leader stops writing two thirds of it after its last renewal."""
+    Renewed every fifth of it; the leader stops writing a third of it, or EMBEDOP_API_TIMEOUT_S if
+    longer, before a successor may take over (counted from when it sent its last renewal)."""
     pod_namespace: str = ""
     """EMBEDOP_POD_NAMESPACE (else POD_NAMESPACE, the chart's downward API): the operator pods'
     namespace, which a service's NetworkPolicy admits to the metrics port (with pod_labels)."""
@@ -74,17 +78,21 @@ class OperatorSettings:
         if election not in ("true", "false", "1", "0"):
             raise ValueError(f"EMBEDOP_LEADER_ELECTION={election!r}: must be true or false")
         who = env.get("EMBEDOP_IDENTITY") or env.get("POD_NAME") or socket.gethostname()
+        lease = lease_seconds(env.get("EMBEDOP_LEASE_SECONDS"), d.lease_seconds)
+        api_timeout = positive("EMBEDOP_API_TIMEOUT_S", min(d.api_timeout_s, lease / 3))
+        if election in ("true", "1"):
+            check_lease(lease, api_timeout)
         return cls(
             server_image=env.get("EMBEDOP_SERVER_IMAGE") or d.server_image,
             resync_seconds=positive("EMBEDOP_RESYNC_SECONDS", d.resync_seconds),
             scrape_timeout_s=positive("EMBEDOP_SCRAPE_TIMEOUT_S", d.scrape_timeout_s),
-            api_timeout_s=positive("EMBEDOP_API_TIMEOUT_S", d.api_timeout_s),
+            api_timeout_s=api_timeout,
             metrics_port=metrics_port(env.get("EMBEDOP_METRICS_PORT"), d.metrics_port),
             grace_seconds=int(env.get("EMBEDOP_GRACE_SECONDS") or d.grace_seconds),
             leader_election=election in ("true", "1"),
             lease_namespace=env.get("EMBEDOP_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or d.lease_namespace,
             lease_name=env.get("EMBEDOP_LEASE_NAME") or d.lease_name,
-            lease_seconds=lease_seconds(env.get("EMBEDOP_LEASE_SECONDS"), d.lease_seconds),
+            lease_seconds=lease,
             pod_namespace=env.get("EMBEDOP_POD_NAMESPACE") or env.get("POD_NAMESPACE") or d.pod_namespace,
             pod_labels=label_pairs("EMBEDOP_POD_LABELS", env.get("EMBEDOP_POD_LABELS")),
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
@@ -117,6 +125,24 @@ def lease_seconds(raw: str | None, default: int) -> int:
     if not raw.strip().isdigit() or int(raw) < 3:
         raise ValueError(f"EMBEDOP_LEASE_SECONDS={raw!r}: must be a whole number of seconds, at least 3")
     return int(raw)
+
+
+# The longest API call a lease leaves room for, as a fraction of it (leader.py): the holder renews
+# every fifth of the lease, with a call of up to the API timeout, and stops writing
+# max(lease / 3, timeout) before a successor may start; the renewal must land before that.
+MAX_TIMEOUT_OF_LEASE = 0.4
+
+
+def check_lease(lease_s: int, api_timeout_s: float) -> None:
+    """A lease that leaves the leader no time to renew with calls this long is refused at start:
+    the leader would count itself one only between renewals, and its successor would start before
+    its last write could land."""
+    if api_timeout_s >= lease_s * 2 / 5:  # MAX_TIMEOUT_OF_LEASE, in exact arithmetic for whole seconds
+        raise ValueError(
+            f"EMBEDOP_API_TIMEOUT_S={api_timeout_s:g} with EMBEDOP_LEASE_SECONDS={lease_s}: the API timeout must be "
+            f"under {MAX_TIMEOUT_OF_LEASE:g} × the lease (here under {MAX_TIMEOUT_OF_LEASE * lease_s:g} s), or the "
+            f"leader's renewals cannot land before it must stop writing; lengthen the lease (at least "
+            f"{math.floor(api_timeout_s / MAX_TIMEOUT_OF_LEASE) + 1} s) or shorten the timeout")
 
 
 # A label's key (an optional DNS-subdomain prefix and a name) and value, as the API server checks them.

@@ -14,13 +14,12 @@ import logging
 from collections import defaultdict
 from typing import Callable
 
-import aiohttp
-
 from embedop import autoscale, autoscaler, crd, reconcile, spec as specs, status
 from embedop.cache import Cluster, NotLeader
 from embedop.config import OperatorSettings
 from embedop.kube import NotFound, Retryable
 from embedop.render import SERVICE_LABEL
+from embedop.scrape import Reader
 
 log = logging.getLogger(__name__)
 RETRY_S = 5.0
@@ -96,6 +95,15 @@ class Fleet:
         self.on_outcome(outcome)
         return outcome
 
+    async def _exists(self, namespace: str, name: str) -> bool:
+        """Whether the service is there and not being deleted, as the API says now (unknown, in
+        an outage: there, and the next pass looks again)."""
+        try:
+            body = await self.cluster.get(crd.KIND, namespace, name, fresh=True)
+        except Retryable:
+            return True
+        return body is not None and not body["metadata"].get("deletionTimestamp")
+
     async def _run(self, namespace: str, name: str) -> None:
         try:
             await self._loop(namespace, name)
@@ -108,7 +116,7 @@ class Fleet:
         history = autoscale.History()
         next_resync = next_scale = loop.time()
         last_measured = -status.MEASURED_REFRESH_S
-        async with aiohttp.ClientSession() as session:
+        async with Reader() as reader:
             while True:
                 try:
                     await asyncio.wait_for(kick.wait(), max(0.0, min(next_resync, next_scale) - loop.time()))
@@ -132,7 +140,7 @@ class Fleet:
                         next_scale = loop.time() + RETRY_S  # unless the step says otherwise
                         due = loop.time() - last_measured >= status.MEASURED_REFRESH_S
                         async with self.locks[namespace, name]:
-                            step = await autoscaler.step(self.cluster, self.settings, session, namespace, name,
+                            step = await autoscaler.step(self.cluster, self.settings, reader, namespace, name,
                                                          history, loop.time(), measured_due=due)
                         if step.body is None or step.body["metadata"].get("deletionTimestamp"):
                             return
@@ -144,8 +152,15 @@ class Fleet:
                         history = step.history if step.decision is not None else autoscale.History()
                         if step.decision is not None:
                             self.on_decision(step.body, step)
-                except NotFound:  # the service went while a step ran
-                    return
+                except NotFound as e:
+                    # The service went while a step ran, or an object it owns did (a Deployment
+                    # deleted since its copy was read answers 404 to its scale subresource): only
+                    # the first ends the loop; the next pass re-reads and re-creates the second.
+                    if not await self._exists(namespace, name):
+                        return
+                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, RETRY_S)
+                    next_resync = min(next_resync, loop.time() + RETRY_S)
+                    next_scale = max(next_scale, loop.time() + RETRY_S)
                 except NotLeader:  # the lease lapsed mid-step: see above
                     next_resync = next_scale = loop.time() + RETRY_S
                 except Retryable as e:

@@ -15,6 +15,7 @@ validated against the real schemas in the tests. Errors are sorted for the calle
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import Any, AsyncIterator
@@ -67,6 +68,8 @@ CALLS = {
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
                                                       "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
       for v in ("list", "watch")),
+    # A scale-down's pods ranked by their queued work (controller.kubernetes.io/pod-deletion-cost).
+    ("", "pods", "patch"),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
     # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
@@ -135,9 +138,15 @@ def _retry_after(response: httpx2.Response) -> float | None:
 
 
 @contextlib.asynccontextmanager
-async def _errors(what: str) -> AsyncIterator[None]:
+async def _errors(what: str, total_s: float | None = None) -> AsyncIterator[None]:
+    """The API's errors sorted (see the module's docstring); `total_s`: the most the whole call may
+    take (the client's own timeout is per phase: connecting, writing, waiting and reading could
+    each take it, one after another)."""
     try:
-        yield
+        async with asyncio.timeout(total_s):
+            yield
+    except TimeoutError as e:  # ours: the client's own are TransportErrors
+        raise Retryable(f"{what}: no answer within {total_s:g} s") from e
     except httpx2.HTTPStatusError as e:  # lightkube's ApiError is one, when the answer is a Status
         if e.response is None:  # an ERROR event inside a watch stream (HTTP 200): its Status says
             status = getattr(e, "status", None)
@@ -165,20 +174,25 @@ def _plain(obj: Any) -> dict:
 
 
 class Kube:
-    def __init__(self, client: AsyncClient):
-        self.client = client
+    def __init__(self, client: AsyncClient, timeout_s: float | None = None):
+        """`timeout_s`: the most a call may take in all (its reads and writes; lists and watches,
+        which stream, are bounded by the client's timeout per phase only)."""
+        self.client, self.timeout_s = client, timeout_s
 
     @classmethod
     def connect(cls, timeout_s: float = 10.0) -> "Kube":
         """Configured the way kubectl is: in-cluster service account, else KUBECONFIG/~/.kube/config."""
-        return cls(AsyncClient(timeout=httpx2.Timeout(timeout_s)))
+        return cls(AsyncClient(timeout=httpx2.Timeout(timeout_s)), timeout_s)
+
+    def _call(self, what: str):
+        return _errors(what, self.timeout_s)
 
     async def close(self) -> None:
         await self.client.close()
 
     async def get(self, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            async with _errors(f"get {kind}/{name}"):
+            async with self._call(f"get {kind}/{name}"):
                 return _plain(await self.client.get(RESOURCES[kind][0], name, namespace=namespace))
         except NotFound:
             return None
@@ -230,12 +244,12 @@ class Kube:
 
     async def create(self, obj: dict) -> dict:
         """Create `obj`; Conflict (409 AlreadyExists) when it exists."""
-        async with _errors(f"create {obj['kind']}/{obj['metadata']['name']}"):
+        async with self._call(f"create {obj['kind']}/{obj['metadata']['name']}"):
             return _plain(await self.client.create(codecs.from_dict(obj), namespace=obj["metadata"].get("namespace")))
 
     async def merge_patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
         """A merge patch; a metadata.resourceVersion in `body` is a precondition (409 when stale)."""
-        async with _errors(f"patch {kind}/{name}"):
+        async with self._call(f"patch {kind}/{name}"):
             return _plain(await self.client.patch(RESOURCES[kind][0], name, body, namespace=namespace,
                                                   patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER))
 
@@ -244,7 +258,7 @@ class Kube:
         and no longer does are removed unless another manager owns them). A metadata.resourceVersion
         in `obj` is a precondition: the API answers 409 (Conflict) when the object has changed since."""
         kind, meta = obj["kind"], obj["metadata"]
-        async with _errors(f"apply {kind}/{meta['name']}"):
+        async with self._call(f"apply {kind}/{meta['name']}"):
             out = await self.client.patch(RESOURCES[kind][0], meta["name"], obj, namespace=meta["namespace"],
                                           patch_type=PatchType.APPLY, field_manager=manager, force=force)
         return _plain(out)
@@ -257,7 +271,7 @@ class Kube:
         default, kept by batch/v1 for compatibility, is to orphan its pods)."""
         cascade = CascadeType.FOREGROUND if foreground else CascadeType.BACKGROUND if background else None
         try:
-            async with _errors(f"delete {kind}/{name}"):
+            async with self._call(f"delete {kind}/{name}"):
                 await self.client.delete(RESOURCES[kind][0], name, namespace=namespace, cascade=cascade)
         except NotFound:
             pass
@@ -265,7 +279,7 @@ class Kube:
     async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
         """Replace the service's finalizers, guarded by the resourceVersion they were read at."""
         body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
-        async with _errors(f"patch {crd.KIND}/{name} finalizers"):
+        async with self._call(f"patch {crd.KIND}/{name} finalizers"):
             await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE,
                                           field_manager=FIELD_MANAGER)
 
@@ -275,7 +289,7 @@ class Kube:
         the update (409 when the service has changed since). Only spec.replicas can change this
         way, and RBAC can grant it alone."""
         body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
-        async with _errors(f"patch {crd.KIND}/{name}/scale"):
+        async with self._call(f"patch {crd.KIND}/{name}/scale"):
             return _plain(await self.client.patch(EmbeddingService.Scale, name, body, namespace=namespace,
                                                   patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER))
 
@@ -286,7 +300,7 @@ class Kube:
         apply of the whole spec is refused. The API records it as an Update of spec.replicas by
         our manager, which the next accepted apply (which sends the count) takes back."""
         body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
-        async with _errors(f"patch Deployment/{name}/scale"):
+        async with self._call(f"patch Deployment/{name}/scale"):
             await self.client.patch(Deployment.Scale, name, body, namespace=namespace, patch_type=PatchType.MERGE,
                                     field_manager=FIELD_MANAGER)
 
@@ -295,7 +309,7 @@ class Kube:
         computed from, so a write based on a stale read fails with Conflict instead of undoing
         another writer's fields."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        async with _errors(f"patch {crd.KIND}/{name}/status"):
+        async with self._call(f"patch {crd.KIND}/{name}/status"):
             out = await self.client.patch(EmbeddingService.Status, name, body, namespace=namespace,
                                           patch_type=PatchType.MERGE,
                                           field_manager=FIELD_MANAGER)

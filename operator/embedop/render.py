@@ -11,7 +11,8 @@ from embedop import crd, render_cache, render_gateway, render_network, render_se
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
-# (EMBEDOP_METRICS_PORT may move it). Which of the last two the probes and scrapes read: health_port.
+# (EMBEDOP_METRICS_PORT may move it). Which of the last two the probes read: health_port; the
+# autoscaler: scrape.ports.
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 50051, 8001, 8002
 MANAGED_BY = {"app.kubernetes.io/managed-by": "embedop"}
 SERVICE_LABEL = "embedfleet.dev/service"
@@ -83,8 +84,9 @@ def guarded(spec: dict) -> bool:
 
 def health_port(spec: dict, metrics_port: int = METRICS_PORT) -> int:
     """The port a service's health and metrics are READ on: the three probes, the
-    prometheus.io/port annotation, the target of the Services' `metrics` port (so the chart's
-    ServiceMonitor and the HPA's adapter follow) and the autoscaler's scrape.
+    prometheus.io/port annotation and the target of the Services' `metrics` port (so the chart's
+    ServiceMonitor and the HPA's adapter follow). The autoscaler reads the pods where scrape.ports
+    says: the metrics port first, then, for an unguarded service's pod that refuses it, this one.
 
     The plain metrics port when the spec guards the API port (`guarded`: spec.auth, spec.tls,
     spec.networkPolicy.enabled); otherwise the API port, HTTP_PORT.
@@ -99,6 +101,7 @@ def health_port(spec: dict, metrics_port: int = METRICS_PORT) -> int:
     API port, so an unguarded fleet is read there whatever image it runs. A guarded one needs a
     server image that has the metrics port; an older one could not honour keys or TLS anyway."""
     return metrics_port if guarded(spec) else HTTP_PORT
+
 
 
 def server_env(spec: dict, grace_seconds: int, metrics_port: int = METRICS_PORT) -> list[dict]:

@@ -53,11 +53,13 @@ policies: list = []
 unknown_status: set[str] = set()
 
 
-# Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
-# (status, message) pairs) to answer with, one per call, in order. The tests' own calls are never
-# faulted.
+# Faults to inject into the operator's calls: (HTTP method, resource plural, or plural/subresource
+# for a subresource's calls alone[, the caller's token: its calls alone]) → statuses (or (status,
+# message) pairs) to answer with, one per call, in order. The tests' own calls are never faulted.
 faults: dict[tuple[str, str], list[int]] = {}
 TIMEOUT = 0  # a fault that is a slow answer instead of an error status
+GONE = -1  # the object is deleted (its watchers told) just before the call, which answers 404
+GARBAGE = -2  # 200 with a body that is not the API's JSON (a misbehaving proxy in between)
 RETRY_AFTER_S = 8  # what an injected 429 asks (longer than the operator's own back-off, 5 s)
 APPLY = "application/apply-patch+yaml"
 VALIDATED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy", "Job"}
@@ -150,6 +152,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         is_object_call = request.resource is not None and request.resource.plural is not None
         if is_object_call and ours:
             key = (request.method.value, request.resource.plural)
+            if request.subresource and faults.get((key[0], f"{key[1]}/{request.subresource}")):
+                key = (key[0], f"{key[1]}/{request.subresource}")
+            if faults.get(by := (*key, request.headers.get("Authorization", "").removeprefix("Bearer "))):
+                key = by
             if faults.get(key):
                 status = faults[key].pop(0)
                 calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",
@@ -157,6 +163,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                               "selector": None, "who": "", "fault": status})
                 if status == TIMEOUT:  # answer too late: the caller's timeout fires first
                     await asyncio.sleep(3)
+                elif status == GONE:  # deleted since the caller read it, as a DELETE would
+                    await self._delete_now(request)
+                    raise api_error(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+                elif status == GARBAGE:
+                    return aiohttp.web.Response(text="<html><body>502 upstream</body></html>", content_type="text/html")
                 else:  # a status, or (status, the API's message)
                     status, message = status if isinstance(status, tuple) else (status, f"injected {status} for {key}")
                     if status == 429:  # API Priority and Fairness: try again after Retry-After seconds
@@ -246,6 +257,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         if is_apply and request.action == kmock.action.CREATE:
             return await self._create(request)  # kmock's own create answers POSTs only
         return await super()._handle(request)
+
+    async def _delete_now(self, request) -> None:
+        """The object `request` names goes, and its watchers see it go (as kmock's own DELETE)."""
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key in self._objects and not self._objects[key].deleted:
+                self._objects[key].delete()
+                await self._buses[request.resource].put({"type": "DELETED", "object": self._objects[key].last.raw})
 
     async def _create(self, request) -> aiohttp.web.StreamResponse:
         """What kmock does for a POST, for a server-side apply that creates."""

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from embedop.autoscale import History, PodSample, Policy, Seen, decide, trend
+from embedop.autoscale import History, PodSample, Policy, Seen, decide, deletion_costs, trend
 
 POLICY = Policy(min_replicas=1, max_replicas=20, target_utilization=0.5, target_drain_s=1.0,
                 scale_up_stabilization_s=0, scale_down_stabilization_s=60)
@@ -393,7 +393,7 @@ def test_a_fleet_that_starts_warm_looks_less_far_ahead():
     Ready 8 s after creation (a warm start: cached model, reused warm-up), one 40 s (cold): the
     start-up each decision uses is the one measured from the pods' timestamps, and the warm fleet's
     forecast adds a start-up's worth of trend that much smaller, so it starts fewer pods ahead."""
-    from embedop.autoscaler import pod_view
+    from embedop.scrape import pod_view
 
     def fleet(startup_s):
         views = [pod_view(started_pod(f"p{i}", startup_s)) for i in range(6)]
@@ -413,3 +413,71 @@ def test_a_fleet_that_starts_warm_looks_less_far_ahead():
     slope = (cold.forecast - cold.demand) / (40.0 + 15)  # the trend, looked ahead over start-up + interval
     assert slope > 0 and warm.forecast - warm.demand == pytest.approx(slope * (8.0 + 15), rel=1e-6)
     assert warm.desired < cold.desired, (warm.desired, cold.desired)
+
+
+def hot_fleet(n: int, policy: Policy, now: float = 1000.0):
+    """n pods read at 700 tok/s each on 1,000 tok/s pods: at a 0.7 target, each at it."""
+    d = decide(pods(n, 700), n, policy, History(capacity=CAP), now)
+    assert d.desired == n
+    return d.history
+
+
+def timing_out(names, timed_out=True):
+    return [PodSample(name, True, False, timed_out=timed_out) for name in names]
+
+
+def test_a_fleet_too_busy_to_answer_grows_by_the_step_until_readings_return():
+    """Every scrape of 8 pods at their target times out on connections they took: the overload
+    that starves their /metrics. Held, they stayed 8 for as long as it lasted; saturated, each
+    counts as 4 replicas' worth: the usual step (×4), then no more while those pods start (they
+    are capacity on its way), and once they are ready and the 8 still cannot answer, the step again."""
+    policy = Policy(1, 200, 0.7, 1.0, 0, 60)
+    history = hot_fleet(8, policy)
+    names = [f"p{i}" for i in range(8)]
+    d = decide(timing_out(names), 8, policy, history, 1005.0)
+    assert d.desired == 32 and "8 pod(s) saturated" in d.reason, d.reason
+    starting = [PodSample(f"new{i}", False, False) for i in range(24)]
+    d = decide(timing_out(names) + starting, 32, policy, d.history, 1010.0)
+    assert d.desired == 32, d.reason
+    # Ready, and busy themselves: read at target. The 8 still do not answer.
+    ready = [PodSample(f"new{i}", True, True, CAP, 700) for i in range(24)]
+    d = decide(timing_out(names) + ready, 32, policy, d.history, 1015.0)
+    assert d.desired == 24 + 32, d.reason
+    # Readings return: the count follows them (a scale-down waits out its window, as always).
+    back = [PodSample(name, True, True, CAP, 300) for name in names] + [PodSample(f"new{i}", True, True, CAP, 300) for i in range(24)]
+    d = decide(back, 56, policy, d.history, 1020.0)
+    assert d.desired == 56 and "window" in d.reason, d.reason
+
+
+@pytest.mark.parametrize("case", ["refused", "cool", "never read", "gone"])
+def test_a_pod_that_cannot_be_read_otherwise_stays_blind(case):
+    """A refused scrape (nothing binds the port: a restart, an old image), a timeout on a pod last
+    read below its target, on a pod never read, or a pod gone: the count holds, as before."""
+    policy = Policy(1, 200, 0.7, 1.0, 0, 60)
+    history = hot_fleet(8, policy) if case != "cool" else decide(pods(8, 300), 8, policy, History(capacity=CAP), 1000.0).history
+    names = [f"p{i}" for i in range(8)]
+    samples = {
+        "refused": timing_out(names, timed_out=False),
+        "cool": timing_out(names),
+        "never read": timing_out([f"q{i}" for i in range(8)]),
+        "gone": pods(7, 100) + [],  # p7 is gone; the others read low
+    }[case]
+    current = 7 if case == "gone" else 8
+    d = decide(samples, current, policy, history, 1005.0)
+    assert d.desired <= current and "saturated" not in d.reason, d.reason
+    if case != "gone":
+        assert d.desired == 8 and "could not be read" in d.reason
+
+
+def test_the_idlest_pods_are_the_cheapest_to_delete():
+    """Costs are each read pod's queued tokens, as an int32 string, written only where they differ
+    from the pod's annotation (absent is 0), and only when a Ready pod goes at all."""
+    samples = [PodSample(f"p{i}", True, True, CAP, 100, queued) for i, queued in enumerate((0, 100.4, 300, 9e12))]
+    assert deletion_costs(samples, {}, 2) == {"p1": "100", "p2": "300", "p3": str(2**31 - 1)}
+    assert deletion_costs(samples, {"p1": "100", "p2": "7", "p3": str(2**31 - 1)}, 1) == {"p2": "300"}
+    assert deletion_costs(samples, {"p0": "500", "p1": "100", "p2": "300", "p3": "x"}, 1) == {
+        "p0": "0", "p3": str(2**31 - 1)}
+    # Two starting pods: the ReplicaSet removes those first, whatever the costs.
+    starting = [PodSample(f"s{i}", False, False) for i in range(2)]
+    assert deletion_costs(samples + starting, {}, 2) == {}
+    assert deletion_costs(samples + starting, {}, 3) == {"p1": "100", "p2": "300", "p3": str(2**31 - 1)}

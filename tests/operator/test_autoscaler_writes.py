@@ -5,8 +5,9 @@ service's spec.replicas, so that a switch to mode off alone keeps the fleet.
 
 The emulator runs no controllers: the Pod is posted by the test, ready, at an address of its own
 (a loopback address); nothing listens there until the test serves the shared signal on it. Where:
-the port render.health_port names, the API port for a service without keys, TLS or a
-NetworkPolicy, the metrics port (EMBEDOP_METRICS_PORT) for a guarded one."""
+the ports scrape.ports names, the metrics port (EMBEDOP_METRICS_PORT) and, for a service without
+keys, TLS or a NetworkPolicy, the API port after it (a server image from before the metrics port
+refuses that)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def operator_(emulator, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pod_metrics():
-    """→ start(): serve the pod's /metrics on the API port from then on. Its metrics port answers
-    from the start, and the operator must not read it: the service has no guard."""
-    servers = [serve_metrics(POD_IP, PORT, EXPOSITION)]
+    """→ start(): serve the pod's /metrics on the API port from then on, as a server image from
+    before the metrics port does (nothing listens on that)."""
+    servers = []
 
     def start():
         servers.append(serve_metrics(POD_IP, render.HTTP_PORT, EXPOSITION))
@@ -73,17 +74,16 @@ def test_unscrapable_then_scraped_then_scaled_and_switched_off(emulator, operato
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-0", "namespace": NS, "labels": render.labels(NAME)},
         "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
         "status": {"phase": "Running", "podIP": POD_IP, "conditions": [{"type": "Ready", "status": "True"}]}})
-    # Nothing listens on the pod's API port (as when a NetworkPolicy keeps the operator out), which
-    # is where an unguarded service is read (render.health_port), whatever its metrics port says.
+    # Nothing listens on either port an unguarded service is read on (scrape.ports).
     c = eventually(lambda: (c := condition(emulator, "MetricsUnavailable")).get("status") == "True" and c, timeout=30)
     assert c["reason"] == "ScrapeFailed" and f"{NAME}-0" in c["message"], c
-    assert f"on port {render.HTTP_PORT} /metrics" in c["message"], c
+    assert f"on port {PORT} or {render.HTTP_PORT} /metrics" in c["message"], c
     assert "held" in c["message"]
     (event,) = eventually(lambda: warnings(emulator, "MetricsUnavailable"))
     assert event["type"] == "Warning" and f"{NAME}-0" in event["message"]
     assert emulator.get(DEPLOY)["spec"]["replicas"] == 1  # the count is held
 
-    # 2. The condition clears once a pod can be scraped.
+    # 2. The condition clears once a pod can be scraped: an older server, on the API port.
     pod_metrics()
     eventually(lambda: condition(emulator, "MetricsUnavailable").get("status") == "False", timeout=30)
     assert condition(emulator, "MetricsUnavailable")["reason"] == "Scraped"

@@ -48,3 +48,27 @@ def test_the_metrics_port_may_not_be_a_port_the_servers_already_bind(port, which
     with pytest.raises(ValueError, match=f"EMBEDOP_METRICS_PORT='{port}'.*{which}"):
         OperatorSettings.from_env({"EMBEDOP_METRICS_PORT": port})
     assert OperatorSettings.from_env({"EMBEDOP_METRICS_PORT": "9102"}).metrics_port == 9102
+
+
+@pytest.mark.parametrize("lease, timeout", [("6", "5"), ("12", "5"), ("15", "6"), ("3", "1.2")])
+def test_a_lease_that_leaves_no_room_for_a_renewal_is_refused(lease, timeout):
+    """A renewal may take the whole API timeout and must land before the leader stops writing
+    (max(lease / 3, timeout) before a successor may start): 5 s calls on a 6 s lease left the
+    leader a leader only between renewals, and its successor a gap shorter than a write."""
+    with pytest.raises(ValueError, match=f"EMBEDOP_API_TIMEOUT_S={timeout}.*EMBEDOP_LEASE_SECONDS={lease}"):
+        OperatorSettings.from_env({"EMBEDOP_LEASE_SECONDS": lease, "EMBEDOP_API_TIMEOUT_S": timeout})
+    # Without election, there is no lease to fit.
+    OperatorSettings.from_env({"EMBEDOP_LEASE_SECONDS": lease, "EMBEDOP_API_TIMEOUT_S": timeout,
+                               "EMBEDOP_LEADER_ELECTION": "false"})
+
+
+@pytest.mark.parametrize("lease, timeout", [("15", 5.0), ("10", 10 / 3), ("3", 1.0), ("60", 5.0)])
+def test_the_api_timeout_defaults_to_what_the_lease_leaves_room_for(lease, timeout):
+    """Unset: 5 s, or a third of the lease if less (a chart's shorter leaseSeconds still starts)."""
+    s = OperatorSettings.from_env({"EMBEDOP_LEASE_SECONDS": lease})
+    assert s.api_timeout_s == pytest.approx(timeout)
+    from embedop.leader import Leadership
+
+    Leadership(None, "ns", "l", "me", s.lease_seconds, None, None, request_s=s.api_timeout_s)  # accepted
+    with pytest.raises(ValueError, match="EMBEDOP_API_TIMEOUT_S"):
+        Leadership(None, "ns", "l", "me", s.lease_seconds, None, None, request_s=0.4 * s.lease_seconds)

@@ -1,7 +1,17 @@
-"""The operator under API faults: conflicts, server errors and a restart mid-reconcile."""
+"""The operator under API faults: conflicts, server errors, a restart mid-reconcile, an answer that
+never ends."""
 
+import asyncio
+import json
 import signal
 
+import aiohttp.web
+import httpx2
+import pytest
+from lightkube import AsyncClient, KubeConfig
+
+from embedop.kube import Kube, Retryable
+from tests.conftest import free_port
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import new_service, service_path
@@ -68,3 +78,39 @@ def test_a_429_is_retried_after_the_wait_the_api_server_asks(emulator, tmp_path)
         assert retried - refused >= em.RETRY_AFTER_S - 0.5, retried - refused
     finally:
         fresh.stop()
+
+
+async def test_a_call_that_trickles_is_cut_at_the_api_timeout_in_all(tmp_path):
+    """An answer that comes a byte at a time, each within the client's timeout per phase, never
+    ends: every call is bounded in all by EMBEDOP_API_TIMEOUT_S (the lease's arithmetic assumes a
+    write lands within it, or not at all)."""
+    async def trickle(request):
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b" ")
+                await asyncio.sleep(0.2)
+        except ConnectionResetError:  # the client gave up
+            return response
+
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", trickle)
+    runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    config = tmp_path / "kubeconfig"
+    config.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NS}}]}))
+    kube = Kube(AsyncClient(config=KubeConfig.from_file(config), timeout=httpx2.Timeout(1.0)), timeout_s=1.0)
+    try:
+        with pytest.raises(Retryable, match="patch Lease/l: no answer within 1 s"):
+            # The guard: without a bound in all, the call would never end.
+            await asyncio.wait_for(kube.merge_patch("Lease", NS, "l", {"spec": {}}), 20)
+    finally:
+        await kube.close()
+        await runner.cleanup()

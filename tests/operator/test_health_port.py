@@ -7,7 +7,7 @@ autoscaler's scrape of that port: test_autoscaler_writes.py and test_scrape.py.)
 
 import pytest
 
-from embedop import render, spec as specs
+from embedop import render, scrape, spec as specs
 
 OWNER = render.Owner("svc", "ns", "0b0c7e8e-0000-4000-8000-000000000001")
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -70,15 +70,20 @@ def test_an_operator_upgrade_leaves_a_pinned_old_unguarded_fleet_probed_where_it
     assert c["image"] == old
     assert {c[probe]["httpGet"]["port"] for probe in PROBES} == {8001}
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8001"
-    assert render.health_port(spec) == 8001  # the autoscaler's scrape
+    assert render.health_port(spec) == 8001
+    # The autoscaler tries the metrics port first, and reads a pod that refuses it on 8001.
+    assert scrape.ports(spec) == (render.METRICS_PORT, 8001)
 
 
 def test_a_guarded_fleet_needs_the_metrics_port_and_says_where_it_is_read():
     """With a guard, probes and scrapes need a server that binds METRICS_PORT; a ready pod that
     cannot be read there is said to be such an image (or a policy)."""
-    from embedop import autoscale, autoscaler
+    from embedop import autoscale
 
-    why = autoscaler.unscraped([autoscale.PodSample("p", True, False)], {"p": "ClientConnectorError"}, 8002)
+    guarded = scrape.ports(specs.defaulted({"model": "m", **AUTH}))
+    assert guarded == (render.METRICS_PORT,)
+    why = scrape.unscraped([autoscale.PodSample("p", True, False)], {"p": "ClientConnectorError"}, guarded)
     assert "port 8002" in why and "server image from before the metrics port" in why
-    why = autoscaler.unscraped([autoscale.PodSample("p", True, False)], {"p": "ClientConnectorError"}, 8001)
-    assert "port 8001" in why and "server image" not in why
+    plain = scrape.ports(specs.defaulted({"model": "m"}))
+    why = scrape.unscraped([autoscale.PodSample("p", True, False)], {"p": "ClientConnectorError"}, plain)
+    assert "port 8002 or 8001" in why and "server image" not in why

@@ -6,7 +6,7 @@ these specs.)"""
 
 import pytest
 
-from embedop import autoscaler, drift, reconcile, render, render_network, spec as specs
+from embedop import drift, reconcile, render, render_network, scrape, spec as specs
 from embedop.config import OperatorSettings
 
 OWNER = render.Owner("svc", "ns", "0b0c7e8e-0000-4000-8000-000000000001")
@@ -79,8 +79,8 @@ def test_probes_and_the_operators_scrape_use_the_plain_metrics_port_with_keys_an
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": 9102}, probe
     assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9102"
-    scraped = render.health_port(spec, settings.metrics_port)  # autoscaler.step scrapes this port
-    assert autoscaler.metrics_url("10.1.2.3", scraped) == "http://10.1.2.3:9102/metrics"
+    (scraped,) = scrape.ports(spec, settings.metrics_port)  # autoscaler.step scrapes this port alone
+    assert scrape.metrics_url("10.1.2.3", scraped) == "http://10.1.2.3:9102/metrics"
     companions = render.companions(OWNER, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
     for svc in (o for o in companions if o["kind"] == "Service"):
         assert {"name": "metrics", "port": 9102, "targetPort": 9102, "protocol": "TCP"} in svc["spec"]["ports"]

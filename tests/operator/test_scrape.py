@@ -12,7 +12,9 @@ import aiohttp.web
 import prometheus_client
 import pytest
 
-from embedop import autoscale, autoscaler
+from bench.operator_load import serve_metrics
+from embedop import autoscale, scrape
+from embedop.scrape import Reader
 from tests.conftest import free_port
 
 
@@ -32,14 +34,14 @@ def exposition(**values) -> str:
 
 
 def test_parse_metrics_maps_the_shared_signal_to_pod_sample_fields():
-    got = autoscaler.parse_metrics(exposition(rate=1500.5, arrival=900, queued=12, offered=34567, limit=0.4))
+    got = scrape.parse_metrics(exposition(rate=1500.5, arrival=900, queued=12, offered=34567, limit=0.4))
     assert got == {"service_rate": 1500.5, "arrival_rate": 900.0, "queued_tokens": 12.0, "offered_total": 34567.0,
                    "backlog_limit_s": 0.4}
 
 
 def test_every_mapped_metric_is_a_pod_sample_field():
     fields = {f.name for f in dataclasses.fields(autoscale.PodSample)}
-    assert set(autoscaler.METRICS.values()) <= fields
+    assert set(scrape.METRICS.values()) <= fields
 
 
 def test_the_served_task_is_the_task_label_of_model_info():
@@ -49,20 +51,20 @@ def test_the_served_task_is_the_task_label_of_model_info():
         prometheus_client.Gauge("embedfleet_queued_tokens", "queued", registry=reg).set(2)
         prometheus_client.Info("embedfleet_model", "model", registry=reg).info(labels)
         return prometheus_client.generate_latest(reg).decode()
-    assert autoscaler.read_exposition(with_info({"model": "m", "task": "rerank"})) == ({"queued_tokens": 2.0}, "rerank")
-    assert autoscaler.read_exposition(with_info({"model": "m", "device": "cpu"}))[1] is None
-    assert autoscaler.read_exposition(exposition(rate=1, arrival=1, queued=0, offered=1, limit=1))[1] is None
+    assert scrape.read_exposition(with_info({"model": "m", "task": "rerank"})) == ({"queued_tokens": 2.0}, "rerank")
+    assert scrape.read_exposition(with_info({"model": "m", "device": "cpu"}))[1] is None
+    assert scrape.read_exposition(exposition(rate=1, arrival=1, queued=0, offered=1, limit=1))[1] is None
 
 
 GUARDS = {"none": {}, "auth": {"auth": {"apiKeySecretRef": {"name": "k"}}}, "tls": {"tls": {"secretRef": {"name": "t"}}},
           "networkPolicy": {"networkPolicy": {"enabled": True}}}
 
 
-async def test_a_real_server_is_scraped_where_health_port_says_and_its_metrics_say_its_task():
+async def test_a_real_server_is_scraped_where_ports_says_and_its_metrics_say_its_task():
     """The contract with the server: `python -m embedserve` on the packaged model, bound as the
     operator renders it (the API on 8001, at a pod's address of its own; METRICS_PORT), exports the
     shared signal and the task label the operator reads (status.task) on the port the autoscaler
-    scrapes for each kind of spec: the API port without a guard, the metrics port with one."""
+    scrapes first for each kind of spec: the metrics port."""
     from embedop import render, spec as specs
     from tests.conftest import ServerProcess, pod_addresses
 
@@ -70,22 +72,25 @@ async def test_a_real_server_is_scraped_where_health_port_says_and_its_metrics_s
     server = ServerProcess({"BIND_HOST": ip, "HTTP_HEALTH_PORT": str(render.HTTP_PORT)}).wait_ready(300)
     ports = {}
     try:
-        async with aiohttp.ClientSession() as session:
-            for guard, fields in GUARDS.items():
-                port = ports[guard] = render.health_port(specs.defaulted({"model": "m", **fields}), server.metrics_port)
+        for guard, fields in GUARDS.items():
+            async with Reader() as reader:
+                tried = scrape.ports(specs.defaulted({"model": "m", **fields}), server.metrics_port)
                 errors = {}
-                (sample,) = await autoscaler.scrape(session, [kubelet_pod(ip=ip)], port, 10, errors)
+                (sample,) = await reader.scrape([kubelet_pod(ip=ip)], tried, 10, errors)
                 assert sample.scraped, (guard, errors)
                 assert sample.task == "embed", guard  # scraped: the shared signal was there (REQUIRED)
+                ports[guard] = reader.ports["p"]
     finally:
         server.stop()
-    assert ports == {"none": render.HTTP_PORT, "auth": server.metrics_port, "tls": server.metrics_port,
+    # Every guard on the metrics port, and none without one too (the API port only for a server
+    # that refuses it: test_a_pod_of_an_older_image_is_read_on_the_api_port).
+    assert ports == {"none": server.metrics_port, "auth": server.metrics_port, "tls": server.metrics_port,
                      "networkPolicy": server.metrics_port}
 
 
 def test_a_missing_metric_is_left_out():
     text = "# TYPE embedfleet_queued_tokens gauge\nembedfleet_queued_tokens 3\n"
-    assert autoscaler.parse_metrics(text) == {"queued_tokens": 3.0}
+    assert scrape.parse_metrics(text) == {"queued_tokens": 3.0}
 
 
 def pod(name, ip, ready=True):
@@ -99,11 +104,18 @@ IPS = {"ok": "127.0.0.21", "slow": "127.0.0.22", "broken": "127.0.0.23"}  # "pod
 
 @pytest.fixture
 async def pods_server():
-    """A server per pod address (loopback 127.0.0.x), all on one port, as pods share theirs."""
+    """A server per pod address (loopback 127.0.0.x), all on one port, as pods share theirs. The
+    ok pod answers only once the slow one has been asked (so only a concurrent scrape reads it);
+    the slow one never answers."""
+    slow_asked, done = asyncio.Event(), asyncio.Event()
+
     def app(kind):
         async def metrics(request):
             if kind == "slow":
-                await asyncio.sleep(2)
+                slow_asked.set()
+                await done.wait()
+            if kind == "ok":
+                await slow_asked.wait()
             if kind == "broken":
                 return aiohttp.web.Response(status=500)
             return aiohttp.web.Response(text=exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45),
@@ -121,37 +133,35 @@ async def pods_server():
         await aiohttp.web.TCPSite(runner, ip, port).start()
         runners.append(runner)
     yield port
+    done.set()
     for runner in runners:
         await runner.cleanup()
 
 
 async def test_scrape_reads_ready_pods_concurrently_and_reports_failures(pods_server):
+    """Concurrently: the ok pod, listed first, answers only once the slow one has been asked."""
     pods = [pod(name, ip) for name, ip in IPS.items()] + [
         pod("starting", "127.0.0.24", ready=False), pod("refused", "127.0.0.25")]
-    async with aiohttp.ClientSession() as session:
-        start = asyncio.get_running_loop().time()
+    async with Reader() as reader:
         errors = {}
-        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=0.5,
-                                                              errors=errors)}
-        took = asyncio.get_running_loop().time() - start
-    assert took < 1.5  # concurrent, and the slow pod is cut off at the timeout
-    assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90
-    assert samples["slow"].ready and not samples["slow"].scraped
-    assert samples["broken"].ready and not samples["broken"].scraped
-    assert samples["refused"].ready and not samples["refused"].scraped
+        samples = {s.name: s for s in await reader.scrape(pods, (pods_server,), timeout=2, errors=errors)}
+    assert samples["ok"].scraped and samples["ok"].service_rate == 1000 and samples["ok"].startup_s == 90, errors
+    assert samples["slow"].ready and not samples["slow"].scraped and samples["slow"].timed_out
+    assert samples["broken"].ready and not samples["broken"].scraped and not samples["broken"].timed_out
+    assert samples["refused"].ready and not samples["refused"].scraped and not samples["refused"].timed_out
     assert not samples["starting"].ready and not samples["starting"].scraped
     # Each failure's error, by pod, for the MetricsUnavailable condition.
     assert set(errors) == {"slow", "broken", "refused"}
-    assert "0.5 s" in errors["slow"] and "500" in errors["broken"] and "127.0.0.25" in errors["refused"], errors
+    assert "2 s" in errors["slow"] and "500" in errors["broken"] and "127.0.0.25" in errors["refused"], errors
 
 
 def test_no_ready_pod_scraped_says_why_and_a_single_success_clears_it():
     failed = [autoscale.PodSample("b", True, False), autoscale.PodSample("a", True, False),
               autoscale.PodSample("starting", False, False)]
-    why = autoscaler.unscraped(failed, {"a": "ClientConnectorError: refused", "b": "x"}, 8001)
-    assert why and "2 ready pod(s)" in why and "a: ClientConnectorError: refused" in why and "8001" in why
-    assert autoscaler.unscraped(failed + [autoscale.PodSample("c", True, True)], {}, 8001) is None
-    assert autoscaler.unscraped([autoscale.PodSample("starting", False, False)], {}, 8001) is None  # none ready
+    why = scrape.unscraped(failed, {"a": "ClientConnectorError: refused", "b": "x"}, (8002, 8001))
+    assert why and "2 ready pod(s)" in why and "a: ClientConnectorError: refused" in why and "8002 or 8001" in why
+    assert scrape.unscraped(failed + [autoscale.PodSample("c", True, True)], {}, (8001,)) is None
+    assert scrape.unscraped([autoscale.PodSample("starting", False, False)], {}, (8001,)) is None  # none ready
 
 
 def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-01-01T00:01:30Z",
@@ -194,37 +204,42 @@ def kubelet_pod(name="p", ready=True, started=True, restarts=0, ready_at="2026-0
 ], ids=["overloaded", "kubelet-restarted", "crashed-and-restarting", "new", "crash-looping", "served-then-crash-looping"])
 def test_a_pod_that_served_and_turned_unready_is_not_starting(pod, served):
     """Told from what the API keeps, so an operator restart forgets nothing."""
-    view = autoscaler.pod_view(pod)
+    view = scrape.pod_view(pod)
     assert (view.ready, view.served) == (False, served)
 
 
 def test_a_pod_being_deleted_or_failed_for_good_leaves_the_fleet():
     """Deleted, or evicted (phase Failed, kept until the pod garbage collector's threshold): it
     must neither count nor hold the fleet as a blind one would."""
-    assert autoscaler.pod_view(kubelet_pod(deleting=True)) is None
-    assert autoscaler.pod_view(kubelet_pod(ready=False, phase="Failed", ready_at="2026-01-01T01:00:00Z")) is None
+    assert scrape.pod_view(kubelet_pod(deleting=True)) is None
+    assert scrape.pod_view(kubelet_pod(ready=False, phase="Failed", ready_at="2026-01-01T01:00:00Z")) is None
 
 
 def test_start_up_is_creation_to_the_first_ready():
-    assert autoscaler.pod_view(kubelet_pod()).startup_s == 90
+    assert scrape.pod_view(kubelet_pod()).startup_s == 90
     # A flap an hour later: Ready's transition is the flap's, not the start-up's.
-    assert autoscaler.pod_view(kubelet_pod(ready_at="2026-01-01T01:00:00Z")).startup_s is None
-    assert autoscaler.pod_view(kubelet_pod(restarts=1)).startup_s is None  # a restarted container's
+    assert scrape.pod_view(kubelet_pod(ready_at="2026-01-01T01:00:00Z")).startup_s is None
+    assert scrape.pod_view(kubelet_pod(restarts=1)).startup_s is None  # a restarted container's
 
 
-async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not(pods_server):
-    pods = [kubelet_pod("serving", ready=False, started=True, ip=IPS["ok"]),
-            kubelet_pod("new", ready=False, started=False, ready_at="2026-01-01T00:00:02Z", ip=IPS["ok"])]
-    async with aiohttp.ClientSession() as session:
-        samples = {s.name: s for s in await autoscaler.scrape(session, pods, port=pods_server, timeout=1)}
+async def test_unready_pods_that_served_are_scraped_and_starting_ones_are_not():
+    ip, port = "127.0.0.38", free_port()
+    server = serve_metrics(ip, port, exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45))
+    pods = [kubelet_pod("serving", ready=False, started=True, ip=ip),
+            kubelet_pod("new", ready=False, started=False, ready_at="2026-01-01T00:00:02Z", ip=ip)]
+    try:
+        async with Reader() as reader:
+            samples = {s.name: s for s in await reader.scrape(pods, (port,), timeout=1)}
+    finally:
+        server.shutdown()
     assert samples["serving"].scraped and samples["serving"].was_ready and samples["serving"].arrival_rate == 500
     assert not samples["new"].scraped and not samples["new"].was_ready
 
 
 def test_an_ipv6_pod_address_is_bracketed():
-    assert autoscaler.metrics_url("::1", 8001) == "http://[::1]:8001/metrics"
-    assert autoscaler.metrics_url("fd00:10:244::5", 8001) == "http://[fd00:10:244::5]:8001/metrics"
-    assert autoscaler.metrics_url("10.244.0.5", 8001) == "http://10.244.0.5:8001/metrics"
+    assert scrape.metrics_url("::1", 8001) == "http://[::1]:8001/metrics"
+    assert scrape.metrics_url("fd00:10:244::5", 8001) == "http://[fd00:10:244::5]:8001/metrics"
+    assert scrape.metrics_url("10.244.0.5", 8001) == "http://10.244.0.5:8001/metrics"
 
 
 @pytest.fixture
@@ -251,9 +266,9 @@ def ipv6_pod():
 
 
 async def test_an_ipv6_pod_is_scraped(ipv6_pod):
-    async with aiohttp.ClientSession() as session:
+    async with Reader() as reader:
         errors = {}
-        (sample,) = await autoscaler.scrape(session, [kubelet_pod(ip="::1")], port=ipv6_pod, timeout=2, errors=errors)
+        (sample,) = await reader.scrape([kubelet_pod(ip="::1")], (ipv6_pod,), timeout=2, errors=errors)
     assert sample.scraped and sample.arrival_rate == 700, errors
 
 
@@ -269,11 +284,141 @@ async def test_an_answer_without_the_shared_signal_is_blind_not_zero_demand():
     port = free_port()
     await aiohttp.web.TCPSite(runner, "127.0.0.26", port).start()
     try:
-        async with aiohttp.ClientSession() as session:
+        async with Reader() as reader:
             errors = {}
-            (sample,) = await autoscaler.scrape(session, [kubelet_pod("other", ip="127.0.0.26")], port, 1, errors)
+            (sample,) = await reader.scrape([kubelet_pod("other", ip="127.0.0.26")], (port,), 1, errors)
     finally:
         await runner.cleanup()
     assert not sample.scraped and "embedfleet_service_rate_tokens_per_second" in errors["other"]
     decision = autoscale.decide([sample], 4, autoscale.Policy(1, 8, 0.7, 1.0, 0, 0), autoscale.History(capacity=100), 0)
     assert decision.desired == 4  # held, not scaled down to min on "no demand"
+
+
+def stalled_listener(ip: str) -> tuple[socket.socket, int, socket.socket]:
+    """A port whose kernel lets no connection through: its one-place accept queue is full and
+    nobody accepts, so new SYNs go unanswered (as when a NetworkPolicy drops the packets)."""
+    listener = socket.socket()
+    listener.bind((ip, 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    parked = socket.create_connection((ip, port))
+    return listener, port, parked
+
+
+@pytest.fixture
+async def hanging_pod():
+    """A pod whose kernel takes the connection and whose server reads the request and never
+    answers: an event loop too busy to get to it. → (ip, port)."""
+    ip, done = "127.0.0.31", asyncio.Event()
+
+    async def swallow(reader, writer):
+        await reader.read(65536)
+        await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(swallow, ip, 0)
+    yield ip, server.sockets[0].getsockname()[1]
+    done.set()
+    server.close()
+
+
+async def test_a_timeout_on_a_taken_connection_is_told_from_one_never_connected(hanging_pod):
+    """No answer in time after the pod's kernel took the connection: `timed_out` (the pod is there
+    and too busy; with a hot last reading, saturated). Refused, or no connection at all: blind."""
+    ip, port = hanging_pod
+    listener, stalled, parked = stalled_listener("127.0.0.32")
+    pods = [kubelet_pod("busy", ip=ip), kubelet_pod("refused", ip="127.0.0.33"), kubelet_pod("unreachable", ip="127.0.0.32")]
+    try:
+        async with Reader() as reader:
+            errors = {}
+            busy, refused = await reader.scrape(pods[:2], (port,), timeout=0.5, errors=errors)
+            (unreachable,) = await reader.scrape(pods[2:], (stalled,), timeout=0.5, errors=errors)
+    finally:
+        parked.close()
+        listener.close()
+    assert busy.timed_out and not busy.scraped and "no answer within 0.5 s" in errors["busy"], errors
+    assert not refused.timed_out and "ClientConnectorError" in errors["refused"], errors
+    assert not unreachable.timed_out and "no connection within 0.5 s" in errors["unreachable"], errors
+
+
+async def test_a_kept_alive_connection_that_goes_unanswered_is_timed_out():
+    """The second read of a pod reuses the first one's connection (no connect to time): the pod
+    answered once, then its loop was too busy."""
+    ip, answered = "127.0.0.34", []
+
+    async def metrics(request):
+        if answered:
+            await asyncio.sleep(3600)
+        answered.append(1)
+        return aiohttp.web.Response(text=exposition(rate=1000, arrival=900, queued=0, offered=10, limit=0.45))
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, ip, port).start()
+    try:
+        async with Reader() as reader:
+            (first,) = await reader.scrape([kubelet_pod(ip=ip)], (port,), timeout=0.5)
+            (second,) = await reader.scrape([kubelet_pod(ip=ip)], (port,), timeout=0.5)
+    finally:
+        await runner.cleanup()
+    assert first.scraped and not second.scraped and second.timed_out
+
+
+async def test_a_pod_of_an_older_image_is_read_on_the_api_port_and_remembered():
+    """An unguarded service is read on the metrics port first; a pod whose server predates it
+    refuses that port and is read on the API port, which is then the one asked (a pod's image
+    never changes): no refused connection at every step."""
+    ip, metrics_port, api_port = "127.0.0.35", free_port(), free_port()
+    old = serve_metrics(ip, api_port, exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45))
+    try:
+        async with Reader() as reader:
+            errors = {}
+            (sample,) = await reader.scrape([kubelet_pod("old", ip=ip)], (metrics_port, api_port), 1, errors)
+            assert sample.scraped and sample.arrival_rate == 500 and reader.ports == {"old": api_port}, errors
+            other = serve_metrics(ip, metrics_port, exposition(rate=1000, arrival=7, queued=0, offered=10, limit=0.45))
+            try:
+                (again,) = await reader.scrape([kubelet_pod("old", ip=ip)], (metrics_port, api_port), 1)
+            finally:
+                other.shutdown()
+            assert again.arrival_rate == 500
+            # A pod gone is forgotten.
+            await reader.scrape([], (metrics_port, api_port), 1)
+            assert reader.ports == {}
+    finally:
+        old.shutdown()
+
+
+async def test_a_port_that_lets_no_connection_through_falls_back_too():
+    """A NetworkPolicy of the user's that admits the API port only (written for an operator that
+    read it there) drops the metrics port's packets: after a connect timeout, the API port."""
+    ip = "127.0.0.36"
+    listener, stalled, parked = stalled_listener(ip)
+    api_port = free_port()
+    api = serve_metrics(ip, api_port, exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45))
+    try:
+        async with Reader() as reader:
+            errors = {}
+            (sample,) = await reader.scrape([kubelet_pod("walled", ip=ip)], (stalled, api_port), 0.5, errors)
+    finally:
+        api.shutdown()
+        parked.close()
+        listener.close()
+    assert sample.scraped and reader.ports == {"walled": api_port}, errors
+
+
+async def test_a_server_that_answers_on_the_metrics_port_is_never_asked_on_the_api_port():
+    """Something answering there without the shared signal is not a reason to try the next port:
+    a failure other than no connection is the pod's answer."""
+    ip, metrics_port, api_port = "127.0.0.37", free_port(), free_port()
+    wrong = serve_metrics(ip, metrics_port, "# TYPE up gauge\nup 1\n")
+    api = serve_metrics(ip, api_port, exposition(rate=1000, arrival=500, queued=0, offered=10, limit=0.45))
+    try:
+        async with Reader() as reader:
+            (sample,) = await reader.scrape([kubelet_pod("p", ip=ip)], (metrics_port, api_port), 1)
+    finally:
+        wrong.shutdown()
+        api.shutdown()
+    assert not sample.scraped and not sample.timed_out
