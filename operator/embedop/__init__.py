@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-two modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-three modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -21,6 +21,7 @@ I/O, from the edge in:
   cache      informers: the owned kinds listed and watched by label; reads from the copies,
              guarded writes through one Cluster (the leader check before each)
   leader     leader election on a coordination.k8s.io Lease
+  scope      at start-up: refuse a scope another release's operator already covers (claim Leases)
   reconcile  one reconcile: render, apply what drifted, report status
   fill       a pre-filled model cache's Job: read, and whether the pods wait for it
   autoscaler one autoscaling step: scrape the pods, decide, scale, record
