@@ -259,6 +259,9 @@ def test_namespaced_install_watches_only_its_namespace():
     ({"serviceMonitor": {"enabled": "yes"}}, "enabled"),
     ({"networkPolicy": {"enabled": True, "egress": []}}, "egress"),
     ({"networkPolicy": {"healthFrom": {"podSelector": {}}}}, "healthFrom"),
+    ({"leaseName": "Not_A_Lease"}, "leaseName"),
+    ({"admissionPolicy": {"enabled": True, "images": ["x/"]}}, "images"),
+    ({"admissionPolicy": {"serviceAccounts": ["Not An Account"]}}, "serviceAccounts"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmError, match=message):

@@ -51,7 +51,7 @@ app.kubernetes.io/component: uninstall
 {{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy): named
 after the release's namespace too, so that releases of one name in two namespaces do not collide. */ -}}
 {{- define "embedfleet.clusterName" -}}
-{{- printf "%s-%s" .Release.Namespace (include "embedfleet.fullname" .) -}}
+{{- printf "%s-%s" .Release.Namespace (include "embedfleet.fullname" .) | trimPrefix "-" -}}
 {{- end -}}
 
 {{- /* The leader-election Lease's name (EMBEDOP_LEASE_NAME, and the leader Role's resourceNames).
@@ -85,4 +85,16 @@ namespace never share one (one of them would never lead). */ -}}
 {{- /* The release's claim on the namespaces its operator watches (scope-claim.yaml). */ -}}
 {{- define "embedfleet.scopeClaimName" -}}
 {{- printf "%s-scope" (include "embedfleet.fullname" .) -}}
+{{- end -}}
+
+{{- /* Whether the cluster serves ValidatingAdmissionPolicy in admissionregistration.k8s.io/v1
+(Kubernetes 1.30+): the kind, as a live cluster's discovery lists it; or, where the version set
+names groups only (helm template's built-in one), the group version and a KubeVersion of 1.30 or
+later. "true" or "". */ -}}
+{{- define "embedfleet.hasAdmissionPolicy" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+true
+{{- else if and (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) -}}
+true
+{{- end -}}
 {{- end -}}
