@@ -31,8 +31,10 @@ def test_an_overlapping_claim_stops_the_operator_and_a_disjoint_one_does_not(emu
     try:
         claim(namespace)
         op = start("refused.log")
-        assert op.proc.wait(60) == 2
-        op.stop()
+        try:
+            assert op.proc.wait(60) == 2
+        finally:
+            op.stop()
         assert f"release other in namespace {namespace}" in op.log()
         claim(f"{namespace}-elsewhere")
         op = start("runs.log")

@@ -91,9 +91,11 @@ def test_an_operator_under_an_older_cluster_wide_claim_refuses_to_start(cluster,
     claims("platform", "first-operator-scope", "*", OLD, "first")
     claims("search", "second-operator-scope", "search", NEW, "second")
     op = start(cluster, tmp_path, namespace="search", EMBEDOP_SCOPE_CLAIM="second-operator-scope")
-    assert op.proc.wait(60) == 2
+    try:
+        assert op.proc.wait(60) == 2
+    finally:
+        op.stop()
     log = op.log()
-    op.stop()
     assert "refusing to start" in log and "release first in namespace platform" in log and "all namespaces" in log
     assert "acquired leadership" not in log and "Several releases" in log
 
