@@ -179,6 +179,41 @@ def test_every_repository_path_named_exists(page):
     assert not missing, f"{page_id(page)} names paths that do not exist: {missing}"
 
 
+# A Python name the pages give for the operator's or the server's code: `embedop.kube.Retryable`,
+# `kopf.TemporaryError`.
+CODE_NAME = re.compile(r"`((?:embedop|embedserve|kopf)(?:\.\w+)+)`")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_code_name_named_exists_and_kopf_names_are_used(page):
+    """A name of our packages resolves (module, then attributes); a kopf name is one the operator
+    uses (a page said failures were retried through `kopf.TemporaryError`, which nothing raised)."""
+    import importlib
+
+    used = "\n".join(p.read_text() for p in (ROOT / "operator" / "embedop").glob("*.py"))
+    wrong = []
+    for name in sorted({m for line in prose(page) for m in CODE_NAME.findall(line)}):
+        if name.startswith("kopf."):
+            if name not in used:
+                wrong.append(f"{name} (not used by the operator)")
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                wrong.append(f"{name} (no such name)")
+            break
+        else:
+            wrong.append(f"{name} (no such module)")
+    assert not wrong, f"{page_id(page)} names code that is not there: {wrong}"
+
+
 def functions_of(path: Path) -> set[str]:
     return {n.name for n in ast.walk(ast.parse(path.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

@@ -21,6 +21,7 @@ I/O, from the edge in:
   cache      informers: the owned kinds listed and watched by label; reads from the copies,
              guarded writes through one Cluster (the leader check before each)
   leader     leader election on a coordination.k8s.io Lease
+  scope      at start-up: refuse a scope another release's operator already covers (claim Leases)
   reconcile  one reconcile: render, apply what drifted, report status
   fill       a pre-filled model cache's Job: read, and whether the pods wait for it
   scrape     the pods' readings: which pods count, their /metrics (ports, fallback, timeouts)

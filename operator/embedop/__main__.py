@@ -3,8 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
+
+# Exit status of an operator that refuses to start: another release's operator covers its scope.
+REFUSED = 2
+log = logging.getLogger("embedop")
+
+
+async def _scope_check(settings, namespaces: list[str]) -> str | None:
+    """scope.check with the operator's own client, before kopf starts (nothing written yet). The
+    API not answering for ~30 s is an error (exit 1: the pod restarts), not a pass."""
+    from embedop import scope
+    from embedop.kube import Kube, Retryable
+
+    kube = Kube.connect(settings.api_timeout_s)
+    own = (settings.pod_namespace, settings.scope_claim) if settings.pod_namespace and settings.scope_claim else None
+    try:
+        for attempt in range(6):
+            try:
+                return await scope.check(kube, own, namespaces)
+            except Retryable as e:
+                if attempt == 5:
+                    raise
+                log.warning("checking other operators' scope claims: %s; again in 5 s", e)
+                await asyncio.sleep(5)
+    finally:
+        await kube.close()
 
 
 def main(argv=None) -> int:
@@ -19,6 +45,9 @@ def main(argv=None) -> int:
 
     import embedop.handlers  # noqa: F401 - registers the handlers
 
+    if refused := asyncio.run(_scope_check(embedop.handlers.SETTINGS, args.namespace or [])):
+        log.error("%s", refused)
+        return REFUSED
     kopf.run(
         # No kopf peering: it would pause kopf's handlers but not our own loops; a Lease elects
         # the one operator pod that acts (leader.py).

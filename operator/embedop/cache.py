@@ -253,10 +253,6 @@ class Cluster:
         self._check(f"annotations of {kind}/{name}")
         self._keep(kind, await self.kube.merge_patch(kind, namespace, name, {"metadata": {"annotations": annotations}}))
 
-    async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
-        self._check(f"finalizers of {name}")
-        await self.kube.set_finalizers(namespace, name, finalizers, resource_version)
-
 
 def _older(obj: dict, than: dict) -> bool:
     a, b = ((o.get("metadata") or {}).get("resourceVersion") or "" for o in (obj, than))

@@ -59,6 +59,11 @@ class OperatorSettings:
     """EMBEDOP_POD_LABELS: `k=v,k=v`, labels every operator pod carries (the chart gives its selector
     labels): a service's NetworkPolicy admits pods with them, in pod_namespace, to the metrics port.
     Unset (an operator outside the cluster): the policy opens that port to spec.networkPolicy.metricsFrom only."""
+    scope_claim: str = ""
+    """EMBEDOP_SCOPE_CLAIM: the name of this operator's claim on the namespaces it watches, a Lease
+    in pod_namespace that the chart makes (scope.py). At start-up the operator refuses to run where
+    another release's older claim overlaps what it watches. Unset (outside the chart): it yields to
+    every overlapping claim."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
 
@@ -95,6 +100,7 @@ class OperatorSettings:
             lease_seconds=lease,
             pod_namespace=env.get("EMBEDOP_POD_NAMESPACE") or env.get("POD_NAMESPACE") or d.pod_namespace,
             pod_labels=label_pairs("EMBEDOP_POD_LABELS", env.get("EMBEDOP_POD_LABELS")),
+            scope_claim=env.get("EMBEDOP_SCOPE_CLAIM") or d.scope_claim,
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
             identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )

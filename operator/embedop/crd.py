@@ -77,8 +77,9 @@ NETWORK_POLICY = obj(
     "A NetworkPolicy for the server pods (ingress only; their egress, to the model hub or S3 and the "
     "trace collector, is left open). Needs a network plugin that enforces NetworkPolicies.", {
         "enabled": boolean("Render it (false: none, and one rendered before is deleted).", False),
-        "from": peers("Who may reach the gRPC and HTTP API ports. Unset or empty: pods of the service's own "
-                      "namespace only."),
+        "from": peers("Who may reach the gRPC and HTTP API ports: exactly these peers. Unset or empty: pods of the "
+                      "service's own namespace only. Set, it replaces that default: to admit a gateway's namespace "
+                      "and the service's own namespace, list both (the latter as {podSelector: {}})."),
         "metricsFrom": peers("Who besides the operator may reach the metrics port (/health, /metrics), e.g. "
                              "Prometheus's pods; with autoscaling.mode hpa it must admit Prometheus, or the "
                              "HorizontalPodAutoscaler gets no metrics. The kubelet's probes need no rule (traffic "

@@ -146,8 +146,9 @@ def _remember(body) -> dict:
 async def service_event(event, body, **_) -> None:
     """Every event of every service (kopf's first listing included): its copy is kept, and its loop
     (started here, on the leader) reconciles it when its spec or metadata changed. A deleted
-    service's loop ends; the finalizer of an older operator is taken off a service being deleted
-    (the reconcile does that)."""
+    service's loop ends, and so does that of a service being deleted (the garbage collector deletes
+    what it owned; the operator never writes to the service object itself, only to its status and
+    scale subresources)."""
     meta = body.get("metadata", {})
     namespace, name = meta["namespace"], meta["name"]
     if event.get("type") == "DELETED":
@@ -157,9 +158,5 @@ async def service_event(event, body, **_) -> None:
     _remember(body)
     if not meta.get("deletionTimestamp"):
         fleet().changed(namespace, name, (meta.get("uid"), meta.get("generation")))
-    elif reconcile.LEGACY_FINALIZER in (meta.get("finalizers") or []):
-        # Its loop takes the old finalizer off (retrying as long as it must: kopf calls an event
-        # handler once) and ends once the service is gone.
-        fleet().changed(namespace, name, (meta.get("uid"), "deleting"))
     else:
         fleet().stop(namespace, name)

@@ -76,12 +76,24 @@ CALLS = {
     # pod template is immutable), watched by the operator's label for its completion, and those of
     # earlier revisions deleted once a later one has succeeded.
     *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch", "delete")),
-    # Leader election (leader.py), in the operator's own namespace.
+    # Server pods: patched with their pod-deletion-cost before a scale-down (the ReplicaSet then
+    # removes the pods the autoscaler chose).
+    ("", "pods", "patch"),
+    # spec.modelCache.claimName: the claim's access modes (ReadWriteOnce cannot serve pods on
+    # several nodes), read and watched.
+    *(("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")),
+    # Leader election (leader.py), in the operator's own namespace: create unnamed (RBAC cannot
+    # name what does not exist yet), get and patch of the one Lease by name (the chart's
+    # resourceNames).
     *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
+    # scope.py, once at start-up: the other operators' claims on namespaces (Leases the chart labels),
+    # across the cluster, label-selected.
+    ("coordination.k8s.io", "leases", "list"),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write
-    (crd.GROUP, crd.PLURAL, "list"),  # kopf: watching, and its annotations
+    (crd.GROUP, crd.PLURAL, "list"),  # kopf: watching
     (crd.GROUP, crd.PLURAL, "watch"),
-    (crd.GROUP, crd.PLURAL, "patch"),
+    # No patch of the services themselves: the operator writes their status and scale subresources
+    # only (the finalizer that operators before 0.1.1 set, and 0.2.x took off, is gone).
     (crd.GROUP, f"{crd.PLURAL}/status", "patch"),
     # Modes operator and hpa: spec.replicas mirrors the live count (reconcile.mirror_count).
     (crd.GROUP, f"{crd.PLURAL}/scale", "patch"),
@@ -275,13 +287,6 @@ class Kube:
                 await self.client.delete(RESOURCES[kind][0], name, namespace=namespace, cascade=cascade)
         except NotFound:
             pass
-
-    async def set_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> None:
-        """Replace the service's finalizers, guarded by the resourceVersion they were read at."""
-        body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
-        async with self._call(f"patch {crd.KIND}/{name} finalizers"):
-            await self.client.patch(EmbeddingService, name, body, namespace=namespace, patch_type=PatchType.MERGE,
-                                          field_manager=FIELD_MANAGER)
 
     async def patch_scale(self, namespace: str, name: str, replicas: int, resource_version: str) -> dict:
         """Merge-patch the service's spec.replicas through its scale subresource, guarded: for a

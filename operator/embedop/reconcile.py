@@ -30,7 +30,6 @@ from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Re
 log = logging.getLogger(__name__)
 
 CONFLICT_RETRIES = 5
-LEGACY_FINALIZER = f"{crd.GROUP}/finalizer"
 
 
 @dataclasses.dataclass
@@ -174,12 +173,6 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
                           fresh: bool) -> Outcome:
     live = await cluster.get("Deployment", namespace, name, fresh)  # first: see the module's docstring
     body = await cluster.get(crd.KIND, namespace, name, fresh)
-    if body is not None and LEGACY_FINALIZER in (body["metadata"].get("finalizers") or []):
-        # Left by an operator before 0.1.1 (or one that died holding it): it would keep a deleted
-        # service in Terminating, and its namespace with it, for as long as no operator runs.
-        kept = [f for f in body["metadata"]["finalizers"] if f != LEGACY_FINALIZER]
-        await cluster.set_finalizers(namespace, name, kept, body["metadata"]["resourceVersion"])
-        body = await cluster.get(crd.KIND, namespace, name, fresh=True)
     if not _alive(body):  # deleted: the garbage collector removes what it owned
         return Outcome([], [], gone=True, body=body)
     owner = owner_of(body)

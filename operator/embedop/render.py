@@ -213,6 +213,11 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
         "containers": [container],
         "volumes": [*render_cache.volumes(spec), {"name": "tmp", "emptyDir": {}}, *render_security.volumes(spec)],
         "enableServiceLinks": False,
+        # The servers never call the Kubernetes API: no token of the pod's service account is
+        # mounted, so a compromised server (or model code) holds no API credential. A cloud identity
+        # (spec.serviceAccountName: IRSA, Azure workload identity) is projected by its own webhook,
+        # and GKE's comes from the metadata server: neither needs this token.
+        "automountServiceAccountToken": False,
     }
     # The production pod fields, passed through as the spec states them (validated by the CRD's
     # schema, spec.problems and, finally, the API server, whose refusal shows as Degraded).

@@ -168,7 +168,7 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
         "securityContext": container["securityContext"],
     }
     kept = ("securityContext", "nodeSelector", "tolerations", "affinity", "imagePullSecrets", "serviceAccountName",
-            "priorityClassName")
+            "priorityClassName", "automountServiceAccountToken")
     pod_spec = {k: pod[k] for k in kept if k in pod}
     labels = {**meta["labels"], FILL_LABEL: digest}
     # Its pod must not carry the server pods' selector labels: the Services would send it requests,

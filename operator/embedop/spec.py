@@ -130,6 +130,13 @@ def warnings(spec: dict) -> list[str]:
         out.append("networkPolicy: autoscaling.mode hpa reads the pods' metrics through Prometheus, and "
                    "networkPolicy.metricsFrom is empty: the policy keeps Prometheus from the metrics port, and the "
                    "HorizontalPodAutoscaler gets no metrics (it holds the count); add Prometheus's pods to metricsFrom")
+    elif policy.get("enabled") and not policy.get("metricsFrom"):
+        # Modes operator and off: the operator's own pods are admitted (its scrapes work), but
+        # nothing else is: Prometheus (the chart's ServiceMonitor, dashboards, alerts, KEDA's
+        # prometheus trigger) reads nothing, and the operator's status and scaling look fine.
+        out.append("networkPolicy: networkPolicy.metricsFrom is empty: only this operator reaches the pods' metrics "
+                   "port, and Prometheus (a ServiceMonitor, dashboards, alerts, KEDA) scrapes nothing; add "
+                   "Prometheus's pods to metricsFrom (if nothing else scrapes this service, ignore this)")
     if spec.get("routing") == "gateway":
         out += render_gateway.warnings(spec)
     return out

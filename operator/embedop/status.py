@@ -17,6 +17,9 @@ import datetime
 
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
 TASK_MISMATCH = "TaskMismatch"
+# Ready's reason for a service at zero replicas on purpose (mode off, spec.replicas 0); a scale to
+# zero by KEDA or a later autoscaling mode says the same.
+SCALED_TO_ZERO = "ScaledToZero"
 AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable", TASK_MISMATCH)
 MEASURED = ("serviceRateTokensPerSecond", "arrivalRateTokensPerSecond", "estimatedDrainMs")
 # The measured rates are refreshed at most this often (with a decision or condition that changes,
@@ -120,19 +123,35 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
     healthy = deployment is not None and not problems
     progressing = healthy and (updated < wanted or ready < wanted or replicas > wanted)
     filling = bool(fill) and fill[0] != "Failed" and not problems
-    is_ready = healthy and ready >= max(wanted, 1)
     return {
         "replicas": replicas,
         "readyReplicas": ready,
         "conditions": merge_conditions(previous, [
-            condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
-                      f"{ready}/{wanted} replicas ready", generation, previous, now),
+            ready_condition(healthy, ready, replicas, wanted, generation, previous, now),
             condition("Progressing", True, "FillingModelCache", fill[1], generation, previous, now) if filling else
             condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
                       f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
             degraded,
         ]),
     }
+
+
+def ready_condition(healthy: bool, ready: int, replicas: int, wanted: int, generation: int | None,
+                    previous: list[dict], now: str) -> dict:
+    """Ready: every wanted replica is ready, and at least one is wanted; or, with none wanted (mode
+    off at spec.replicas 0: stopped on purpose), none is left: True, reason SCALED_TO_ZERO.
+
+    True at zero as Kubernetes' own objects read it: a Deployment at 0 replicas is Available, a
+    Knative service or KEDA ScaledObject scaled to zero is Ready. Ready says the service is as asked
+    and nothing is wrong; readyReplicas says how many pods serve. False would hold `kubectl wait
+    --for=condition=Ready`, Argo CD's and Flux's health and alerts on a state the user asked for.
+    Pods still running down (replicas > 0) are not there yet: False, ReplicasNotReady."""
+    if healthy and wanted == 0 and replicas == 0:
+        return condition("Ready", True, SCALED_TO_ZERO, "scaled to zero on purpose: no pod runs (spec.replicas 0)",
+                         generation, previous, now)
+    is_ready = healthy and wanted > 0 and ready >= wanted
+    return condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
+                     f"{ready}/{wanted} replicas ready", generation, previous, now)
 
 
 def served_task(tasks: list[str | None], previous: str | None) -> str | None:

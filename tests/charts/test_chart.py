@@ -106,19 +106,53 @@ def rbac_calls(objects):
     return calls
 
 
+def operator_env(objects) -> dict:
+    d = next(o for o in objects if o["kind"] == "Deployment" and not is_hook(o))
+    return {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def named(o: dict, suffix: str) -> bool:
+    return o["metadata"]["name"].endswith(suffix)
+
+
 @pytest.mark.parametrize("case", ["defaults", "namespaced"])
 def test_rbac_is_exactly_what_the_operator_calls(case):
     objects = [o for o in render(MATRIX[case]) if not is_hook(o)]
     assert rbac_calls(objects) == kube.CALLS
     assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
-    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not o["metadata"]["name"].endswith("-leader")}
+    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scope")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
-    # The Lease is the operator's own, in its own namespace, whatever it watches.
-    (lease,) = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"].endswith("-leader")]
+    # The Lease is the operator's own, in its own namespace, whatever it watches: created (RBAC
+    # cannot name what a create makes), then read and renewed by its name only.
+    (lease,) = [o for o in objects if o["kind"] == "Role" and named(o, "-leader")]
     assert lease["metadata"]["namespace"] == "embedfleet-system"
-    assert rbac_calls([lease]) == {c for c in kube.CALLS if c[1] == "leases"}
+    by_verb = {v: rule.get("resourceNames") for rule in lease["rules"] for v in rule["verbs"]}
+    assert by_verb == {"create": None, "get": [operator_env(objects)["EMBEDOP_LEASE_NAME"]],
+                       "patch": [operator_env(objects)["EMBEDOP_LEASE_NAME"]]}
+    # The other releases' scope claims: listed across the cluster, nothing else.
+    (scope,) = [o for o in objects if o["kind"] == "ClusterRole" and named(o, "-scope")]
+    assert rbac_calls([scope]) == {("coordination.k8s.io", "leases", "list")}
+    assert rbac_calls([lease, scope]) == {c for c in kube.CALLS if c[1] == "leases"}
     assert not any("*" in str(rule) for o in objects if "Role" in o["kind"] for rule in o.get("rules", []))
     assert not any(r == "secrets" for _, r, _ in rbac_calls(objects))
+
+
+def test_the_operator_never_writes_an_embedding_service_itself():
+    """Its status and its scale (spec.replicas) only: the cluster-wide patch of every service,
+    kept for the finalizer of operators before 0.1.1, is gone with it."""
+    for calls in (kube.CALLS, rbac_calls(render({}))):
+        assert {v for g, r, v in calls if r == "embeddingservices"} == {"get", "list", "watch"}
+        assert {(r, v) for g, r, v in calls if r.startswith("embeddingservices/")} == {
+            ("embeddingservices/status", "patch"), ("embeddingservices/scale", "patch"),
+            ("embeddingservices/finalizers", "update")}
+
+
+def test_pods_and_claims_are_granted_only_what_the_operator_does_with_them():
+    """Pods: listed and watched (by label: RBAC cannot say so), patched (pod-deletion-cost), never
+    read one by one, created or deleted; model-cache claims: read only."""
+    calls = rbac_calls(render(MATRIX["namespaced"]))
+    assert {v for g, r, v in calls if r == "pods"} == {"list", "watch", "patch"}
+    assert {v for g, r, v in calls if r == "persistentvolumeclaims"} == {"get", "list", "watch"}
 
 
 @pytest.mark.parametrize("case", ["hooks", "hooks-namespaced"])
@@ -225,6 +259,9 @@ def test_namespaced_install_watches_only_its_namespace():
     ({"serviceMonitor": {"enabled": "yes"}}, "enabled"),
     ({"networkPolicy": {"enabled": True, "egress": []}}, "egress"),
     ({"networkPolicy": {"healthFrom": {"podSelector": {}}}}, "healthFrom"),
+    ({"leaseName": "Not_A_Lease"}, "leaseName"),
+    ({"admissionPolicy": {"enabled": True, "images": ["x/"]}}, "images"),
+    ({"admissionPolicy": {"serviceAccounts": ["Not An Account"]}}, "serviceAccounts"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmError, match=message):

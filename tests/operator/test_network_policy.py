@@ -104,6 +104,20 @@ def test_mode_hpa_behind_a_policy_without_metrics_from_is_warned_not_refused(aut
     assert bool([w for w in specs.warnings(spec) if "metricsFrom" in w and "HorizontalPodAutoscaler" in w]) == warned
 
 
+@pytest.mark.parametrize("mode", ["operator", "off"])
+@pytest.mark.parametrize("policy, warned", [
+    ({"enabled": True}, True),
+    ({"enabled": True, "metricsFrom": PROMETHEUS}, False),
+    ({"enabled": False}, False),
+])
+def test_a_policy_without_metrics_from_blinding_prometheus_is_warned(mode, policy, warned):
+    """Modes operator and off: the operator's own scrapes get through, so nothing in its status
+    shows that Prometheus (ServiceMonitor, dashboards, alerts, KEDA) reads nothing: said."""
+    spec = specs.defaulted({"model": "m", "autoscaling": {"mode": mode}, "networkPolicy": policy})
+    assert specs.problems(spec) == []
+    assert bool([w for w in specs.warnings(spec) if "metricsFrom" in w and "Prometheus" in w]) == warned
+
+
 def test_the_warning_is_a_warning_event_and_the_service_is_still_rendered(emulator, guarded):
     name = "blind-hpa"
     emulator.request("POST", service_path(NS), new_service(name, {

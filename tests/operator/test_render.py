@@ -225,6 +225,18 @@ def test_production_pod_fields_are_rendered():
     assert meta["labels"]["embedfleet.dev/service"] == "svc"  # ours win: the selector needs them
 
 
+@pytest.mark.parametrize("name", ["minimal", "production"])
+def test_no_server_pod_and_no_fill_job_gets_an_api_token(name):
+    """The servers never call the Kubernetes API: their service account's token (the namespace's
+    default, or spec.serviceAccountName) is not mounted in them, nor in the fill Job's pod."""
+    spec, (d, *_) = rendered(name)
+    assert d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    cached = specs.defaulted({**VARIATIONS[name], "modelCache": {"claimName": "models", "prefill": True}})
+    job = render.fill_job(OWNER, cached, IMAGE, 45)
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert job["spec"]["template"]["spec"].get("serviceAccountName") == spec.get("serviceAccountName")
+
+
 def test_pod_labels_cannot_take_the_selector_labels():
     spec = specs.defaulted({"model": "m", "podLabels": {"embedfleet.dev/service": "other"}})
     d = render.deployment(OWNER, spec, IMAGE, 1, 45)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from lightkube import AsyncClient, KubeConfig
 
-from embedop import autoscale, autoscaler, reconcile, spec as specs
+from embedop import autoscale, autoscaler, reconcile, spec as specs, status
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import Conflict, Kube
@@ -163,3 +163,24 @@ def test_observed_generation_is_the_one_acted_on():
     edited = {"metadata": {"generation": 3}, "spec": {"model": "other", "replicas": 4}}
     assert reconcile.observed(mirrored, spec, 2) == 3
     assert reconcile.observed(edited, spec, 2) == 2
+
+
+def ready_of(deployment_status: dict, wanted: int, problems=()) -> dict:
+    deployment = {"spec": {"replicas": wanted}, "status": deployment_status}
+    out = status.from_deployment(deployment, wanted, list(problems), 1, [], now="2026-01-01T00:00:00Z")
+    return next(c for c in out["conditions"] if c["type"] == "Ready")
+
+
+def test_a_service_stopped_on_purpose_is_ready_scaled_to_zero():
+    """Mode off at replicas 0 is what was asked: Ready=True, reason ScaledToZero (as a Deployment at
+    0 is Available and a Knative or KEDA service scaled to zero is Ready), once no pod is left; a
+    service that wants pods and has none ready is still not Ready."""
+    stopped = ready_of({"replicas": 0, "readyReplicas": 0}, wanted=0)
+    assert (stopped["status"], stopped["reason"]) == ("True", status.SCALED_TO_ZERO)
+    draining = ready_of({"replicas": 1, "readyReplicas": 1}, wanted=0)  # the last pod is still there
+    assert (draining["status"], draining["reason"]) == ("False", "ReplicasNotReady")
+    waiting = ready_of({"replicas": 1, "readyReplicas": 0}, wanted=1)
+    assert (waiting["status"], waiting["reason"]) == ("False", "ReplicasNotReady")
+    broken = ready_of({"replicas": 0}, wanted=0, problems=["batching.buckets must be ascending"])
+    assert broken["status"] == "False"
+    assert ready_of({"replicas": 2, "readyReplicas": 2}, wanted=2)["reason"] == "ReplicasReady"

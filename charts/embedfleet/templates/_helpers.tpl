@@ -47,3 +47,54 @@ app.kubernetes.io/component: uninstall
 {{- define "embedfleet.serviceAccountName" -}}
 {{- default (include "embedfleet.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy): named
+after the release's namespace too, so that releases of one name in two namespaces do not collide. */ -}}
+{{- define "embedfleet.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "embedfleet.fullname" .) | trimPrefix "-" -}}
+{{- end -}}
+
+{{- /* The leader-election Lease's name (EMBEDOP_LEASE_NAME, and the leader Role's resourceNames).
+leaseName when given; else the name the release's operator already uses, read from its live
+Deployment (lookup; a release from before this setting used the operator's default,
+embedop-leader): renaming it during a rollout would let the old pod and the new one each hold a
+Lease of its own and both act; else (a new release, or a render without a cluster: helm template,
+lint, --dry-run, Argo CD) a Lease of the release's own, <fullname>-leader, so that two releases in one
+namespace never share one (one of them would never lead). */ -}}
+{{- define "embedfleet.leaseName" -}}
+{{- if .Values.leaseName -}}
+{{- .Values.leaseName -}}
+{{- else -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "embedfleet.fullname" .) -}}
+{{- if $live -}}
+{{- $name := "embedop-leader" -}}
+{{- range (($live.spec).template.spec).containers | default list -}}
+{{- if eq .name "operator" -}}
+{{- range .env | default list -}}
+{{- if and (eq .name "EMBEDOP_LEASE_NAME") .value -}}{{- $name = .value -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $name -}}
+{{- else -}}
+{{- printf "%s-leader" (include "embedfleet.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The release's claim on the namespaces its operator watches (scope-claim.yaml). */ -}}
+{{- define "embedfleet.scopeClaimName" -}}
+{{- printf "%s-scope" (include "embedfleet.fullname" .) -}}
+{{- end -}}
+
+{{- /* Whether the cluster serves ValidatingAdmissionPolicy in admissionregistration.k8s.io/v1
+(Kubernetes 1.30+): the kind, as a live cluster's discovery lists it; or, where the version set
+names groups only (helm template's built-in one), the group version and a KubeVersion of 1.30 or
+later. "true" or "". */ -}}
+{{- define "embedfleet.hasAdmissionPolicy" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+true
+{{- else if and (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) -}}
+true
+{{- end -}}
+{{- end -}}
