@@ -18,10 +18,14 @@ from pathlib import Path
 
 import aiohttp.web
 import attrs
+import jsonpatch
+import jsonpointer
 import kmock
+import yaml
 from kmock._internal import dicts as kmock_dicts
 
 from embedop import crd
+from tests.operator import structural
 
 
 _versions = itertools.count(100)
@@ -31,6 +35,9 @@ _versions = itertools.count(100)
 recorded: dict[str, set[tuple]] = collections.defaultdict(set)
 # Every server-side apply received: {"subject", "kind", "namespace", "name", "manager", "force", "body"}.
 applies: list[dict] = []
+# Every create (POST) made by anything but the tests' own kubectl stand-in: {"subject", "kind",
+# "namespace", "name", "manager"} (refused ones too: a 409 AlreadyExists is answered after).
+creates: list[dict] = []
 # Every DELETE received: (subject, resource plural, namespace, name, query parameters).
 deletes: list[tuple] = []
 # Every write refused for a stale resourceVersion: (subject, resource plural[/subresource], name).
@@ -51,6 +58,12 @@ policies: list = []
 # Status fields the installed CRD's schema lacks (an older CRD than the operator): the API server
 # prunes them from every write, silently, as it prunes unknown fields of a structural schema.
 unknown_status: set[str] = set()
+# Mutating admission webhooks: each takes an object the operator creates or changes (not through a
+# subresource) and may rewrite it in place; what it leaves is what is stored and answered.
+mutators: list = []
+# Someone else's object created between the operator's read and its write: (resource plural,
+# namespace, name) → the object, stored just before the operator's first write of that name.
+races: dict[tuple[str, str, str], dict] = {}
 
 
 # Faults to inject into the operator's calls: (HTTP method, resource plural) → statuses (or
@@ -125,8 +138,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       strict): an invalid object is refused with 422 and the validator's message;
     - admission webhooks (`policies`): a refusal is a 403 with the webhook's message, for writes
       to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
-    - what the API server stores, not what was sent: an env entry's empty value is dropped, and
-      status fields an older CRD lacks (`unknown_status`) are pruned;
+    - what the API server stores, not what was sent: an env entry's empty value is dropped,
+      status fields an older CRD lacks (`unknown_status`) are pruned, and a custom resource served
+      with its CRD's schema (InferencePools: `schemas`) is pruned of what the schema lacks and
+      defaulted (tests/operator/structural.py); mutating webhooks (`mutators`) rewrite objects;
+    - a create (POST) of a name that exists is refused 409 AlreadyExists (kmock's), and is recorded
+      in metadata.managedFields as an Update of its field manager, which a JSON patch may rewrite
+      (its `test` operations are preconditions: 422 when one fails); someone else's create landing
+      just before the operator's write (`races`);
     - label selectors on lists and watches (a watched object that stops matching is DELETED to
       that watch), 429 answers that carry Retry-After, and a watch ended by a 410 ERROR event
       inside its stream (`expire_watches`), as when its resourceVersion has been compacted away;
@@ -134,8 +153,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
 
     Not emulated (tests/cluster/ judges these on a real API server): ownership and removal of every
-    other field (kmock merges dicts: a field dropped from an apply stays), garbage collection
-    through ownerReferences, foreground deletion, controllers, field selectors."""
+    other field (kmock merges dicts: a field dropped from an apply stays; managedFields list no
+    field but spec.replicas), garbage collection through ownerReferences, foreground deletion,
+    controllers, field selectors."""
 
     subject = "operator"
 
@@ -143,6 +163,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         super().__init__(*args, **kwargs)
         self.subject = subject
         self.replica_owners: dict[tuple, dict[str, str]] = {}  # (ns, name) → {manager: "Apply"|"Update"}
+        self.schemas: dict[str, dict] = {}  # resource plural → the openAPIV3Schema its CRD serves
+        self.crds: dict[str, dict] = {}  # resource plural → the CRD installed for it
 
     async def _handle(self, request):
         agent = request.headers.get("User-Agent", "")
@@ -165,6 +187,12 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                              "reason": "TooManyRequests", "code": 429}, status=429,
                             headers={"Retry-After": str(RETRY_AFTER_S)})
                     raise api_error(status, "Injected", message)
+        if ours and is_object_call and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            await self._race(request)
+        if ours and is_object_call and request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.get("metadata") or {}
+            creates.append({"subject": self.subject, "kind": request.data.get("kind"), "manager": _manager(request),
+                            "namespace": request.namespace or meta.get("namespace"), "name": meta.get("name")})
         current = self._current(request) if is_object_call and request.name else None
         is_apply = (request.method == kmock.method.PATCH and request.name is not None
                     and request.headers.get("Content-Type", "").split(";")[0] == APPLY)
@@ -208,6 +236,20 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         if isinstance(data, dict) and request.action in (kmock.action.CREATE, kmock.action.UPDATE) \
                 and not request.subresource:
             _drop_empty_env(data)
+            if ours:
+                for mutate in mutators:
+                    mutate(data)
+        if isinstance(data, dict) and request.resource is not None and request.action in (
+                kmock.action.CREATE, kmock.action.UPDATE) and (schema := self.schemas.get(request.resource.plural)):
+            structural.prune(data, schema)
+            if request.action == kmock.action.CREATE:
+                structural.default(data, schema)
+        if isinstance(data, dict) and request.action == kmock.action.CREATE and not is_apply \
+                and request.resource is not None and request.resource.plural != "deployments":  # (_replicas' own)
+            data.setdefault("metadata", {})["managedFields"] = [
+                {"manager": _manager(request), "operation": "Update", "apiVersion": data.get("apiVersion"),
+                 "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {}, "f:spec": {}},
+                 "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}]
         if ours and isinstance(data, dict) and not request.subresource \
                 and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             merged = data if current is None else kmock_dicts.patch_dict(current, data)
@@ -216,7 +258,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             elif data.get("kind") == "InferencePool":  # a CRD's object: its schema and CEL rules
                 from tests.operator import inference_pool_schema
 
-                if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}):
+                crd_served = self.crds.get("inferencepools", inference_pool_schema.CRD)
+                if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}, crd_served):
                     raise api_error(422, "Invalid", f"InferencePool.{merged['metadata'].get('name')} is invalid: {refused}")
             for policy in policies:
                 if refusal := policy(merged):
@@ -237,20 +280,50 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 elif "spec" in data and request.subresource in (None, "scale") and current is not None:
                     if any(current.get("spec", {}).get(k) != v for k, v in data["spec"].items()):
                         meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
-            elif isinstance(data, list):  # a JSON patch
-                for op in data:
-                    if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and current is not None \
-                            and current.get("metadata", {}).get("resourceVersion") != op.get("value"):
-                        raise api_error(422, "Invalid", "the JSON patch's test operation failed: the object changed meanwhile")
+            elif isinstance(data, list) and current is not None:  # a JSON patch
+                try:  # its test operations are preconditions
+                    patched = jsonpatch.apply_patch(copy.deepcopy(current or {}), data)
+                except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+                    raise api_error(422, "Invalid", f"the JSON patch failed: {e}") from None
+                if request.resource.plural == "deployments":  # ownership rewritten
+                    self.replica_owners[(request.namespace, request.name)] = {
+                        m["manager"]: m["operation"] for m in (patched.get("metadata") or {}).get("managedFields") or []
+                        if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})}
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
         if is_apply and request.action == kmock.action.CREATE:
             return await self._create(request)  # kmock's own create answers POSTs only
+        if request.action == kmock.action.CREATE and request.resource is not None and not self._served(request.resource):
+            raise api_error(404, "NotFound", "the server could not find the requested resource")  # kmock stores it
         return await super()._handle(request)
+
+    def _served(self, res) -> bool:
+        """Whether the API serves `res` (a kind whose CRD is not installed: not)."""
+        return f"{res.group}/{res.version}/{res.plural}" in self.resources or f"{res.version}/{res.plural}" in self.resources
+
+    async def _race(self, request) -> None:
+        """Someone else's object of `races`, stored (once) just before this write of its name."""
+        res = request.resource
+        meta = ((request.data if isinstance(request.data, dict) else {}).get("metadata")) or {}
+        name, namespace = request.name or meta.get("name"), request.namespace or meta.get("namespace")
+        body = races.pop((res.plural, namespace, name), None)
+        if body is None:
+            return
+        body = copy.deepcopy(body)
+        meta = body.setdefault("metadata", {})
+        meta.update(name=name, namespace=namespace, uid=str(uuid.uuid4()), resourceVersion=str(next(_versions)))
+        meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        key = (res, namespace, name)
+        async with self._lock:
+            if key in self._objects:
+                self._objects[key].create(body)
+            else:
+                self._objects[key] = body
+            await self._buses[res].put({"type": "ADDED", "object": self._objects[key].raw})
 
     async def _create(self, request) -> aiohttp.web.StreamResponse:
         """What kmock does for a POST, for a server-side apply that creates."""
         res = request.resource
-        if f"{res.group}/{res.version}/{res.plural}" not in self.resources and f"{res.version}/{res.plural}" not in self.resources:
+        if not self._served(res):
             # A kind whose CRD is not installed: the real API server has no such path (kmock's own
             # create answers a POST so; an apply reaches here).
             raise api_error(404, "NotFound", "the server could not find the requested resource")
@@ -330,17 +403,25 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
 
 
-def _serve_inference_pools(k8s) -> None:
+def _serve_inference_pools(k8s, crd_file: Path | None = None) -> None:
+    """The InferencePool CRD of `crd_file` (a vendored fixture; by default the newest tracked)
+    installed: its objects pruned and defaulted by its v1 schema, validated by it."""
+    from tests.operator import inference_pool_schema
+
+    served = yaml.safe_load(crd_file.read_text()) if crd_file else inference_pool_schema.CRD
+    k8s.crds["inferencepools"] = served
+    k8s.schemas["inferencepools"] = inference_pool_schema.v1_schema(served)
     k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
         kind="InferencePool", namespaced=True, shortnames={"infpool"},
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
 
 
 class Emulator:
-    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool = False):
+    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool | Path = False):
         """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD).
         inference_pools: the Gateway API Inference Extension's InferencePool CRD is installed (by
-        default not, as in most clusters: its list and writes are 404, as a real API server's)."""
+        default not, as in most clusters: its list and writes are 404, as a real API server's);
+        a path: that CRD file (tests/operator/fixtures), else the newest one tracked."""
         self.subject, self.with_crd, self.inference_pools = subject, with_crd, inference_pools
         self.url = ""
         self._ready = threading.Event()
@@ -368,7 +449,7 @@ class Emulator:
                     subresources={"status", "scale"},
                 )
             if self.inference_pools:
-                _serve_inference_pools(k8s)
+                _serve_inference_pools(k8s, self.inference_pools if isinstance(self.inference_pools, Path) else None)
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
