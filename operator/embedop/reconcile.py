@@ -236,6 +236,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
                        outcome: Outcome) -> dict | None:
     """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
     owner = owner_of(body)
+    live = live and await write.adopted(cluster, "Deployment", live)  # before its resourceVersion guards the apply
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
     hold = await _fill(cluster, settings, body, spec, deployment, outcome)
     # Whether we own the count must match whether we send it: after a mode switch, an apply takes
@@ -268,6 +269,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         if not_ours(current, owner):
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
             continue
+        current = current and await write.adopted(cluster, obj["kind"], current)
         if drift.drifted(obj, current) and (stuck := write.held(cluster, obj, current)):
             outcome.unpersisted.append(stuck)
         elif drift.drifted(obj, current):

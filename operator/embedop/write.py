@@ -9,10 +9,11 @@ what we apply does not stick.
 - **The create's fields become our apply's.** The API server records a create as an Update by our
   field manager, not an Apply: those fields would stay owned by that entry when a later apply
   stops sending one (an env entry removed from the spec would stay for good,
-  kubernetes/kubernetes#99003). So, once, right after the create, our Update entry becomes our
-  Apply entry (`adoption`: what client-go's csaupgrade does for kubectl), by a JSON patch whose
-  `test` operations check the entry it rewrites (a controller's status write meanwhile does not
-  stop it; a changed entry is read again).
+  kubernetes/kubernetes#99003). So, right after the create, our Update entry becomes our Apply
+  entry (`adoption`: what client-go's csaupgrade does for kubectl), by a JSON patch whose `test`
+  operations check the entry it rewrites (a controller's status write meanwhile does not stop it;
+  a changed entry is read again); and, should that patch have failed, at the next reconcile that
+  finds the entry still there (`adopted`: no request otherwise).
 - **Held when it does not stick.** Every apply's answer is compared with what was sent
   (drift.after_apply, remembered per object in Cluster.applied): a render the API server keeps
   pruning or a webhook keeps rewriting is not applied again after a few tries (`held`), and the
@@ -72,21 +73,26 @@ async def create(cluster: Cluster, obj: dict, adopt: bool = True) -> dict:
     """Create `obj` (Conflict when an object of its name exists); `adopt`: then make the create's
     fields our apply's (for an object we apply later). → the object as stored."""
     stored = await cluster.create(obj)
-    if not adopt:
-        return stored
-    kind, namespace, name = _key(obj)
+    return await adopted(cluster, obj["kind"], stored) if adopt else stored
+
+
+async def adopted(cluster: Cluster, kind: str, stored: dict) -> dict:
+    """`stored` (ours, of `kind`: a listed object may not say) with our field manager's Update
+    entry made part of its Apply entry (`adoption`); no request when there is none. → the object
+    as it is now."""
+    meta = stored["metadata"]
     for _ in range(ADOPT_ATTEMPTS):
         if (operations := adoption(stored)) is None:
             return stored
         try:
-            return await cluster.json_patch(kind, namespace, name, operations)
+            return await cluster.json_patch(kind, meta["namespace"], meta["name"], operations)
         except (Rejected, Conflict):  # the entry moved (a test failed) or the object went: read it again
-            fresh = await cluster.get(kind, namespace, name, fresh=True)
+            fresh = await cluster.get(kind, meta["namespace"], meta["name"], fresh=True)
             if fresh is None:
                 return stored
             stored = fresh
-    log.warning("%s %s/%s: the fields of its create are still owned by an Update of %s; a field the operator "
-                "stops sending may stay", kind, namespace, name, FIELD_MANAGER)
+    log.warning("%s %s/%s: the fields of its create are still owned by an Update of %s (tried again at the next "
+                "check)", kind, meta["namespace"], meta["name"], FIELD_MANAGER)
     return stored
 
 

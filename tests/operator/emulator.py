@@ -33,11 +33,10 @@ _versions = itertools.count(100)
 # kubectl stand-in, as RBAC sees it: (API group, resource[/subresource], verb), per RBAC subject
 # (the operator, the uninstall hook). The RBAC tests compare them with the chart.
 recorded: dict[str, set[tuple]] = collections.defaultdict(set)
-# Every server-side apply received: {"subject", "kind", "namespace", "name", "manager", "force", "body"}.
+# Every server-side apply received, and every create (POST) made by anything but the tests' own
+# kubectl stand-in (refused ones too: a 409 AlreadyExists is answered after), in order:
+# {"subject", "kind", "namespace", "name", "manager", "force", "body", "create": whether a POST}.
 applies: list[dict] = []
-# Every create (POST) made by anything but the tests' own kubectl stand-in: {"subject", "kind",
-# "namespace", "name", "manager"} (refused ones too: a 409 AlreadyExists is answered after).
-creates: list[dict] = []
 # Every DELETE received: (subject, resource plural, namespace, name, query parameters).
 deletes: list[tuple] = []
 # Every write refused for a stale resourceVersion: (subject, resource plural[/subresource], name).
@@ -191,15 +190,17 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             await self._race(request)
         if ours and is_object_call and request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.get("metadata") or {}
-            creates.append({"subject": self.subject, "kind": request.data.get("kind"), "manager": _manager(request),
-                            "namespace": request.namespace or meta.get("namespace"), "name": meta.get("name")})
+            applies.append({"subject": self.subject, "kind": request.data.get("kind"), "manager": _manager(request),
+                            "namespace": request.namespace or meta.get("namespace"), "name": meta.get("name"),
+                            "force": False, "body": copy.deepcopy(request.data), "create": True})
         current = self._current(request) if is_object_call and request.name else None
         is_apply = (request.method == kmock.method.PATCH and request.name is not None
                     and request.headers.get("Content-Type", "").split(";")[0] == APPLY)
         if is_apply:
             applies.append({"subject": self.subject, "kind": (request.data or {}).get("kind"),
                             "namespace": request.namespace, "name": request.name, "manager": _manager(request),
-                            "force": request.params.get("force") == "true", "body": copy.deepcopy(request.data)})
+                            "force": request.params.get("force") == "true", "body": copy.deepcopy(request.data),
+                            "create": False})
             if current is None and request.subresource is None:  # server-side apply creates
                 request = attrs.evolve(request, action=kmock.action.CREATE)
         if is_object_call and request.action is not None and ours:
@@ -287,7 +288,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     raise api_error(422, "Invalid", f"the JSON patch failed: {e}") from None
                 if request.resource.plural == "deployments":  # ownership rewritten
                     self.replica_owners[(request.namespace, request.name)] = {
-                        m["manager"]: m["operation"] for m in (patched.get("metadata") or {}).get("managedFields") or []
+                        m["manager"]: m["operation"] + (f"/{m['subresource']}" if m.get("subresource") else "")
+                        for m in (patched.get("metadata") or {}).get("managedFields") or []
                         if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})}
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
         if is_apply and request.action == kmock.action.CREATE:
@@ -346,8 +348,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         spec = data.get("spec") or {}
         before = (current or {}).get("spec", {}).get("replicas")
         if request.subresource == "scale" or not is_apply:  # an update: takes what it changes
-            if "replicas" in spec and spec["replicas"] != before:
-                owners = {manager: "Update"}
+            if "replicas" in spec and spec["replicas"] != before:  # (through the scale subresource: its entry says so)
+                owners = {manager: "Update/scale" if request.subresource == "scale" else "Update"}
         elif "replicas" in spec:
             others = {m for m in owners if m != manager}
             if spec["replicas"] != before and others and request.params.get("force") != "true":
@@ -362,8 +364,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.replica_owners[key] = owners
         if request.subresource is None:
             data.setdefault("metadata", {})["managedFields"] = [
-                {"manager": m, "operation": op, "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
-                 "fieldsV1": {"f:spec": {"f:replicas": {}}}} for m, op in owners.items()]
+                {"manager": m, "operation": op.split("/")[0], "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                 "fieldsV1": {"f:spec": {"f:replicas": {}}}, **({"subresource": "scale"} if op.endswith("/scale") else {})}
+                for m, op in owners.items()]
 
     async def _serve_list(self, request):
         out = await super()._serve_list(request)

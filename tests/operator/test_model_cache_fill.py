@@ -8,7 +8,7 @@ succeeded)."""
 import pytest
 
 from tests.operator.conftest import eventually
-from tests.operator.emulator import creates, deletes, new_service, service_path
+from tests.operator.emulator import applies, deletes, new_service, service_path
 
 SPEC = {"model": "org/model", "modelRevision": "v1", "replicas": 1, "autoscaling": {"mode": "off"},
         "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
@@ -34,7 +34,7 @@ def fill_jobs(emulator, ns, service="filled"):
 
 
 def created(name):
-    return [c for c in creates if c["kind"] == "Job" and c["name"] == name]
+    return [c for c in applies if c["create"] and c["kind"] == "Job" and c["name"] == name]
 
 
 def make_claim(emulator, ns, name="models-rwx", modes=("ReadWriteMany",)) -> dict:
@@ -188,7 +188,7 @@ def test_no_fill_job_is_made_before_its_claim_exists(emulator, operator, namespa
                                                                        "Progressing").get("message", "") and c)
     assert condition(cr, "Progressing")["reason"] == "FillingModelCache"
     assert condition(cr, "ModelCacheShared")["status"] == "Unknown"
-    assert not fill_jobs(emulator, ns, "later") and not [c for c in creates if c["name"].startswith("later-fill-")]
+    assert not fill_jobs(emulator, ns, "later") and not [c for c in applies if (c["name"] or "").startswith("later-fill-")]
     make_claim(emulator, ns, "models-later")
     eventually(lambda: fill_jobs(emulator, ns, "later"))  # at its next periodic check (2 s here)
 
