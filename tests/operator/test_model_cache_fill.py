@@ -211,3 +211,15 @@ def test_the_claims_access_mode_is_reported_never_refused(emulator, operator, na
     assert (c["status"], c["reason"]) == (shared, reason) and f"{name}-claim" in c["message"] and reason in c["message"]
     assert emulator.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}")
     assert condition(cr, "Degraded")["status"] == "False"
+
+
+def test_claims_are_read_from_a_watch_never_by_name(emulator, operator):
+    """After the scenarios above: the claims came from one list and a watch (an operator at rest
+    reads them from its copy), never a GET per check; every call is one the chart grants."""
+    from embedop.kube import CALLS
+    from tests.operator import emulator as em
+
+    calls = em.recorded["operator"]
+    assert {c for c in calls if c[1] == "persistentvolumeclaims"} == {
+        ("", "persistentvolumeclaims", "list"), ("", "persistentvolumeclaims", "watch")}
+    assert calls <= CALLS, calls - CALLS
