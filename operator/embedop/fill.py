@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from embedop import render, render_cache
+from embedop import drift, render, render_cache, write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 
@@ -42,6 +42,29 @@ class Fill:
     def missing(self) -> bool:
         """No Job, and no record of this digest's fill: one is to be created."""
         return self.job is None and self.state == "Missing"
+
+
+async def ensure(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, image: str,
+                 body: dict | None) -> tuple[Fill | None, list[str]]:
+    """The fill this spec needs (None: no pre-filled claim), its Job created when neither it nor a
+    record of its fill exists (once: a Job's template is immutable, and its name is the digest of
+    what it fills; created, never applied, so a Job of its name made by someone else meanwhile is
+    not taken over), never changed. Once it has succeeded, the service's fill Jobs of other
+    digests go (their pods with them: a Job deleted without a propagation policy orphans its pods).
+    → (the fill, "Kind/name" of what was created and "-Kind/name" of what was deleted)."""
+    fill = await read(cluster, settings, owner, spec, image, body)
+    if fill is None or fill.foreign:
+        return fill, []
+    written = []
+    if fill.missing:
+        job = await write.create(cluster, drift.stamped(fill.rendered), adopt=False)
+        fill = of(fill.rendered, job, spec, owner, claim=fill.claim)
+        written.append(f"Job/{fill.name}")
+    if not fill.holds:
+        for job in others(cluster, owner, fill):
+            await cluster.delete("Job", owner.namespace, job["metadata"]["name"], background=True)
+            written.append(f"-Job/{job['metadata']['name']}")
+    return fill, written
 
 
 def recorded(body: dict | None) -> str | None:

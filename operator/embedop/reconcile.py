@@ -295,29 +295,15 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
 
 async def _fill(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, deployment: dict,
                 outcome: Outcome) -> bool:
-    """A pre-filled model cache's Job: created when neither it nor a record of its fill exists
-    (once: a Job's template is immutable, and its name is the digest of what it fills), never
-    changed. Once it has succeeded, the service's fill Jobs of other digests go (their pods with
-    them: a Job deleted without a propagation policy orphans its pods). → whether the Deployment
-    waits."""
-    owner = owner_of(body)
-    fill = await fills.read(cluster, settings, owner, spec, deployment["spec"]["template"]["spec"]["containers"][0]["image"],
-                            body)
-    if fill is None:
-        return False
-    if fill.foreign:
+    """A pre-filled model cache's Job (fill.ensure). → whether the Deployment waits."""
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    fill, written = await fills.ensure(cluster, settings, owner_of(body), spec, image, body)
+    outcome.applied.extend(written)
+    if fill is not None and fill.foreign:
         outcome.foreign.append(f"Job/{fill.name}")
-        return True
-    if fill.missing:  # created, never applied: its template is immutable, and a Job of its name is not ours to take
-        job = await write.create(cluster, drift.stamped(fill.rendered), adopt=False)
-        fill = fills.of(fill.rendered, job, spec, owner, claim=fill.claim)
-        outcome.applied.append(f"Job/{fill.name}")
-    outcome.fill = fill
-    if not fill.holds:
-        for job in fills.others(cluster, owner, fill):
-            await cluster.delete("Job", owner.namespace, job["metadata"]["name"], background=True)
-            outcome.applied.append(f"-Job/{job['metadata']['name']}")
-    return fill.holds
+    elif fill is not None:
+        outcome.fill = fill
+    return fill is not None and fill.holds
 
 
 def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> int | None:
