@@ -213,12 +213,16 @@ class Cluster:
         # What this operator applied to each owned object and whether it stuck (drift.Applied), by
         # (kind, namespace, name): the reconcile holds a render the API server does not keep as sent.
         self.applied: dict[tuple[str, str, str], drift.Applied] = {}
+        # Kinds whose copies are complete only once their informer has listed them (Informer.synced):
+        # before (a list refused: RBAC), an absence is read from the API, not trusted.
+        self.listed: dict[str, asyncio.Event] = {}
 
     async def get(self, kind: str, namespace: str, name: str, fresh: bool = False, ours: bool = False) -> dict | None:
         """`ours`: only an object of ours matters (one the watch would show): a copy's absence is
-        the answer, no API read."""
+        the answer, no API read (once the kind's informer has listed it, where `listed` knows)."""
         store = self.stores.get(kind)
-        if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or ours):
+        trusted = ours and (kind not in self.listed or self.listed[kind].is_set())
+        if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or trusted):
             return obj
         obj = await self.kube.get(kind, namespace, name)
         if store is not None:

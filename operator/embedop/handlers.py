@@ -113,8 +113,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
     # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic check.
-    informers += [cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})
+    unlabelled = [cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})
                   for kind in cache.UNLABELLED]
+    cluster.listed.update({i.kind: i.synced for i in unlabelled})  # a claim missing before they are listed: read
+    informers += unlabelled
     _tasks.extend(asyncio.create_task(i.run(), name=f"informer:{i.kind}") for i in informers)
     # Handlers run once every owned kind has been listed, so a reconcile never reads an empty copy;
     # but not never: kopf serves its liveness endpoint only after this, and a kind that cannot be

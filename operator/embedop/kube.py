@@ -76,8 +76,9 @@ CALLS = {
     # and those of earlier revisions deleted once a later one has succeeded.
     *(("batch", "jobs", v) for v in ("get", "create", "list", "watch", "delete")),
     # spec.modelCache.claimName: the claims' access modes and uid (a claim re-created empty is filled
-    # again), read from a watch of the served namespaces' claims (cache.UNLABELLED), never written.
-    *(("", "persistentvolumeclaims", v) for v in ("list", "watch")),
+    # again), read from a watch of the served namespaces' claims (cache.UNLABELLED), never written;
+    # get: only while they have not been listed (a claim not in the copy then is read by name).
+    *(("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")),
     # Leader election (leader.py), in the operator's own namespace.
     *(("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")),
     (crd.GROUP, crd.PLURAL, "get"),  # a fresh read before every write

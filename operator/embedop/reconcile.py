@@ -193,7 +193,10 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
     problems = specs.problems(spec, name)
     outcome = Outcome(problems, [], body=body, warnings=specs.warnings(spec))
     if render_cache.kind(spec["modelCache"]) in ("claim", "prefilled"):  # its access modes, for status
-        outcome.claim = await cluster.get("PersistentVolumeClaim", namespace, spec["modelCache"]["claimName"], ours=True)
+        try:
+            outcome.claim = await cluster.get("PersistentVolumeClaim", namespace, spec["modelCache"]["claimName"], ours=True)
+        except Rejected as e:  # not listed yet, and not to be read (RBAC): said, as any refusal
+            outcome.rejected = str(e)
     hpa = None
     if not_ours(live, owner):
         outcome.foreign.append(f"Deployment/{name}")

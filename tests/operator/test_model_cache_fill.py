@@ -223,3 +223,35 @@ def test_claims_are_read_from_a_watch_never_by_name(emulator, operator):
     assert {c for c in calls if c[1] == "persistentvolumeclaims"} == {
         ("", "persistentvolumeclaims", "list"), ("", "persistentvolumeclaims", "watch")}
     assert calls <= CALLS, calls - CALLS
+
+
+def test_a_claims_absence_is_trusted_only_once_the_claims_are_listed(tmp_path, monkeypatch):
+    """Before the claims' informer has listed them (its list refused by an older chart's RBAC, or
+    not done yet) a claim missing from the copy is read by name: a refusal is an error to report,
+    not a claim that does not exist."""
+    import asyncio
+
+    from embedop import cache
+    from embedop.kube import Kube
+    from tests.operator import emulator as em
+    from tests.operator.emulator import Emulator
+
+    with Emulator(subject="claims-probe") as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+
+        async def scenario():
+            kube = Kube.connect()
+            cluster = cache.Cluster(kube, {"PersistentVolumeClaim": cache.Store()})
+            cluster.listed["PersistentVolumeClaim"] = listed = asyncio.Event()
+            try:
+                assert await cluster.get("PersistentVolumeClaim", "default", "nope", ours=True) is None  # read: 404
+                reads = {c for c in em.recorded["claims-probe"] if c[1] == "persistentvolumeclaims"}
+                assert reads == {("", "persistentvolumeclaims", "get")}
+                listed.set()
+                mark = len(em.calls)
+                assert await cluster.get("PersistentVolumeClaim", "default", "nope", ours=True) is None  # the copy
+                assert not [c for c in em.calls[mark:] if c["subject"] == "claims-probe"]
+            finally:
+                await kube.close()
+
+        asyncio.run(scenario())
