@@ -121,6 +121,7 @@ def _unguarded(obj: dict) -> dict:
 # STUCK_WINDOW_S the render is not applied again until it changes, or for STUCK_BACKOFF_S
 # (a CRD upgraded, a webhook removed); a retry then that does not stick either holds again at once.
 STUCK_APPLIES, STUCK_WINDOW_S, STUCK_BACKOFF_S = 3, 600.0, 3600.0
+FIELD_NOT_PERSISTED = "FieldNotPersisted"  # the Degraded reason (and the Event's) while a render is held
 
 
 @dataclasses.dataclass(frozen=True)

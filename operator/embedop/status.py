@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 
+from embedop import drift
+
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
 TASK_MISMATCH = "TaskMismatch"
 AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable", TASK_MISMATCH)
@@ -107,7 +109,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
     elif unpersisted:
-        degraded = condition("Degraded", True, "FieldNotPersisted", "; ".join(unpersisted), generation, previous, now)
+        degraded = condition("Degraded", True, drift.FIELD_NOT_PERSISTED, "; ".join(unpersisted), generation, previous, now)
     elif missing:
         degraded = condition("Degraded", True, missing[0], missing[1], generation, previous, now)
     elif fill and fill[0] == "Failed":

@@ -31,7 +31,7 @@ from embedop.kube import FIELD_MANAGER, Conflict, Rejected
 log = logging.getLogger(__name__)
 
 ADOPT_ATTEMPTS = 3
-FIELD_NOT_PERSISTED = "FieldNotPersisted"  # the Degraded reason, and the Event's
+FIELD_NOT_PERSISTED = drift.FIELD_NOT_PERSISTED
 
 
 def _key(obj: dict) -> tuple[str, str, str]:
