@@ -11,19 +11,24 @@ Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
   render_network   spec.networkPolicy → the service's NetworkPolicy
   render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
-  render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job
-  drift      whether a live object still is what we render (as the API server stores it)
+  render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job; what the
+                   claim's access modes mean for the pods
+  drift      whether a live object still is what we render (as the API server stores it), and
+             whether what we applied stuck
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
 
 I/O, from the edge in:
   kube       the Kubernetes API calls (lightkube), errors sorted for the callers
-  cache      informers: the owned kinds listed and watched by label; reads from the copies,
-             guarded writes through one Cluster (the leader check before each)
+  cache      informers: the owned kinds listed and watched by label (and the model caches'
+             claims); reads from the copies, guarded writes through one Cluster (the leader
+             check before each)
   leader     leader election on a coordination.k8s.io Lease
   scope      at start-up: refuse a scope another release's operator already covers (claim Leases)
+  write      one owned object written: created when absent, applied when ours, held when
+             what we apply does not stick
   reconcile  one reconcile: render, apply what drifted, report status
-  fill       a pre-filled model cache's Job: read, and whether the pods wait for it
+  fill       a pre-filled model cache's Job: read, created, and whether the pods wait for it
   scrape     the pods' readings: which pods count, their /metrics (ports, fallback, timeouts)
   autoscaler one autoscaling step: read the pods, decide, scale, record
   fleet      one task per service: reconciles and autoscaler steps, kicked by watch events

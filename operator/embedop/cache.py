@@ -5,7 +5,9 @@ The owned kinds (Deployments, their Pods, Services, PodDisruptionBudgets, Horizo
 NetworkPolicies, InferencePools where the cluster has their CRD: OPTIONAL_WATCHED, the Jobs that
 fill a pre-filled model cache) are listed and watched with a server-side label selector, the operator's managed-by label: the
 API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
-EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here).
+EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here). The
+model caches' claims, which are not ours and carry no label of ours, are watched whole in the
+served namespaces (UNLABELLED), trimmed to the few fields read.
 
 Reads come from these copies. An object missing from them is read from the API (`Cluster.get`):
 it may exist without our label (someone else's object of the same name, which the reconcile must
@@ -22,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Callable
 
-from embedop import crd
+from embedop import crd, drift
 from embedop import render_gateway
 from embedop.kube import Gone, Kube, NotFound, Retryable
 from embedop.render import MANAGED_BY
@@ -40,9 +43,26 @@ WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPod
 # stays a read of the copy, no API call) and lists again every ABSENT_RECHECK_S, quietly, so a CRD
 # installed later is picked up without a restart. Only a service that asks for one gets told.
 OPTIONAL_WATCHED = (render_gateway.KIND,)
+# Kinds the operator reads but does not own, so they carry no label of ours: listed and watched
+# whole in the namespaces it serves (the model cache's claims: their access modes and uid), kept
+# trimmed to what is read (TRIM), followed at the services' periodic checks (no kick).
+UNLABELLED = ("PersistentVolumeClaim",)
 ABSENT_RECHECK_S = 60.0
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed where it stopped
 BACKOFF_S = (0.5, 30.0)  # first and largest wait before listing again after a failure
+
+
+def _trim_claim(obj: dict) -> dict:
+    """What is read of a claim (every claim of the namespaces is kept: a few fields each)."""
+    meta, spec, st = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
+                         if k in meta},
+            "spec": {k: spec[k] for k in ("accessModes", "volumeName", "storageClassName") if k in spec},
+            "status": {k: st[k] for k in ("phase", "accessModes") if k in st}}
+
+
+TRIM = {"PersistentVolumeClaim": _trim_claim}
 
 Key = tuple[str, str]
 
@@ -96,8 +116,11 @@ class Informer:
     for every object that changed or went (event: ADDED, MODIFIED, DELETED; LISTED after a list)."""
 
     def __init__(self, kube: Kube, kind: str, namespaces: list[str] | None, store: Store,
-                 on_change: Callable[[str, str, dict], None]):
+                 on_change: Callable[[str, str, dict], None], labels: dict | None = None):
+        """`labels`: what the objects carry (by default the operator's label; {}: every object)."""
         self.kube, self.kind, self.store, self.on_change = kube, kind, store, on_change
+        self.labels = MANAGED_BY if labels is None else labels
+        self.trim = TRIM.get(kind, lambda obj: obj)
         self.namespaces = namespaces or [None]
         self.synced = asyncio.Event()  # every namespace listed once
         self.absent: bool | None = None  # an OPTIONAL_WATCHED kind the API does not serve (None: not known yet)
@@ -144,8 +167,9 @@ class Informer:
     async def _list(self, namespace: str | None) -> str | None:
         # The first list from the API server's watch cache; a list again, consistent (it must not
         # go back before what the copies already hold).
-        objects, version = await self.kube.list_versioned(self.kind, namespace, MANAGED_BY,
+        objects, version = await self.kube.list_versioned(self.kind, namespace, self.labels,
                                                           cached=namespace not in self._listed)
+        objects = [self.trim(o) for o in objects]
         if self.absent:
             log.info("%s is served by this cluster now (its CRD was installed)", self.kind)
         self.absent = False
@@ -166,10 +190,11 @@ class Informer:
         while True:
             try:
                 async with asyncio.timeout(WATCH_TIMEOUT_S + 30):
-                    async for kind, obj in self.kube.watch(self.kind, namespace, MANAGED_BY, version, WATCH_TIMEOUT_S):
+                    async for kind, obj in self.kube.watch(self.kind, namespace, self.labels, version, WATCH_TIMEOUT_S):
                         version = (obj.get("metadata") or {}).get("resourceVersion") or version
                         if kind == "BOOKMARK":
                             continue
+                        obj = self.trim(obj)
                         if kind == "DELETED":
                             self.store.drop(*key_of(obj))
                         else:
@@ -182,14 +207,22 @@ class Informer:
 class Cluster:
     """The operator's reads (the stores first) and writes (the API, after the leader check)."""
 
-    def __init__(self, kube: Kube, stores: dict[str, Store], may_write: Callable[[], bool] = lambda: True):
-        self.kube, self.stores, self.may_write = kube, stores, may_write
+    def __init__(self, kube: Kube, stores: dict[str, Store], may_write: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.kube, self.stores, self.may_write, self.clock = kube, stores, may_write, clock
+        # What this operator applied to each owned object and whether it stuck (drift.Applied), by
+        # (kind, namespace, name): the reconcile holds a render the API server does not keep as sent.
+        self.applied: dict[tuple[str, str, str], drift.Applied] = {}
+        # Kinds whose copies are complete only once their informer has listed them (Informer.synced):
+        # before (a list refused: RBAC), an absence is read from the API, not trusted.
+        self.listed: dict[str, asyncio.Event] = {}
 
     async def get(self, kind: str, namespace: str, name: str, fresh: bool = False, ours: bool = False) -> dict | None:
         """`ours`: only an object of ours matters (one the watch would show): a copy's absence is
-        the answer, no API read."""
+        the answer, no API read (once the kind's informer has listed it, where `listed` knows)."""
         store = self.stores.get(kind)
-        if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or ours):
+        trusted = ours and (kind not in self.listed or self.listed[kind].is_set())
+        if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or trusted):
             return obj
         obj = await self.kube.get(kind, namespace, name)
         if store is not None:
@@ -219,11 +252,21 @@ class Cluster:
         self._check(f"apply {obj['kind']}/{obj['metadata']['name']}")
         return self._keep(obj["kind"], await self.kube.apply(obj, **kwargs))
 
+    async def create(self, obj: dict) -> dict:
+        """Create `obj`: Conflict (409) when an object of its name exists, someone else's or ours."""
+        self._check(f"create {obj['kind']}/{obj['metadata']['name']}")
+        return self._keep(obj["kind"], await self.kube.create(obj))
+
+    async def json_patch(self, kind: str, namespace: str, name: str, operations: list[dict]) -> dict:
+        self._check(f"patch {kind}/{name}")
+        return self._keep(kind, await self.kube.json_patch(kind, namespace, name, operations))
+
     async def delete(self, kind: str, namespace: str, name: str, **kwargs) -> None:
         self._check(f"delete {kind}/{name}")
         await self.kube.delete(kind, namespace, name, **kwargs)
         if kind in self.stores:
             self.stores[kind].drop(namespace, name)
+        self.applied.pop((kind, namespace, name), None)
 
     async def patch_status(self, namespace: str, name: str, status: dict, resource_version: str) -> dict:
         self._check(f"status of {name}")

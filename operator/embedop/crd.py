@@ -247,7 +247,7 @@ SPEC = obj(
 )
 
 CONDITION = obj("A condition of the service.", {
-    "type": string("Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable or TaskMismatch."),
+    "type": string("Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable, TaskMismatch or ModelCacheShared."),
     "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": string("CamelCase reason."),
     "message": string("Human-readable detail."),
@@ -257,7 +257,7 @@ CONDITION = obj("A condition of the service.", {
 
 STATUS = obj("Observed state, written by the operator.", {
     "observedGeneration": integer("Last spec generation the operator reconciled."),
-    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held), TaskMismatch (mode operator: the pods serve another task than spec.task).", "items": CONDITION,
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held), TaskMismatch (mode operator: the pods serve another task than spec.task), ModelCacheShared (spec.modelCache.claimName: whether every pod can mount the claim on any node, by its access mode; False for ReadWriteOnce and ReadWriteOncePod, never a refusal).", "items": CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     "replicas": integer("Server pods that exist."),
     "readyReplicas": integer("Server pods ready to serve."),
@@ -274,7 +274,8 @@ STATUS = obj("Observed state, written by the operator.", {
                            "that a Deployment made again runs the same server; set spec.image to move to another."),
     "modelCache": obj("What a pre-filled model cache holds (spec.modelCache.prefill).", {
         "filled": string("The digest (the fill Job's embedfleet.dev/model-cache-fill label) of the last fill that "
-                         "succeeded: the pods run on it, and a fill Job deleted since is not run again."),
+                         "succeeded, of the claim's name and uid (a claim made again is filled again): the pods run on "
+                         "it, and a fill Job deleted since is not run again."),
     }),
 })
 

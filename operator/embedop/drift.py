@@ -1,10 +1,12 @@
 """Whether a live object still is what we render: judged against what the API server stores, not
 what we send. The server drops empty values (omitempty), adds defaults and writes quantities in
 canonical form (subset); a field or list entry we stopped sending is seen through the digest of
-our last apply (stamped). Pure."""
+our last apply (stamped); a render whose fields the server does not keep as sent is held rather
+than applied at every check (after_apply, held). Pure."""
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import hashlib
 import json
@@ -42,21 +44,48 @@ def subset(desired, actual, path: tuple[str, ...] = ()) -> bool:
     its own, writes quantities in its canonical form, and omits empty strings, lists and maps (an
     env entry's `value: ""` comes back without its value; a NetworkPolicy peer's `matchExpressions: []`
     without it). `path`: where `desired` sits in its object."""
+    return next(_differences(desired, actual, path, ""), None) is None
+
+
+def differences(desired, actual) -> list[str]:
+    """The JSON paths (`.spec.template.spec.containers[name=server].env[name=X].value`,
+    `.spec.targetPorts[0]`) where `actual` does not hold what `desired` sets, as `subset` judges."""
+    return list(_differences(desired, actual, (), ""))
+
+
+def _differences(desired, actual, path: tuple[str, ...], where: str):
+    """`path`: the dict keys down to `desired` (QUANTITY_PATHS match it); `where`: its JSON path."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(subset(v, actual[k], (*path, k)) if k in actual else v in ("", [], {})
-                                                for k, v in desired.items())
+        if not isinstance(actual, dict):
+            yield where or "."
+            return
+        for k, v in desired.items():
+            if k in actual:
+                yield from _differences(v, actual[k], (*path, k), f"{where}.{k}")
+            elif v not in ("", [], {}):
+                yield f"{where}.{k}"
+        return
     if isinstance(desired, list):
         if not isinstance(actual, list):
-            return False
-        if desired and all(isinstance(d, dict) and "name" in d for d in desired):
+            yield where or "."
+        elif desired and all(isinstance(d, dict) and "name" in d for d in desired):
             # A list keyed under server-side apply (env, containers, ports, volumes, volumeMounts,
             # ownerReferences): entries another manager added (a mutating webhook's sidecar,
             # `kubectl set env`) stay whatever we apply, and are not ours to judge. (An entry we
             # stopped sending is caught by the applied-render stamp: see `drifted`.)
-            return all(any(isinstance(a, dict) and a.get("name") == d["name"] and subset(d, a, path) for a in actual)
-                       for d in desired)
-        return len(desired) == len(actual) and all(subset(d, a, path) for d, a in zip(desired, actual))
-    return _same_scalar(desired, actual, path)
+            for d in desired:
+                entry = f"{where}[name={d['name']}]"
+                same = [a for a in actual if isinstance(a, dict) and a.get("name") == d["name"]]
+                if not any(next(_differences(d, a, path, entry), None) is None for a in same):
+                    yield from (_differences(d, same[0], path, entry) if same else [entry])
+        elif len(desired) != len(actual):
+            yield where or "."
+        else:
+            for i, (d, a) in enumerate(zip(desired, actual)):
+                yield from _differences(d, a, path, f"{where}[{i}]")
+        return
+    if not _same_scalar(desired, actual, path):
+        yield where or "."
 
 
 # On each object we apply: a digest of what we sent. A field or list entry we stop sending (an env
@@ -83,3 +112,56 @@ def drifted(desired: dict, live: dict | None) -> bool:
 def _unguarded(obj: dict) -> dict:
     meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
     return {**obj, "metadata": meta}
+
+
+# Fields that do not stick. An apply whose answer (the object as the API server stored it) lacks
+# or differs in a field we sent would be applied again at every check, forever: the server prunes
+# a field its schema lacks (an InferencePool CRD older than the render), a mutating webhook
+# rewrites one, a defaulting we undo. After STUCK_APPLIES such applies of one render within
+# STUCK_WINDOW_S the render is not applied again until it changes, or for STUCK_BACKOFF_S
+# (a CRD upgraded, a webhook removed); a retry then that does not stick either holds again at once.
+STUCK_APPLIES, STUCK_WINDOW_S, STUCK_BACKOFF_S = 3, 600.0, 3600.0
+FIELD_NOT_PERSISTED = "FieldNotPersisted"  # the Degraded reason (and the Event's) while a render is held
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What this operator remembers of its applies of one object: the digest of the render last
+    applied (its APPLIED stamp); when that render was applied and did not stick (within
+    STUCK_WINDOW_S); the JSON paths that did not stick the last time; until when it is held."""
+    digest: str
+    times: tuple[float, ...] = ()
+    paths: tuple[str, ...] = ()
+    held_until: float | None = None
+
+
+def digest_of(obj: dict) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(APPLIED)
+
+
+def after_apply(before: Applied | None, sent: dict, stored: dict, now: float) -> Applied:
+    """The record after `sent` (stamped) was applied (or created) and the API answered `stored`."""
+    digest = digest_of(sent) or ""
+    paths = tuple(differences(_unguarded(sent), stored))
+    if not paths:  # stored as sent: nothing to hold, nothing to count
+        return Applied(digest)
+    same = before is not None and before.digest == digest
+    times = (*(t for t in (before.times if same else ()) if now - t < STUCK_WINDOW_S), now)
+    again = same and before.held_until is not None  # the retry after a hold: held again
+    held = now + STUCK_BACKOFF_S if len(times) >= STUCK_APPLIES or again else None
+    return Applied(digest, times, paths, held)
+
+
+def held(record: Applied | None, desired: dict, now: float) -> bool:
+    """Whether `desired` (stamped) is not to be applied now: the same render did not stick and
+    its hold has not run out."""
+    return (record is not None and record.held_until is not None and now < record.held_until
+            and record.digest == digest_of(desired))
+
+
+def stuck_message(kind: str, name: str, record: Applied) -> str:
+    """Degraded's message (reason FieldNotPersisted) for an object held by `record`."""
+    return (f"{kind}/{name}: {', '.join(record.paths)} not stored as sent, applied {STUCK_APPLIES} times "
+            f"within {STUCK_WINDOW_S / 60:.0f} min (the API server prunes a field its schema lacks, e.g. a CRD older "
+            f"than this operator, or a mutating webhook rewrites it); not applied again until what the operator "
+            f"renders for it changes, or for {STUCK_BACKOFF_S / 60:.0f} min")

@@ -6,13 +6,18 @@ succeeded (pods mounting the claim read-only and offline would find nothing to l
 That a digest was filled is recorded in the service's status (status.modelCache.filled, written by
 the reconcile), not only by the Job's existence: a Job deleted after it succeeded (by hand, or by a
 TTL an admission policy adds) is then not run again, and the pods do not wait for it. A Job of the
-fill's name that this service does not own (someone else's) proves nothing: the pods wait."""
+fill's name that this service does not own (someone else's) proves nothing: the pods wait.
+
+Both the Job's name and the record are a digest that includes the claim's uid (from the watch of the
+namespace's claims, cache.UNLABELLED): a claim deleted and made again under the same name is a new,
+empty one, filled again rather than trusted. No Job is made before its claim exists (state
+NoClaim: the pods wait, the status says which claim is missing)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from embedop import render, render_cache
+from embedop import drift, render, render_cache, write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 
@@ -23,9 +28,10 @@ class Fill:
     digest: str  # render_cache.fill_digest: what this spec needs filled
     job: dict | None  # as the API has it; None: none now
     rendered: dict  # the Job to create when there is none
-    state: str  # render_cache.fill_state (Missing, Running, Complete, Failed), or Complete when recorded
+    state: str  # render_cache.fill_state (Missing, Running, Complete, Failed), Complete when recorded, NoClaim
     message: str
     foreign: bool = False  # a Job of its name that is not this service's
+    claim: dict | None = None  # the claim it fills, as watched
 
     @property
     def holds(self) -> bool:
@@ -38,6 +44,29 @@ class Fill:
         return self.job is None and self.state == "Missing"
 
 
+async def ensure(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, image: str,
+                 body: dict | None) -> tuple[Fill | None, list[str]]:
+    """The fill this spec needs (None: no pre-filled claim), its Job created when neither it nor a
+    record of its fill exists (once: a Job's template is immutable, and its name is the digest of
+    what it fills; created, never applied, so a Job of its name made by someone else meanwhile is
+    not taken over), never changed. Once it has succeeded, the service's fill Jobs of other
+    digests go (their pods with them: a Job deleted without a propagation policy orphans its pods).
+    → (the fill, "Kind/name" of what was created and "-Kind/name" of what was deleted)."""
+    fill = await read(cluster, settings, owner, spec, image, body)
+    if fill is None or fill.foreign:
+        return fill, []
+    written = []
+    if fill.missing:
+        job = await write.create(cluster, drift.stamped(fill.rendered), adopt=False)
+        fill = of(fill.rendered, job, spec, owner, claim=fill.claim)
+        written.append(f"Job/{fill.name}")
+    if not fill.holds:
+        for job in others(cluster, owner, fill):
+            await cluster.delete("Job", owner.namespace, job["metadata"]["name"], background=True)
+            written.append(f"-Job/{job['metadata']['name']}")
+    return fill, written
+
+
 def recorded(body: dict | None) -> str | None:
     """The digest the service's status says was filled."""
     return (((body or {}).get("status") or {}).get("modelCache") or {}).get("filled")
@@ -47,25 +76,31 @@ async def read(cluster: Cluster, settings: OperatorSettings, owner: render.Owner
                body: dict | None) -> Fill | None:
     """The fill this spec needs, or None (no pre-filled claim). `body`: the service as read (its
     status's record)."""
-    job = render.fill_job(owner, spec, image, settings.grace_seconds, settings.metrics_port)
-    if job is None:
+    if render_cache.kind(spec["modelCache"]) != "prefilled":
         return None
+    claim = await cluster.get("PersistentVolumeClaim", owner.namespace, spec["modelCache"]["claimName"], ours=True)
+    uid = ((claim or {}).get("metadata") or {}).get("uid") or ""
+    job = render.fill_job(owner, spec, image, settings.grace_seconds, settings.metrics_port, claim_uid=uid)
+    if claim is None:
+        return Fill(job["metadata"]["name"], job["metadata"]["labels"][render_cache.FILL_LABEL], None, job, "NoClaim",
+                    render_cache.no_claim_message(spec, owner.namespace))
     current = await cluster.get("Job", owner.namespace, job["metadata"]["name"])
     digest = job["metadata"]["labels"][render_cache.FILL_LABEL]
     pods = cluster.select("Pod", owner.namespace, {render_cache.FILL_LABEL: digest,
                                                    "app.kubernetes.io/instance": owner.name})
-    return of(job, current, spec, owner, recorded(body), pods)
+    return of(job, current, spec, owner, recorded(body), pods, claim)
 
 
 def of(rendered: dict, current: dict | None, spec: dict, owner: render.Owner, filled: str | None = None,
-       pods: list[dict] = ()) -> Fill:
-    """`filled`: the digest status.modelCache.filled records."""
+       pods: list[dict] = (), claim: dict | None = None) -> Fill:
+    """`filled`: the digest status.modelCache.filled records; `claim`: the claim it fills."""
     name, digest = rendered["metadata"]["name"], rendered["metadata"]["labels"][render_cache.FILL_LABEL]
     foreign = current is not None and not owner.owns(current)
     state = render_cache.fill_state(None if foreign else current)
     if state == "Missing" and filled == digest:
         state = "Complete"
-    return Fill(name, digest, current, rendered, state, render_cache.fill_message(current, name, spec, pods), foreign)
+    return Fill(name, digest, current, rendered, state, render_cache.fill_message(current, name, spec, pods), foreign,
+                claim)
 
 
 def others(cluster: Cluster, owner: render.Owner, fill: Fill) -> list[dict]:

@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network
+from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, write
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -62,6 +62,8 @@ def _outcome(outcome: reconcile.Outcome) -> None:
         _say(body, "RejectedByAPI", outcome.rejected, warning=True)
     if outcome.missing:
         _say(body, render_gateway.CRD_MISSING, outcome.missing, warning=True)
+    if outcome.unpersisted:
+        _say(body, write.FIELD_NOT_PERSISTED, "; ".join(outcome.unpersisted), warning=True)
     if outcome.notice:
         _say(body, "DefaultImageChanged", outcome.notice)
     if outcome.warnings:
@@ -100,7 +102,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
         log.info("this operator's pods are unknown (EMBEDOP_POD_LABELS, POD_NAMESPACE): a service's NetworkPolicy "
                  "(spec.networkPolicy) opens its metrics port to spec.networkPolicy.metricsFrom only, not to it")
     kube = Kube.connect(SETTINGS.api_timeout_s)
-    stores = {kind: cache.Store() for kind in (*cache.WATCHED, crd.KIND)}
+    stores = {kind: cache.Store() for kind in (*cache.WATCHED, *cache.UNLABELLED, crd.KIND)}
     leadership = None
     if SETTINGS.leader_election:
         leadership = Leadership(kube, SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.identity,
@@ -110,6 +112,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
+    # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic check.
+    unlabelled = [cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})
+                  for kind in cache.UNLABELLED]
+    cluster.listed.update({i.kind: i.synced for i in unlabelled})  # a claim missing before they are listed: read
+    informers += unlabelled
     _tasks.extend(asyncio.create_task(i.run(), name=f"informer:{i.kind}") for i in informers)
     # Handlers run once every owned kind has been listed, so a reconcile never reads an empty copy;
     # but not never: kopf serves its liveness endpoint only after this, and a kind that cannot be

@@ -45,6 +45,7 @@ KINDS = {
     render_gateway.KIND: (render_gateway.GROUP, render_gateway.VERSION, render_gateway.PLURAL),
     "Pod": ("", "v1", "pods"),
     "Job": ("batch", "v1", "jobs"),  # a pre-filled model cache's fill (render_cache)
+    "PersistentVolumeClaim": ("", "v1", "persistentvolumeclaims"),  # spec.modelCache.claimName: read only
     "Lease": ("coordination.k8s.io", "v1", "leases"),
     crd.KIND: (crd.GROUP, crd.VERSION, crd.PLURAL),
 }
@@ -55,8 +56,9 @@ Deployment = RESOURCES["Deployment"][0]
 
 # Every (group, resource, verb) the operator calls, as RBAC sees it; tests check the chart against it.
 CALLS = {
-    # get: the live object (count, resourceVersion); patch: server-side apply, which the API
-    # authorizes as create when the object does not exist yet.
+    # get: the live object (count, resourceVersion); create: an object that does not exist yet
+    # (never by apply, which would take over one made meanwhile); patch: server-side apply of
+    # what is ours, and once after a create, our field manager's entry made an apply's.
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
                                                       "NetworkPolicy", render_gateway.KIND)
       for v in ("get", "create", "patch")),
@@ -72,15 +74,16 @@ CALLS = {
     ("", "pods", "patch"),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
-    # spec.modelCache.prefill: the fill Job, created once per model revision (never changed: its
-    # pod template is immutable), watched by the operator's label for its completion, and those of
-    # earlier revisions deleted once a later one has succeeded.
-    *(("batch", "jobs", v) for v in ("get", "create", "patch", "list", "watch", "delete")),
+    # spec.modelCache.prefill: the fill Job, created once per model revision and claim (never
+    # changed: its pod template is immutable), watched by the operator's label for its completion,
+    # and those of earlier revisions deleted once a later one has succeeded.
+    *(("batch", "jobs", v) for v in ("get", "create", "list", "watch", "delete")),
     # Server pods: patched with their pod-deletion-cost before a scale-down (the ReplicaSet then
     # removes the pods the autoscaler chose).
     ("", "pods", "patch"),
-    # spec.modelCache.claimName: the claim's access modes (ReadWriteOnce cannot serve pods on
-    # several nodes), read and watched.
+    # spec.modelCache.claimName: the claims' access modes and uid (a claim re-created empty is filled
+    # again), read from a watch of the served namespaces' claims (cache.UNLABELLED), never written;
+    # get: only while they have not been listed (a claim not in the copy then is read by name).
     *(("", "persistentvolumeclaims", v) for v in ("get", "list", "watch")),
     # Leader election (leader.py), in the operator's own namespace: create unnamed (RBAC cannot
     # name what does not exist yet), get and patch of the one Lease by name (the chart's
@@ -255,9 +258,17 @@ class Kube:
                 yield event, _plain(obj)
 
     async def create(self, obj: dict) -> dict:
-        """Create `obj`; Conflict (409 AlreadyExists) when it exists."""
+        """Create `obj` (under our field manager); Conflict (409 AlreadyExists) when it exists."""
         async with self._call(f"create {obj['kind']}/{obj['metadata']['name']}"):
-            return _plain(await self.client.create(codecs.from_dict(obj), namespace=obj["metadata"].get("namespace")))
+            return _plain(await self.client.create(codecs.from_dict(obj), namespace=obj["metadata"].get("namespace"),
+                                                   field_manager=FIELD_MANAGER))
+
+    async def json_patch(self, kind: str, namespace: str, name: str, operations: list[dict]) -> dict:
+        """A JSON patch (RFC 6902): its `test` operations are preconditions (Rejected, 422, when
+        one fails)."""
+        async with self._call(f"patch {kind}/{name}"):
+            return _plain(await self.client.patch(RESOURCES[kind][0], name, operations, namespace=namespace,
+                                                  patch_type=PatchType.JSON, field_manager=FIELD_MANAGER))
 
     async def merge_patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
         """A merge patch; a metadata.resourceVersion in `body` is a precondition (409 when stale)."""

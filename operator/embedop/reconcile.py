@@ -13,7 +13,9 @@ apply carries one, for the count's sake, and a conflict costs a re-read.)
 Drift is judged against what the API server stores, not what we send (drift.py). An object of an owned kind
 and name that this service does not own (someone else's Service, PDB, HPA or Deployment) is never
 applied over: SSA would take it over, rewrite its selector and have it garbage-collected with the
-service. It is reported instead (Degraded, reason NotOwned)."""
+service. It is reported instead (Degraded, reason NotOwned). An object that does not exist is created,
+not applied, so one someone else makes meanwhile is not taken over either; a render whose fields the
+API server does not store as sent is held rather than applied at every check (write.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import dataclasses
 from typing import Awaitable, Callable
 
 from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_network, spec as specs, status
+from embedop import write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -45,6 +48,8 @@ class Outcome:
     warnings: list[str] = dataclasses.field(default_factory=list)  # spec.warnings: said, never refused
     scaled: str | None = None  # the count changed through the scale subresource (the apply was refused)
     fill: fills.Fill | None = None  # a pre-filled model cache's fill (holds: the pods wait for it)
+    unpersisted: list[str] = dataclasses.field(default_factory=list)  # renders held: write.held's messages
+    claim: dict | None = None  # spec.modelCache.claimName's claim, as watched (None: none, or not there)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -101,12 +106,13 @@ def deployment_for(settings: OperatorSettings, body: dict, spec: dict, live: dic
 
 
 async def apply_deployment(cluster: Cluster, deployment: dict, live: dict | None, hold: bool = False) -> str | None:
-    """Apply the Deployment. When admission refuses the whole spec (a Kyverno or Gatekeeper
-    policy, a quota) and only the count had to change, the count changes anyway, through the
-    scale subresource: scaling must not stop because of an unrelated rule. → the refusal's
-    message when that fallback was taken; Rejected when the count could not change either.
-    `hold`: the pod template waits (a model cache's fill, fill.py): only the count changes, through
-    the scale subresource, and a Deployment that does not exist yet is not created."""
+    """Apply the Deployment (create it when `live` is None: write.put). When admission refuses
+    the whole spec (a Kyverno or Gatekeeper policy, a quota) and only the count had to change, the
+    count changes anyway, through the scale subresource: scaling must not stop because of an
+    unrelated rule. → the refusal's message when that fallback was taken; Rejected when the count
+    could not change either. `hold`: the pod template waits (a model cache's fill, fill.py): only
+    the count changes, through the scale subresource, and a Deployment that does not exist yet is
+    not created."""
     if hold:
         count = deployment["spec"].get("replicas")
         if live is not None and count is not None and count != live["spec"].get("replicas"):
@@ -114,7 +120,7 @@ async def apply_deployment(cluster: Cluster, deployment: dict, live: dict | None
             await cluster.scale_deployment(meta["namespace"], meta["name"], count, meta["resourceVersion"])
         return None
     try:
-        await cluster.apply(deployment)
+        await write.put(cluster, deployment, live)
         return None
     except Rejected as e:
         count = deployment["spec"].get("replicas")
@@ -179,6 +185,11 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
     spec = specs.defaulted(body.get("spec") or {})
     problems = specs.problems(spec, name)
     outcome = Outcome(problems, [], body=body, warnings=specs.warnings(spec))
+    if render_cache.kind(spec["modelCache"]) in ("claim", "prefilled"):  # its access modes, for status
+        try:
+            outcome.claim = await cluster.get("PersistentVolumeClaim", namespace, spec["modelCache"]["claimName"], ours=True)
+        except Rejected as e:  # not listed yet, and not to be read (RBAC): said, as any refusal
+            outcome.rejected = str(e)
     hpa = None
     if not_ours(live, owner):
         outcome.foreign.append(f"Deployment/{name}")
@@ -221,6 +232,7 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
                        outcome: Outcome) -> dict | None:
     """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
     owner = owner_of(body)
+    live = live and await write.adopted(cluster, "Deployment", live)  # before its resourceVersion guards the apply
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
     hold = await _fill(cluster, settings, body, spec, deployment, outcome)
     # Whether we own the count must match whether we send it: after a mode switch, an apply takes
@@ -232,6 +244,8 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         deployment["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     if hold:
         await apply_deployment(cluster, deployment, live, hold=True)
+    elif (ownership_differs or drift.drifted(deployment, live)) and (stuck := write.held(cluster, deployment, live)):
+        outcome.unpersisted.append(stuck)
     elif ownership_differs or drift.drifted(deployment, live):
         try:
             outcome.scaled = await apply_deployment(cluster, deployment, live)
@@ -240,6 +254,8 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         else:
             if outcome.scaled is None:
                 outcome.applied.append(f"Deployment/{owner.name}")
+                if stuck := write.held(cluster, deployment, live):  # this apply did not stick, once too often
+                    outcome.unpersisted.append(stuck)
             else:
                 outcome.rejected = outcome.scaled
     hpa = None
@@ -249,15 +265,19 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         if not_ours(current, owner):
             outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
             continue
-        if drift.drifted(obj, current):
+        current = current and await write.adopted(cluster, obj["kind"], current)
+        if drift.drifted(obj, current) and (stuck := write.held(cluster, obj, current)):
+            outcome.unpersisted.append(stuck)
+        elif drift.drifted(obj, current):
             try:
-                current = await cluster.apply(obj)
+                current, stuck = await write.put(cluster, obj, current)
             except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
                 if obj["kind"] != render_gateway.KIND:
                     raise
                 outcome.missing = render_gateway.missing_crd_message(str(e))  # Degraded and an Event, the rest applied
                 continue
             outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+            outcome.unpersisted.extend([stuck] if stuck else [])
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current
     # What the spec no longer asks for (mode hpa left, networkPolicy disabled) goes, if it is ours.
@@ -271,28 +291,15 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
 
 async def _fill(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, deployment: dict,
                 outcome: Outcome) -> bool:
-    """A pre-filled model cache's Job: created when neither it nor a record of its fill exists
-    (once: a Job's template is immutable, and its name is the digest of what it fills), never
-    changed. Once it has succeeded, the service's fill Jobs of other digests go (their pods with
-    them: a Job deleted without a propagation policy orphans its pods). → whether the Deployment
-    waits."""
-    owner = owner_of(body)
-    fill = await fills.read(cluster, settings, owner, spec, deployment["spec"]["template"]["spec"]["containers"][0]["image"],
-                            body)
-    if fill is None:
-        return False
-    if fill.foreign:
+    """A pre-filled model cache's Job (fill.ensure). → whether the Deployment waits."""
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    fill, written = await fills.ensure(cluster, settings, owner_of(body), spec, image, body)
+    outcome.applied.extend(written)
+    if fill is not None and fill.foreign:
         outcome.foreign.append(f"Job/{fill.name}")
-        return True
-    if fill.missing:
-        fill = fills.of(fill.rendered, await cluster.apply(drift.stamped(fill.rendered)), spec, owner)
-        outcome.applied.append(f"Job/{fill.name}")
-    outcome.fill = fill
-    if not fill.holds:
-        for job in fills.others(cluster, owner, fill):
-            await cluster.delete("Job", owner.namespace, job["metadata"]["name"], background=True)
-            outcome.applied.append(f"-Job/{job['metadata']['name']}")
-    return fill.holds
+    elif fill is not None:
+        outcome.fill = fill
+    return fill is not None and fill.holds
 
 
 def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> int | None:
@@ -324,7 +331,13 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
                                      rejected=outcome.rejected, foreign=outcome.foreign,
                                      missing=(render_gateway.CRD_MISSING, outcome.missing) if outcome.missing else None,
                                      fill=(outcome.fill.state, outcome.fill.message)
-                                     if outcome.fill and outcome.fill.holds else None)
+                                     if outcome.fill and outcome.fill.holds else None,
+                                     unpersisted=outcome.unpersisted)
+        access = render_cache.claim_access(spec, outcome.claim, cluster.pods(owner.namespace, render.selector(owner.name)))
+        new["conditions"] = [c for c in new["conditions"] if access or c.get("type") != render_cache.SHARED]
+        if access:
+            new["conditions"] = status.merge_conditions(new["conditions"], [status.condition(
+                render_cache.SHARED, *access, generation, previous.get("conditions") or [], status.now_iso())])
         new["selector"] = render.selector_string(owner.name)
         if (desired := desired_replicas(spec, deployment, hpa)) is not None:
             new["desiredReplicas"] = desired

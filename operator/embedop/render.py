@@ -296,18 +296,20 @@ def deployment(owner: Owner, spec: dict, image: str, replicas: int | None, grace
     return body
 
 
-def fill_job_name(owner: Owner, spec: dict, grace_seconds: int) -> str | None:
-    """The name of the Job that fills spec.modelCache's claim for this spec, or None (no fill)."""
-    return render_cache.fill_job_name(owner.name, spec, server_env(spec, grace_seconds))
+def fill_job_name(owner: Owner, spec: dict, grace_seconds: int, claim_uid: str = "") -> str | None:
+    """The name of the Job that fills spec.modelCache's claim (of `claim_uid`) for this spec, or
+    None (no fill)."""
+    return render_cache.fill_job_name(owner.name, spec, server_env(spec, grace_seconds), claim_uid)
 
 
-def fill_job(owner: Owner, spec: dict, image: str, grace_seconds: int, metrics_port: int = METRICS_PORT) -> dict | None:
+def fill_job(owner: Owner, spec: dict, image: str, grace_seconds: int, metrics_port: int = METRICS_PORT,
+             claim_uid: str = "") -> dict | None:
     """The Job that fills a pre-filled spec.modelCache claim (render_cache.fill_job), or None."""
-    if (name := fill_job_name(owner, spec, grace_seconds)) is None:
+    if (name := fill_job_name(owner, spec, grace_seconds, claim_uid)) is None:
         return None
     pod = deployment(owner, spec, image, None, grace_seconds, metrics_port)["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    return render_cache.fill_job(_meta(owner, name), spec, image, container["env"], pod, container)
+    return render_cache.fill_job(_meta(owner, name), spec, image, container["env"], pod, container, claim_uid)
 
 
 def _ports(spec: dict, metrics_port: int) -> list[dict]:

@@ -49,6 +49,44 @@ FILL_DEADLINE_S = 6 * 3600  # a download that runs longer than this has failed
 PREFETCH_REFUSED = 3
 
 
+SHARED = "ModelCacheShared"  # the condition: whether every pod can mount the claim, on any node
+
+
+def claim_access(spec: dict, claim: dict | None, pods: list[dict] = ()) -> tuple[bool | None, str, str] | None:
+    """The ModelCacheShared condition of a spec that mounts a claim (kinds claim and prefilled),
+    from the claim's access modes (those of the bound volume, else those asked for): (True,
+    False or None for Unknown; reason: the mode; message naming the claim and what the mode does
+    to the pods). Never a refusal: a ReadWriteOnce claim serves pods on one node. `pods`: the
+    server pods (their nodes). None: the spec mounts no claim."""
+    cache = spec["modelCache"]
+    if kind(cache) not in ("claim", "prefilled"):
+        return None
+    name, prefilled = cache["claimName"], kind(cache) == "prefilled"
+    if claim is None:
+        return None, "ClaimNotFound", f"claim {name} does not exist: pods that mount it stay Pending until it does"
+    modes = set((claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or [])
+    nodes = sorted({n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))})
+    counted = "the autoscaler counts them as capacity on its way"
+    if "ReadWriteMany" in modes:
+        return True, "ReadWriteMany", f"claim {name} is ReadWriteMany: every pod mounts it, on any node"
+    if modes == {"ReadOnlyMany"}:
+        if prefilled:
+            return (False, "ReadOnlyMany", f"claim {name} is ReadOnlyMany: every pod reads it, on any node, but the fill "
+                    "Job cannot write it: fill it out of band and drop modelCache.prefill (docs/operator.md)")
+        return True, "ReadOnlyMany", f"claim {name} is ReadOnlyMany: every pod reads it, on any node"
+    if "ReadWriteOnce" in modes:
+        where = f"; the pods now run on {len(nodes)} nodes ({', '.join(nodes)})" if len(nodes) > 1 else ""
+        return (False, "ReadWriteOnce", f"claim {name} is ReadWriteOnce: it is attached to one node at a time; pods "
+                f"scheduled on another (and a fill Job there) wait in ContainerCreating (Multi-Attach) and {counted}. "
+                f"It works with every pod on one node (a single-node cluster, a nodeSelector); to spread the pods, use a "
+                f"ReadWriteMany claim{where}")
+    if "ReadWriteOncePod" in modes:
+        return (False, "ReadWriteOncePod", f"claim {name} is ReadWriteOncePod: one pod at a time mounts it; a second "
+                f"server pod (a scale-up, a rollout's surge){' or the fill Job while a server pod runs' if prefilled else ''} "
+                f"stays Pending and {counted}. It serves one replica; use a ReadWriteMany claim for more")
+    return None, "AccessModesUnknown", f"claim {name} states no access mode ({sorted(modes)}): whether pods on several nodes can mount it is unknown"
+
+
 def kind(cache: dict) -> str:
     if cache.get("image"):
         return "image"
@@ -112,23 +150,24 @@ def env(spec: dict) -> dict:
     return values
 
 
-def fill_digest(service: str, spec: dict, server_env: list[dict]) -> str:
+def fill_digest(service: str, spec: dict, server_env: list[dict], claim_uid: str = "") -> str:
     """What a fill is for: the service (a Job's name holds only the start of a long one, so two
     services with a long common prefix must still differ; the namespace is the Job's own), the
-    claim, the settings (as the pods get them, spec.env included) that decide what is downloaded,
-    and the cache layout."""
+    claim, by name and uid (a claim deleted and made again under its name is another, empty one:
+    it is filled again), the settings (as the pods get them, spec.env included) that decide what
+    is downloaded, and the cache layout."""
     wanted = [e for e in server_env if e["name"] in FILLED_BY]
-    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], sorted(wanted, key=lambda e: e["name"])],
-                     sort_keys=True)
+    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], claim_uid,
+                      sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def fill_job_name(service: str, spec: dict, server_env: list[dict]) -> str | None:
+def fill_job_name(service: str, spec: dict, server_env: list[dict], claim_uid: str = "") -> str | None:
     """`<service>-fill-<digest>` (at most 63 characters, as a Job's name must be, for its pods'
     job-name label), or None when the spec has no claim to fill."""
     if kind(spec["modelCache"]) != "prefilled":
         return None
-    return f"{service[:63 - 16]}-fill-{fill_digest(service, spec, server_env)}"
+    return f"{service[:63 - 16]}-fill-{fill_digest(service, spec, server_env, claim_uid)}"
 
 
 def fill_env(server_env: list[dict], spec_env: list[dict]) -> list[dict]:
@@ -142,7 +181,8 @@ def fill_env(server_env: list[dict], spec_env: list[dict]) -> list[dict]:
     return own + extra
 
 
-def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: dict, container: dict) -> dict | None:
+def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: dict, container: dict,
+             claim_uid: str = "") -> dict | None:
     """The Job that fills the claim: the server image, the fill's settings and spec.env (fill_env)
     and envFrom (credentials), the claim mounted read-write. `meta`: the owned-object metadata
     (named by fill_job_name); `pod` and `container`: the server pod's spec and container, whose
@@ -156,7 +196,7 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
     preemption) does not count against the retries."""
     if meta is None or kind(spec["modelCache"]) != "prefilled":
         return None
-    digest = fill_digest(meta["labels"]["app.kubernetes.io/instance"], spec, server_env)
+    digest = fill_digest(meta["labels"]["app.kubernetes.io/instance"], spec, server_env, claim_uid)
     job_env = fill_env(server_env, spec.get("env") or [])
     filler = {
         "name": "fill", "image": image, "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
@@ -231,6 +271,12 @@ def waiting(pods: list[dict]) -> str | None:
             if w.get("reason") and w["reason"] != "ContainerCreating":
                 return f"its pod {pod['metadata']['name']} is waiting: {w['reason']} {w.get('message', '')}".rstrip()
     return None
+
+
+def no_claim_message(spec: dict, namespace: str) -> str:
+    claim = spec["modelCache"]["claimName"]
+    return (f"claim {claim} does not exist in namespace {namespace}: its fill Job is made once it does (create the "
+            f"PersistentVolumeClaim, or correct spec.modelCache.claimName)")
 
 
 def fill_message(job: dict | None, name: str, spec: dict, pods: list[dict] = ()) -> str:

@@ -11,7 +11,9 @@ deploy; this object only names the pods, their port and the picker.
 Target port: the HTTP API alone. The Gateway routes HTTP, and every target port is an endpoint the
 picker may choose (`podIP:port`), with one appProtocol for them all: gRPC's port listed here would
 be handed HTTP/1.1 requests it cannot answer. The server's HTTP API is HTTP/1.1 (uvicorn speaks no
-h2c), hence appProtocol http. The picker scrapes the first target port's /metrics by default, which
+h2c): appProtocol http, the CRD's default, so it is not sent. Defaults are left out: a field an
+older CRD lacks (appProtocol came after v1.0.0, still inference.networking.k8s.io/v1) is pruned by
+the API server, and a render that does not stick as sent would be applied again at every check. The picker scrapes the first target port's /metrics by default, which
 the API port serves too (behind the keys when spec.auth is set: spec.warnings says so)."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 GROUP, VERSION, KIND, PLURAL = "inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"
 API_VERSION = f"{GROUP}/{VERSION}"
 CRD_NAME = f"{PLURAL}.{GROUP}"
-APP_PROTOCOL = "http"
+APP_PROTOCOL = "http"  # what the pods speak: the CRD's default, not sent (see above)
 
 
 def picker_name(service: str, spec: dict) -> str:
@@ -36,7 +38,6 @@ def inference_pool(meta: dict, pod_selector: dict, spec: dict, http_port: int) -
         "spec": {
             "selector": {"matchLabels": dict(pod_selector)},
             "targetPorts": [{"number": http_port}],
-            "appProtocol": APP_PROTOCOL,
             # kind Service (the default, unsent): the picker's Service, whose port is then required
             # (the Service's port, not its target port).
             "endpointPickerRef": {"name": picker_name(meta["name"], spec), "port": {"number": picker["port"]},

@@ -3,7 +3,7 @@
 Two writers share the status, each with its own fields (and each writes only with the
 resourceVersion it read, so neither undoes the other):
 - the reconcile: observedGeneration, replicas, readyReplicas, selector, defaultImage, the Ready,
-  Progressing and Degraded conditions, and desiredReplicas in modes off and hpa (where it clears
+  Progressing, Degraded and ModelCacheShared conditions, and desiredReplicas in modes off and hpa (where it clears
   the autoscaler's conditions and measurements, which would go stale);
 - the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason, the
   served task and the ScalingLimited, MetricsUnavailable and TaskMismatch conditions (the reconcile
@@ -14,6 +14,8 @@ resourceVersion it read, so neither undoes the other):
 from __future__ import annotations
 
 import datetime
+
+from embedop import drift
 
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
 TASK_MISMATCH = "TaskMismatch"
@@ -37,9 +39,10 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def condition(type_: str, ok: bool, reason: str, message: str, generation: int | None, previous: list[dict], now: str) -> dict:
-    """A condition; lastTransitionTime moves only when the status flips."""
-    status = "True" if ok else "False"
+def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int | None, previous: list[dict],
+              now: str) -> dict:
+    """A condition (`ok` None: Unknown); lastTransitionTime moves only when the status flips."""
+    status = "Unknown" if ok is None else "True" if ok else "False"
     before = next((c for c in previous or [] if c.get("type") == type_), None)
     since = before["lastTransitionTime"] if before and before.get("status") == status and before.get("lastTransitionTime") else now
     c = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
@@ -82,9 +85,10 @@ def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
                     previous: list[dict], now: str | None = None, rejected: str | None = None,
                     foreign: list[str] | None = None, fill: tuple[str, str] | None = None,
-                    missing: tuple[str, str] | None = None) -> dict:
+                    missing: tuple[str, str] | None = None, unpersisted: list[str] | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
-    is the API's message when it refused an object the spec rendered; `missing`, (reason, message)
+    is the API's message when it refused an object the spec rendered; `unpersisted`, the messages
+    of renders held because the API server does not store them as sent (write.py); `missing`, (reason, message)
     when the cluster does not serve a kind the spec asks for (a CRD not installed); `foreign`, the objects of
     the service's names that someone else owns (never applied over); `fill`, (state, message) of
     a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing). A fill that
@@ -107,6 +111,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                              generation, previous, now)
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
+    elif unpersisted:
+        degraded = condition("Degraded", True, drift.FIELD_NOT_PERSISTED, "; ".join(unpersisted), generation, previous, now)
     elif missing:
         degraded = condition("Degraded", True, missing[0], missing[1], generation, previous, now)
     elif fill and fill[0] == "Failed":

@@ -18,10 +18,14 @@ from pathlib import Path
 
 import aiohttp.web
 import attrs
+import jsonpatch
+import jsonpointer
 import kmock
+import yaml
 from kmock._internal import dicts as kmock_dicts
 
 from embedop import crd
+from tests.operator import structural
 
 
 _versions = itertools.count(100)
@@ -29,7 +33,9 @@ _versions = itertools.count(100)
 # kubectl stand-in, as RBAC sees it: (API group, resource[/subresource], verb), per RBAC subject
 # (the operator, the uninstall hook). The RBAC tests compare them with the chart.
 recorded: dict[str, set[tuple]] = collections.defaultdict(set)
-# Every server-side apply received: {"subject", "kind", "namespace", "name", "manager", "force", "body"}.
+# Every server-side apply received, and every create (POST) made by anything but the tests' own
+# kubectl stand-in (refused ones too: a 409 AlreadyExists is answered after), in order:
+# {"subject", "kind", "namespace", "name", "manager", "force", "body", "create": whether a POST}.
 applies: list[dict] = []
 # Every DELETE received: (subject, resource plural, namespace, name, query parameters).
 deletes: list[tuple] = []
@@ -51,6 +57,12 @@ policies: list = []
 # Status fields the installed CRD's schema lacks (an older CRD than the operator): the API server
 # prunes them from every write, silently, as it prunes unknown fields of a structural schema.
 unknown_status: set[str] = set()
+# Mutating admission webhooks: each takes an object the operator creates or changes (not through a
+# subresource) and may rewrite it in place; what it leaves is what is stored and answered.
+mutators: list = []
+# Someone else's object created between the operator's read and its write: (resource plural,
+# namespace, name) → the object, stored just before the operator's first write of that name.
+races: dict[tuple[str, str, str], dict] = {}
 
 
 # Faults to inject into the operator's calls: (HTTP method, resource plural, or plural/subresource
@@ -127,8 +139,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       strict): an invalid object is refused with 422 and the validator's message;
     - admission webhooks (`policies`): a refusal is a 403 with the webhook's message, for writes
       to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
-    - what the API server stores, not what was sent: an env entry's empty value is dropped, and
-      status fields an older CRD lacks (`unknown_status`) are pruned;
+    - what the API server stores, not what was sent: an env entry's empty value is dropped,
+      status fields an older CRD lacks (`unknown_status`) are pruned, and a custom resource served
+      with its CRD's schema (InferencePools: `schemas`) is pruned of what the schema lacks and
+      defaulted (tests/operator/structural.py); mutating webhooks (`mutators`) rewrite objects;
+    - a create (POST) of a name that exists is refused 409 AlreadyExists (kmock's), and is recorded
+      in metadata.managedFields as an Update of its field manager, which a JSON patch may rewrite
+      (its `test` operations are preconditions: 422 when one fails); someone else's create landing
+      just before the operator's write (`races`);
     - label selectors on lists and watches (a watched object that stops matching is DELETED to
       that watch), 429 answers that carry Retry-After, and a watch ended by a 410 ERROR event
       inside its stream (`expire_watches`), as when its resourceVersion has been compacted away;
@@ -136,8 +154,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
 
     Not emulated (tests/cluster/ judges these on a real API server): ownership and removal of every
-    other field (kmock merges dicts: a field dropped from an apply stays), garbage collection
-    through ownerReferences, foreground deletion, controllers, field selectors."""
+    other field (kmock merges dicts: a field dropped from an apply stays; managedFields list no
+    field but spec.replicas), garbage collection through ownerReferences, foreground deletion,
+    controllers, field selectors."""
 
     subject = "operator"
 
@@ -145,6 +164,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         super().__init__(*args, **kwargs)
         self.subject = subject
         self.replica_owners: dict[tuple, dict[str, str]] = {}  # (ns, name) → {manager: "Apply"|"Update"}
+        self.schemas: dict[str, dict] = {}  # resource plural → the openAPIV3Schema its CRD serves
+        self.crds: dict[str, dict] = {}  # resource plural → the CRD installed for it
 
     async def _handle(self, request):
         agent = request.headers.get("User-Agent", "")
@@ -176,13 +197,21 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                              "reason": "TooManyRequests", "code": 429}, status=429,
                             headers={"Retry-After": str(RETRY_AFTER_S)})
                     raise api_error(status, "Injected", message)
+        if ours and is_object_call and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            await self._race(request)
+        if ours and is_object_call and request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.get("metadata") or {}
+            applies.append({"subject": self.subject, "kind": request.data.get("kind"), "manager": _manager(request),
+                            "namespace": request.namespace or meta.get("namespace"), "name": meta.get("name"),
+                            "force": False, "body": copy.deepcopy(request.data), "create": True})
         current = self._current(request) if is_object_call and request.name else None
         is_apply = (request.method == kmock.method.PATCH and request.name is not None
                     and request.headers.get("Content-Type", "").split(";")[0] == APPLY)
         if is_apply:
             applies.append({"subject": self.subject, "kind": (request.data or {}).get("kind"),
                             "namespace": request.namespace, "name": request.name, "manager": _manager(request),
-                            "force": request.params.get("force") == "true", "body": copy.deepcopy(request.data)})
+                            "force": request.params.get("force") == "true", "body": copy.deepcopy(request.data),
+                            "create": False})
             if current is None and request.subresource is None:  # server-side apply creates
                 request = attrs.evolve(request, action=kmock.action.CREATE)
         if is_object_call and request.action is not None and ours:
@@ -219,6 +248,20 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         if isinstance(data, dict) and request.action in (kmock.action.CREATE, kmock.action.UPDATE) \
                 and not request.subresource:
             _drop_empty_env(data)
+            if ours:
+                for mutate in mutators:
+                    mutate(data)
+        if isinstance(data, dict) and request.resource is not None and request.action in (
+                kmock.action.CREATE, kmock.action.UPDATE) and (schema := self.schemas.get(request.resource.plural)):
+            structural.prune(data, schema)
+            if request.action == kmock.action.CREATE:
+                structural.default(data, schema)
+        if isinstance(data, dict) and request.action == kmock.action.CREATE and not is_apply \
+                and request.resource is not None and request.resource.plural != "deployments":  # (_replicas' own)
+            data.setdefault("metadata", {})["managedFields"] = [
+                {"manager": _manager(request), "operation": "Update", "apiVersion": data.get("apiVersion"),
+                 "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {}, "f:spec": {}},
+                 "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}]
         if ours and isinstance(data, dict) and not request.subresource \
                 and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             merged = data if current is None else kmock_dicts.patch_dict(current, data)
@@ -227,7 +270,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             elif data.get("kind") == "InferencePool":  # a CRD's object: its schema and CEL rules
                 from tests.operator import inference_pool_schema
 
-                if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}):
+                crd_served = self.crds.get("inferencepools", inference_pool_schema.CRD)
+                if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}, crd_served):
                     raise api_error(422, "Invalid", f"InferencePool.{merged['metadata'].get('name')} is invalid: {refused}")
             for policy in policies:
                 if refusal := policy(merged):
@@ -248,14 +292,21 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 elif "spec" in data and request.subresource in (None, "scale") and current is not None:
                     if any(current.get("spec", {}).get(k) != v for k, v in data["spec"].items()):
                         meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
-            elif isinstance(data, list):  # a JSON patch
-                for op in data:
-                    if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and current is not None \
-                            and current.get("metadata", {}).get("resourceVersion") != op.get("value"):
-                        raise api_error(422, "Invalid", "the JSON patch's test operation failed: the object changed meanwhile")
+            elif isinstance(data, list) and current is not None:  # a JSON patch
+                try:  # its test operations are preconditions
+                    patched = jsonpatch.apply_patch(copy.deepcopy(current or {}), data)
+                except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+                    raise api_error(422, "Invalid", f"the JSON patch failed: {e}") from None
+                if request.resource.plural == "deployments":  # ownership rewritten
+                    self.replica_owners[(request.namespace, request.name)] = {
+                        m["manager"]: m["operation"] + (f"/{m['subresource']}" if m.get("subresource") else "")
+                        for m in (patched.get("metadata") or {}).get("managedFields") or []
+                        if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})}
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
         if is_apply and request.action == kmock.action.CREATE:
             return await self._create(request)  # kmock's own create answers POSTs only
+        if request.action == kmock.action.CREATE and request.resource is not None and not self._served(request.resource):
+            raise api_error(404, "NotFound", "the server could not find the requested resource")  # kmock stores it
         return await super()._handle(request)
 
     async def _delete_now(self, request) -> None:
@@ -266,10 +317,34 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 self._objects[key].delete()
                 await self._buses[request.resource].put({"type": "DELETED", "object": self._objects[key].last.raw})
 
+    def _served(self, res) -> bool:
+        """Whether the API serves `res` (a kind whose CRD is not installed: not)."""
+        return f"{res.group}/{res.version}/{res.plural}" in self.resources or f"{res.version}/{res.plural}" in self.resources
+
+    async def _race(self, request) -> None:
+        """Someone else's object of `races`, stored (once) just before this write of its name."""
+        res = request.resource
+        meta = ((request.data if isinstance(request.data, dict) else {}).get("metadata")) or {}
+        name, namespace = request.name or meta.get("name"), request.namespace or meta.get("namespace")
+        body = races.pop((res.plural, namespace, name), None)
+        if body is None:
+            return
+        body = copy.deepcopy(body)
+        meta = body.setdefault("metadata", {})
+        meta.update(name=name, namespace=namespace, uid=str(uuid.uuid4()), resourceVersion=str(next(_versions)))
+        meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        key = (res, namespace, name)
+        async with self._lock:
+            if key in self._objects:
+                self._objects[key].create(body)
+            else:
+                self._objects[key] = body
+            await self._buses[res].put({"type": "ADDED", "object": self._objects[key].raw})
+
     async def _create(self, request) -> aiohttp.web.StreamResponse:
         """What kmock does for a POST, for a server-side apply that creates."""
         res = request.resource
-        if f"{res.group}/{res.version}/{res.plural}" not in self.resources and f"{res.version}/{res.plural}" not in self.resources:
+        if not self._served(res):
             # A kind whose CRD is not installed: the real API server has no such path (kmock's own
             # create answers a POST so; an apply reaches here).
             raise api_error(404, "NotFound", "the server could not find the requested resource")
@@ -292,8 +367,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         spec = data.get("spec") or {}
         before = (current or {}).get("spec", {}).get("replicas")
         if request.subresource == "scale" or not is_apply:  # an update: takes what it changes
-            if "replicas" in spec and spec["replicas"] != before:
-                owners = {manager: "Update"}
+            if "replicas" in spec and spec["replicas"] != before:  # (through the scale subresource: its entry says so)
+                owners = {manager: "Update/scale" if request.subresource == "scale" else "Update"}
         elif "replicas" in spec:
             others = {m for m in owners if m != manager}
             if spec["replicas"] != before and others and request.params.get("force") != "true":
@@ -308,8 +383,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.replica_owners[key] = owners
         if request.subresource is None:
             data.setdefault("metadata", {})["managedFields"] = [
-                {"manager": m, "operation": op, "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
-                 "fieldsV1": {"f:spec": {"f:replicas": {}}}} for m, op in owners.items()]
+                {"manager": m, "operation": op.split("/")[0], "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                 "fieldsV1": {"f:spec": {"f:replicas": {}}}, **({"subresource": "scale"} if op.endswith("/scale") else {})}
+                for m, op in owners.items()]
 
     async def _serve_list(self, request):
         out = await super()._serve_list(request)
@@ -349,17 +425,25 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
 
 
-def _serve_inference_pools(k8s) -> None:
+def _serve_inference_pools(k8s, crd_file: Path | None = None) -> None:
+    """The InferencePool CRD of `crd_file` (a vendored fixture; by default the newest tracked)
+    installed: its objects pruned and defaulted by its v1 schema, validated by it."""
+    from tests.operator import inference_pool_schema
+
+    served = yaml.safe_load(crd_file.read_text()) if crd_file else inference_pool_schema.CRD
+    k8s.crds["inferencepools"] = served
+    k8s.schemas["inferencepools"] = inference_pool_schema.v1_schema(served)
     k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
         kind="InferencePool", namespaced=True, shortnames={"infpool"},
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
 
 
 class Emulator:
-    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool = False):
+    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool | Path = False):
         """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD).
         inference_pools: the Gateway API Inference Extension's InferencePool CRD is installed (by
-        default not, as in most clusters: its list and writes are 404, as a real API server's)."""
+        default not, as in most clusters: its list and writes are 404, as a real API server's);
+        a path: that CRD file (tests/operator/fixtures), else the newest one tracked."""
         self.subject, self.with_crd, self.inference_pools = subject, with_crd, inference_pools
         self.url = ""
         self._ready = threading.Event()
@@ -387,7 +471,7 @@ class Emulator:
                     subresources={"status", "scale"},
                 )
             if self.inference_pools:
-                _serve_inference_pools(k8s)
+                _serve_inference_pools(k8s, self.inference_pools if isinstance(self.inference_pools, Path) else None)
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()

@@ -31,9 +31,10 @@ def count(emulator, collection, name):
 
 def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
     em.faults.update({
-        ("PATCH", "deployments"): [500, 503],  # server-side apply creates
-        ("PATCH", "services"): [409, 500],
-        ("PATCH", "poddisruptionbudgets"): [429],
+        ("POST", "deployments"): [500, 503],  # what does not exist is created
+        ("POST", "services"): [409, 500],  # (a 409 is read as someone else's object: read again, there is none)
+        ("PATCH", "deployments"): [500],  # the create's fields made our apply's: at the next reconcile, then
+        ("POST", "poddisruptionbudgets"): [429],
         ("PATCH", "embeddingservices"): [500],  # the status write, too
         ("GET", "poddisruptionbudgets"): [em.TIMEOUT],  # and a call that times out
     })
@@ -41,6 +42,10 @@ def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
     eventually(lambda: all(objects(emulator, "flaky")), timeout=60)
     eventually(lambda: emulator.get(service_path(NS, "flaky")).get("status", {}).get("selector"), timeout=30)
     assert not any(em.faults.values())  # every fault was hit, and got past
+    # The create's field ownership became our apply's, though the first attempt failed (500).
+    deploy = f"/apis/apps/v1/namespaces/{NS}/deployments/flaky"
+    eventually(lambda: [m["operation"] for m in emulator.get(deploy)["metadata"]["managedFields"]
+                        if m["manager"] == "embedop"] == ["Apply"])
     assert count(emulator, f"/apis/apps/v1/namespaces/{NS}/deployments", "flaky") == 1
     assert count(emulator, f"/api/v1/namespaces/{NS}/services", "flaky") == 1
     assert "; again in" in operator.log()  # retried, saying so
@@ -48,7 +53,7 @@ def test_api_errors_are_retried_and_never_duplicate_objects(emulator, operator):
 
 def test_a_restart_mid_reconcile_converges(emulator, operator, tmp_path):
     # Service creation keeps failing: the reconcile stops half-way (Deployment only) ...
-    em.faults[("PATCH", "services")] = [500] * 1000
+    em.faults[("POST", "services")] = [500] * 1000
     emulator.request("POST", service_path(NS), new_service("halfway", {"model": "m", "resources": {"gpu": 0}}))
     eventually(lambda: objects(emulator, "halfway")[0], timeout=30)
     assert objects(emulator, "halfway")[1] is None
@@ -69,7 +74,7 @@ def test_a_429_is_retried_after_the_wait_the_api_server_asks(emulator, tmp_path)
     load that caused it. The emulator asks for 8 s, more than the operator's own 5 s back-off."""
     fresh = OperatorProcess(emulator.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log")
     try:
-        em.faults[("PATCH", "deployments")] = [429]
+        em.faults[("POST", "deployments")] = [429]
         emulator.request("POST", service_path(NS), new_service("throttled", {"model": "m", "resources": {"gpu": 0}}))
         eventually(lambda: objects(emulator, "throttled")[0], timeout=30)
         refused = next(c["t"] for c in em.calls if c.get("fault") == 429 and c["resource"] == "deployments")

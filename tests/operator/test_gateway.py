@@ -14,6 +14,7 @@ from embedop import cache, render, render_gateway, spec as specs
 from embedop.kube import CALLS, Kube
 from tests.operator import emulator as em
 from tests.operator import inference_pool_schema as schema
+from tests.operator import structural
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator, new_service, service_path
 
@@ -43,10 +44,23 @@ def test_the_pool_validates_against_the_real_crd_and_says_what_the_protocol_asks
     assert pool["spec"]["targetPorts"] == [{"number": render.HTTP_PORT}]
     ports = {p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert render.HTTP_PORT in ports and render.GRPC_PORT not in {p["number"] for p in pool["spec"]["targetPorts"]}
-    assert pool["spec"]["appProtocol"] == "http"
-    assert pool["spec"]["appProtocol"] in schema.SPEC["properties"]["appProtocol"]["enum"]
+    # HTTP/1.1 is what the pods speak, and the CRD's default: not sent (v1.0.0's CRD lacks the field).
+    assert "appProtocol" not in pool["spec"]
+    assert schema.SPEC["properties"]["appProtocol"]["default"] == render_gateway.APP_PROTOCOL == "http"
+    assert structural.default(copy.deepcopy(pool), schema.SCHEMA)["spec"]["appProtocol"] == "http"
     assert pool["spec"]["endpointPickerRef"] == {"name": "search-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
     assert "kind" not in pool["spec"]["endpointPickerRef"]  # the CRD's default, Service: port.number required
+
+
+@pytest.mark.parametrize("crd", [schema.CRD, schema.CRD_V1_0_0], ids=["newest", "v1.0.0"])
+@pytest.mark.parametrize("extra", [{}, {"endpointPicker": {"name": "shared-epp", "port": 9100, "failureMode": "FailOpen"}}],
+                         ids=["default picker", "picker"])
+def test_every_field_sent_is_one_the_crd_keeps(crd, extra):
+    """The API server prunes what a CRD's schema lacks: a field sent and pruned would differ from
+    what is stored at every check. Nothing the pool sends is pruned by v1.0.0's CRD or the newest."""
+    pool = pool_of({**SPEC, **extra})
+    assert schema.problems(pool, crd) == []
+    assert structural.prune(copy.deepcopy(pool), schema.v1_schema(crd)) == pool
 
 
 def test_the_endpoint_picker_is_the_specs():
@@ -191,3 +205,42 @@ def test_a_crd_installed_later_is_watched_without_a_restart(monkeypatch, tmp_pat
                 await kube.close()
 
         asyncio.run(scenario())
+
+
+def test_with_the_v1_0_0_crd_the_pool_is_made_once_and_left_alone(tmp_path):
+    """v1.0.0's CRD serves the same inference.networking.k8s.io/v1 without appProtocol: the API
+    server prunes a field its schema lacks, so a render that sent it would differ from what is
+    stored at every check and be applied again and again. The pool is created once and, check
+    after check, not written again; the service is not Degraded."""
+    with Emulator(inference_pools=schema.CRD_FILE_V1_0_0) as e:
+        op = OperatorProcess(e.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log")
+        try:
+            e.request("POST", service_path(NS), new_service("old-crd", SPEC, NS))
+            path = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/old-crd"
+            pool = eventually(lambda: e.get(path))
+            assert "appProtocol" not in pool["spec"]
+            assert pool["spec"]["endpointPickerRef"]["kind"] == "Service"  # the schema's default, stored
+            checks = lambda: op.log().count(f"{NS}/old-crd: periodic check done")  # noqa: E731
+            seen = checks()
+            eventually(lambda: checks() >= seen + 4)  # 2 s apart here
+            writes = [w for w in em.writes if w[1] == "inferencepools" and w[3] in ("old-crd", None)]
+            made = [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("InferencePool", "old-crd")]
+            assert made == [True], writes  # created, and never applied since
+            degraded = [c for c in (e.get(service_path(NS, "old-crd")).get("status") or {}).get("conditions", [])
+                        if c["type"] == "Degraded"]
+            assert degraded and degraded[0]["status"] == "False", degraded
+        finally:
+            op.stop()
+
+
+def test_the_emulator_prunes_what_the_served_crd_lacks():
+    """The premise of the test above, as the emulator plays it (a real API server:
+    tests/cluster/test_write_on_cluster.py): a field v1.0.0's schema lacks is dropped on write."""
+    pool = pool_of(SPEC)
+    pool["spec"]["appProtocol"] = "http"
+    with Emulator(inference_pools=schema.CRD_FILE_V1_0_0) as e:
+        stored = e.request("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", pool)
+        assert "appProtocol" not in stored["spec"] and stored["spec"]["selector"] == pool["spec"]["selector"]
+    with Emulator(inference_pools=True) as e:
+        stored = e.request("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", pool)
+        assert stored["spec"]["appProtocol"] == "http"

@@ -1,7 +1,11 @@
 """spec.modelCache.prefill against the emulator, through the real operator process: the fill Job
 is created once per model revision, the pods are not rolled onto a revision before its Job has
-succeeded, and a failed Job is Degraded, naming it. kmock runs no Job controller: the test writes
-the Job's status as that controller would (conditions SuccessCriteriaMet and Complete, succeeded)."""
+succeeded, and a failed Job is Degraded, naming it; a claim deleted and made again (empty) is
+filled again, and the claim's access modes are reported. kmock runs no Job controller: the test
+writes the Job's status as that controller would (conditions SuccessCriteriaMet and Complete,
+succeeded)."""
+
+import pytest
 
 from tests.operator.conftest import eventually
 from tests.operator.emulator import applies, deletes, new_service, service_path
@@ -30,14 +34,29 @@ def fill_jobs(emulator, ns, service="filled"):
 
 
 def created(name):
-    return [a for a in applies if a["kind"] == "Job" and a["name"] == name]
+    return [c for c in applies if c["create"] and c["kind"] == "Job" and c["name"] == name]
+
+
+def make_claim(emulator, ns, name="models-rwx", modes=("ReadWriteMany",)) -> dict:
+    """A claim as a user makes it, bound (a real cluster's controller writes its status)."""
+    path = f"/api/v1/namespaces/{ns}/persistentvolumeclaims"
+    made = emulator.request("POST", path, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+        "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "1Gi"}}}})
+    emulator.merge_patch(f"{path}/{name}/status", {"status": {"phase": "Bound", "accessModes": list(modes)}})
+    return made
+
+
+@pytest.fixture(scope="module")
+def claims(emulator, namespace):
+    make_claim(emulator, namespace)
 
 
 def reconciled(emulator, ns, generation, service="filled"):
     return lambda: (cr := emulator.get(service_path(ns, service))) and cr["status"].get("observedGeneration", 0) >= generation and cr
 
 
-def test_the_fill_job_runs_once_per_revision_and_the_pods_wait_for_it(emulator, operator, namespace):
+def test_the_fill_job_runs_once_per_revision_and_the_pods_wait_for_it(emulator, operator, namespace, claims):
     ns, deploy = namespace, f"/apis/apps/v1/namespaces/{namespace}/deployments/filled"
     cr = emulator.request("POST", service_path(ns), new_service("filled", SPEC, ns))
     (v1,) = eventually(lambda: fill_jobs(emulator, ns))
@@ -76,7 +95,7 @@ def test_the_fill_job_runs_once_per_revision_and_the_pods_wait_for_it(emulator, 
 
 
 def test_a_fill_is_recorded_and_an_earlier_revisions_job_deleted_once_a_later_one_succeeded(emulator, operator,
-                                                                                            namespace):
+                                                                                            namespace, claims):
     """status.modelCache.filled, not the Job's existence, says the claim holds a revision: a Job
     deleted afterwards (a TTL an admission policy added, a person) is not run again and holds
     nothing; once a later revision's Job has succeeded, the earlier one's goes (its pods with it)."""
@@ -136,3 +155,103 @@ def test_a_running_fill_does_not_hide_a_failing_fleet():
     assert (progressing["reason"], progressing["message"]) == ("FillingModelCache", "Job j is filling m")
     first = status.from_deployment(None, 2, [], 4, [], fill=("Running", "Job j is filling m"))
     assert next(c for c in first["conditions"] if c["type"] == "Degraded")["reason"] == "FillingModelCache"
+
+
+def test_a_claim_made_again_under_its_name_is_filled_again(emulator, operator, namespace):
+    """The fill is keyed by the claim's uid, not its name: a claim deleted and created again is a
+    new, empty volume, and trusting the record (or the old Job) would roll pods onto nothing."""
+    ns, claims = namespace, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims"
+    first = make_claim(emulator, ns, "models-again")
+    spec = {**SPEC, "modelCache": {"claimName": "models-again", "prefill": True}}
+    emulator.request("POST", service_path(ns), new_service("again", spec, ns))
+    (v1,) = eventually(lambda: fill_jobs(emulator, ns, "again"))
+    emulator.merge_patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{v1}/status", COMPLETE)
+    cr = eventually(lambda: ((c := emulator.get(service_path(ns, "again"))).get("status") or {}).get("modelCache") and c)
+    filled = cr["status"]["modelCache"]["filled"]
+
+    emulator.request("DELETE", f"{claims}/models-again")
+    second = make_claim(emulator, ns, "models-again")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    v2 = eventually(lambda: next(iter(set(fill_jobs(emulator, ns, "again")) - {v1}), None))
+    assert len(created(v2)) == 1
+    cr = eventually(lambda: condition(c := emulator.get(service_path(ns, "again")), "Progressing").get("reason")
+                    == "FillingModelCache" and c)
+    assert v2 in condition(cr, "Progressing")["message"]
+    assert (cr["status"].get("modelCache") or {}).get("filled") in (None, filled)  # the old record fills nothing now
+
+
+def test_no_fill_job_is_made_before_its_claim_exists(emulator, operator, namespace):
+    ns = namespace
+    spec = {**SPEC, "modelCache": {"claimName": "models-later", "prefill": True}}
+    emulator.request("POST", service_path(ns), new_service("later", spec, ns))
+    cr = eventually(lambda: "models-later does not exist" in condition(c := emulator.get(service_path(ns, "later")),
+                                                                       "Progressing").get("message", "") and c)
+    assert condition(cr, "Progressing")["reason"] == "FillingModelCache"
+    assert condition(cr, "ModelCacheShared")["status"] == "Unknown"
+    assert not fill_jobs(emulator, ns, "later") and not [c for c in applies if (c["name"] or "").startswith("later-fill-")]
+    make_claim(emulator, ns, "models-later")
+    eventually(lambda: fill_jobs(emulator, ns, "later"))  # at its next periodic check (2 s here)
+
+
+@pytest.mark.parametrize("modes, shared, reason", [
+    (("ReadWriteMany",), "True", "ReadWriteMany"),
+    (("ReadWriteOnce",), "False", "ReadWriteOnce"),
+    (("ReadWriteOncePod",), "False", "ReadWriteOncePod"),
+], ids=["RWX", "RWO", "RWOP"])
+def test_the_claims_access_mode_is_reported_never_refused(emulator, operator, namespace, modes, shared, reason):
+    """A claim all pods share read-write (kind claim): ReadWriteOnce pods off its node wait in
+    ContainerCreating (Multi-Attach) and ReadWriteOncePod's second pod stays Pending; the status
+    says so, naming the claim and its mode, and the fleet is made anyway (one node works)."""
+    ns, name = namespace, f"shared-{reason.lower()}"
+    make_claim(emulator, ns, f"{name}-claim", modes)
+    spec = {**SPEC, "modelCache": {"claimName": f"{name}-claim"}}
+    emulator.request("POST", service_path(ns), new_service(name, spec, ns))
+    cr = eventually(lambda: condition(c := emulator.get(service_path(ns, name)), "ModelCacheShared") and c)
+    c = condition(cr, "ModelCacheShared")
+    assert (c["status"], c["reason"]) == (shared, reason) and f"{name}-claim" in c["message"] and reason in c["message"]
+    assert emulator.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}")
+    assert condition(cr, "Degraded")["status"] == "False"
+
+
+def test_claims_are_read_from_a_watch_never_by_name(emulator, operator):
+    """After the scenarios above: the claims came from one list and a watch (an operator at rest
+    reads them from its copy), never a GET per check; every call is one the chart grants."""
+    from embedop.kube import CALLS
+    from tests.operator import emulator as em
+
+    calls = em.recorded["operator"]
+    assert {c for c in calls if c[1] == "persistentvolumeclaims"} == {
+        ("", "persistentvolumeclaims", "list"), ("", "persistentvolumeclaims", "watch")}
+    assert calls <= CALLS, calls - CALLS
+
+
+def test_a_claims_absence_is_trusted_only_once_the_claims_are_listed(tmp_path, monkeypatch):
+    """Before the claims' informer has listed them (its list refused by an older chart's RBAC, or
+    not done yet) a claim missing from the copy is read by name: a refusal is an error to report,
+    not a claim that does not exist."""
+    import asyncio
+
+    from embedop import cache
+    from embedop.kube import Kube
+    from tests.operator import emulator as em
+    from tests.operator.emulator import Emulator
+
+    with Emulator(subject="claims-probe") as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+
+        async def scenario():
+            kube = Kube.connect()
+            cluster = cache.Cluster(kube, {"PersistentVolumeClaim": cache.Store()})
+            cluster.listed["PersistentVolumeClaim"] = listed = asyncio.Event()
+            try:
+                assert await cluster.get("PersistentVolumeClaim", "default", "nope", ours=True) is None  # read: 404
+                reads = {c for c in em.recorded["claims-probe"] if c[1] == "persistentvolumeclaims"}
+                assert reads == {("", "persistentvolumeclaims", "get")}
+                listed.set()
+                mark = len(em.calls)
+                assert await cluster.get("PersistentVolumeClaim", "default", "nope", ours=True) is None  # the copy
+                assert not [c for c in em.calls[mark:] if c["subject"] == "claims-probe"]
+            finally:
+                await kube.close()
+
+        asyncio.run(scenario())

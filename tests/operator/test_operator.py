@@ -134,14 +134,14 @@ def test_an_object_the_api_refuses_shows_as_degraded_with_the_apis_message(emula
     from tests.operator import emulator as em
 
     message = 'Deployment.apps "refused" is invalid: spec.template.metadata.labels: Invalid value: "-bad-"'
-    em.faults[("PATCH", "deployments")] = [(422, message)] * 3
+    em.faults[("POST", "deployments")] = [(422, message)] * 3  # a Deployment that does not exist is created
     emulator.request("POST", p.cr(), new_service("refused", {"model": "m", "resources": {"gpu": 0}}, p.ns))
     cr = eventually(lambda: (c := emulator.get(p.cr("refused"))) and condition(c, "Degraded").get("reason") == "RejectedByAPI" and c)
     assert message in condition(cr, "Degraded")["message"]
     events = eventually(lambda: [e for e in emulator.get(p.events)["items"]
                                  if e.get("involvedObject", {}).get("name") == "refused" and e.get("reason") == "RejectedByAPI"])
     assert events[0]["type"] == "Warning"
-    em.faults.pop(("PATCH", "deployments"), None)
+    em.faults.pop(("POST", "deployments"), None)
     # Retried on the periodic check: once the API accepts it, Degraded clears.
     eventually(lambda: condition(emulator.get(p.cr("refused")), "Degraded").get("status") == "False", timeout=30)
 

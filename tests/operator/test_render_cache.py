@@ -159,6 +159,54 @@ def test_one_job_per_model_revision_and_claim():
     assert render.fill_job_name(OWNER, specs.defaulted({"model": "m", "modelCache": {"claimName": "c"}}), 45) is None
 
 
+def test_a_claim_made_again_under_its_name_is_another_fill():
+    """Keyed by the claim's uid: a claim deleted and made again is empty, and its Job (and the
+    record status.modelCache.filled, the same digest) must differ."""
+    name = lambda uid: render.fill_job_name(OWNER, specs.defaulted(PREFILLED), 45, uid)  # noqa: E731
+    assert name("uid-a") != name("uid-b") and name("uid-a") == name("uid-a")
+    job = render.fill_job(OWNER, specs.defaulted(PREFILLED), IMAGE, 45, claim_uid="uid-a")
+    assert job["metadata"]["name"] == name("uid-a")
+    assert job["metadata"]["name"].endswith(job["metadata"]["labels"][render_cache.FILL_LABEL])
+
+
+def claim(*modes, bound=True):
+    return {"metadata": {"name": "c", "uid": "u"}, "spec": {"accessModes": list(modes)},
+            "status": {"phase": "Bound", "accessModes": list(modes)} if bound else {}}
+
+
+def on(*nodes):
+    return [{"metadata": {"name": f"p{i}"}, "spec": {"nodeName": n}} for i, n in enumerate(nodes)]
+
+
+SHARED = {"model": "m", "modelCache": {"claimName": "models"}}
+
+
+@pytest.mark.parametrize("spec, pvc, pods, status, reason, says", [
+    (SHARED, claim("ReadWriteMany"), on("a", "b"), True, "ReadWriteMany", ["claim models"]),
+    (SHARED, claim("ReadWriteOnce"), on("a"), False, "ReadWriteOnce", ["claim models", "Multi-Attach", "one node"]),
+    (SHARED, claim("ReadWriteOnce"), on("a", "b", "a"), False, "ReadWriteOnce", ["2 nodes (a, b)"]),
+    (SHARED, claim("ReadWriteOncePod"), [], False, "ReadWriteOncePod", ["claim models", "Pending"]),
+    (PREFILLED, claim("ReadWriteOncePod"), [], False, "ReadWriteOncePod", ["fill Job"]),
+    (SHARED, claim("ReadOnlyMany"), [], True, "ReadOnlyMany", ["every pod reads it"]),
+    (PREFILLED, claim("ReadOnlyMany"), [], False, "ReadOnlyMany", ["cannot write"]),
+    (SHARED, claim("ReadWriteOnce", bound=False), [], False, "ReadWriteOnce", ["Multi-Attach"]),  # not bound yet: asked for
+    (SHARED, claim("ReadWriteOnce", "ReadWriteMany"), [], True, "ReadWriteMany", []),
+    (SHARED, None, [], None, "ClaimNotFound", ["claim models does not exist"]),
+    (SHARED, claim(), [], None, "AccessModesUnknown", ["claim models"]),
+], ids=["RWX", "RWO", "RWO on 2 nodes", "RWOP", "RWOP prefilled", "ROX", "ROX prefilled", "RWO unbound", "RWO+RWX",
+        "no claim", "no mode"])
+def test_the_claims_access_mode_is_what_the_condition_says(spec, pvc, pods, status, reason, says):
+    got = render_cache.claim_access(specs.defaulted(spec), pvc, pods)
+    assert got[:2] == (status, reason) and all(s in got[2] for s in says), got
+    if reason in ("ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"):
+        assert reason in got[2]
+
+
+def test_no_claim_no_condition():
+    assert render_cache.claim_access(specs.defaulted({"model": "m"}), None) is None
+    assert render_cache.claim_access(specs.defaulted(IMAGE_VOLUME), None) is None
+
+
 def test_an_image_volume_is_the_model_directory_and_the_cache_stays_writable():
     p = pod(IMAGE_VOLUME)
     assert {"name": "model-image", "image": {"reference": "registry.example/models/bge:1.5",

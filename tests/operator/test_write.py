@@ -1,0 +1,226 @@
+"""How an owned object is written (write.py, drift.after_apply): created when absent, so that an
+object someone else makes between our read and our write is refused (409) rather than taken over;
+the create's field ownership made our apply's; and a render the API server does not store as sent
+(a webhook rewrites it, a schema prunes it) held after a few applies instead of applied at every
+check, with the service Degraded, reason FieldNotPersisted, naming the JSON path. The decisions as
+tables with a clock the test drives; the behaviour through the real operator process against the
+emulator (mutating webhooks: emulator.mutators; the race: emulator.races)."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonpatch
+import pytest
+
+from embedop import drift, render, spec as specs, write
+from tests.operator import emulator as em
+from tests.operator.conftest import eventually
+from tests.operator.emulator import new_service, service_path
+
+OWNER = render.Owner("svc", "ns", "uid-1")
+SPEC = {"model": "m", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"}, "autoscaling": {"mode": "off"}}
+
+
+def pdb(**spec) -> dict:
+    return drift.stamped(render.pod_disruption_budget(OWNER, specs.defaulted({**SPEC, **spec})))
+
+
+def stored_as(obj: dict, **changes) -> dict:
+    out = copy.deepcopy(obj)
+    out["spec"].update(changes)
+    return out
+
+
+# -- what did not stick, and where
+
+@pytest.mark.parametrize("sent, stored, paths", [
+    ({"spec": {"a": "x"}}, {"spec": {}}, [".spec.a"]),  # pruned
+    ({"spec": {"a": "x"}}, {"spec": {"a": "y"}}, [".spec.a"]),  # rewritten
+    ({"spec": {"a": ""}}, {"spec": {}}, []),  # an empty value the server omits
+    ({"spec": {"resources": {"limits": {"cpu": "1000m"}}}}, {"spec": {"resources": {"limits": {"cpu": "1"}}}}, []),
+    ({"c": [{"name": "s", "env": [{"name": "X", "value": "1"}]}]},
+     {"c": [{"name": "s", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}]}]}, [".c[name=s].env[name=X].value"]),
+    ({"c": [{"name": "s", "env": [{"name": "X", "value": "1"}]}]}, {"c": [{"name": "s"}]}, [".c[name=s].env"]),
+    ({"c": [{"name": "s"}]}, {"c": [{"name": "t"}]}, [".c[name=s]"]),
+    ({"p": [{"number": 1}]}, {"p": [{"number": 2}]}, [".p[0].number"]),
+    ({"p": [1, 2]}, {"p": [1]}, [".p"]),
+], ids=["pruned", "rewritten", "omitempty", "quantity", "keyed list", "keyed list gone", "entry gone", "list", "length"])
+def test_the_paths_that_did_not_stick(sent, stored, paths):
+    assert drift.differences(sent, stored) == paths
+    assert drift.subset(sent, stored) is (paths == [])
+
+
+def test_three_applies_of_one_render_that_does_not_stick_within_ten_minutes_hold_it():
+    sent = pdb()
+    rewritten = stored_as(sent, unhealthyPodEvictionPolicy="IfHealthyBudget")
+    record = None
+    for t in (0.0, 100.0):
+        record = drift.after_apply(record, sent, rewritten, t)
+        assert record.held_until is None and not drift.held(record, sent, t + 1)
+    record = drift.after_apply(record, sent, rewritten, 200.0)
+    assert record.paths == (".spec.unhealthyPodEvictionPolicy",)
+    assert record.held_until == 200.0 + drift.STUCK_BACKOFF_S
+    assert drift.held(record, sent, 300.0)
+    assert not drift.held(record, pdb(rollout={"maxSurge": 1, "maxUnavailable": 2}), 300.0)  # a new render: applied
+    assert not drift.held(record, sent, record.held_until)  # the long backoff ran out: tried again
+    retried = drift.after_apply(record, sent, rewritten, record.held_until)
+    assert retried.held_until == record.held_until + drift.STUCK_BACKOFF_S  # still does not stick: held at once
+    assert drift.after_apply(record, sent, sent, record.held_until) == drift.Applied(drift.digest_of(sent))
+    assert "PodDisruptionBudget/svc: .spec.unhealthyPodEvictionPolicy" in drift.stuck_message(
+        "PodDisruptionBudget", "svc", record)
+
+
+def test_applies_spread_over_more_than_the_window_or_that_stick_do_not_hold():
+    sent = pdb()
+    rewritten = stored_as(sent, unhealthyPodEvictionPolicy="IfHealthyBudget")
+    record = None
+    for t in (0.0, 400.0, 800.0):  # the first has left the window by the third
+        record = drift.after_apply(record, sent, rewritten, t)
+    assert record.held_until is None and record.times == (400.0, 800.0)
+    record = drift.after_apply(record, sent, rewritten, 900.0)
+    assert record.held_until is not None
+    fine = None
+    for t in range(10):  # a hand edit reverted again and again: every apply stuck
+        fine = drift.after_apply(fine, sent, sent, float(t))
+    assert fine.held_until is None and fine.times == ()
+    other = None
+    for t, spec in enumerate(({}, {"rollout": {"maxSurge": 1, "maxUnavailable": 2}}, {})):  # a render that changes
+        rendered = pdb(**spec)
+        other = drift.after_apply(other, rendered, stored_as(rendered, unhealthyPodEvictionPolicy="X"), float(t))
+    assert other.held_until is None and len(other.times) == 1
+
+
+# -- the create's fields become our apply's
+
+ENTRY = {"manager": "embedop", "operation": "Update", "apiVersion": "v1", "time": "2026-01-01T00:00:00Z",
+         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:ports": {}, "f:selector": {}}}}
+STATUS = {"manager": "kube-controller-manager", "operation": "Update", "apiVersion": "v1", "subresource": "status",
+          "time": "2026-01-01T00:00:01Z", "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:x": {}}}}
+APPLY = {"manager": "embedop", "operation": "Apply", "apiVersion": "v1", "time": "2026-01-01T00:00:02Z",
+         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:selector": {"f:app": {}}, "f:type": {}}}}
+SCALE = {**ENTRY, "subresource": "scale", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+
+
+def managed(*entries) -> dict:
+    return {"metadata": {"name": "x", "managedFields": [copy.deepcopy(e) for e in entries]}}
+
+
+def test_a_creates_update_entry_becomes_our_apply_entry():
+    obj = managed(ENTRY, STATUS)
+    after = jsonpatch.apply_patch(obj, write.adoption(obj))
+    assert after["metadata"]["managedFields"] == [{**ENTRY, "operation": "Apply"}, STATUS]
+
+
+def test_an_update_entry_beside_our_apply_entry_is_merged_into_it():
+    obj = managed(APPLY, STATUS, ENTRY)
+    after = jsonpatch.apply_patch(obj, write.adoption(obj))
+    merged = {**APPLY, "fieldsV1": {"f:spec": {"f:selector": {"f:app": {}}, "f:type": {}, "f:ports": {}}}}
+    assert after["metadata"]["managedFields"] == [merged, STATUS]
+
+
+def test_only_our_main_resource_update_entry_is_adopted_and_only_as_it_was_read():
+    assert write.adoption(managed(APPLY, STATUS, SCALE)) is None  # the count through the scale subresource: kept
+    assert write.adoption(managed({**ENTRY, "manager": "kubectl"})) is None
+    obj = managed(ENTRY)
+    moved = managed(STATUS, ENTRY)  # another entry landed before ours since it was read
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch(moved, write.adoption(obj))
+
+
+# -- through the operator
+
+def condition(emulator, ns, name, type_) -> dict:
+    cr = emulator.get(service_path(ns, name)) or {}
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def pdb_writes(ns: str, name: str) -> int:
+    """Creates and applies."""
+    return len([a for a in em.applies if a["kind"] == "PodDisruptionBudget" and (a["namespace"], a["name"]) == (ns, name)])
+
+
+def periodic_checks(operator, ns: str, name: str) -> int:
+    return operator.log().count(f"{ns}/{name}: periodic check done")
+
+
+def test_a_field_a_webhook_rewrites_is_held_after_three_applies_and_named(emulator, operator, namespace):
+    ns, name = namespace, "rewritten"
+
+    def webhook(obj):  # a mutating webhook that insists on its own eviction policy
+        if obj.get("kind") == "PodDisruptionBudget" and (obj.get("metadata") or {}).get("name") == name:
+            obj.setdefault("spec", {})["unhealthyPodEvictionPolicy"] = "IfHealthyBudget"
+
+    em.mutators.append(webhook)
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
+        c = eventually(lambda: (c := condition(emulator, ns, name, "Degraded")).get("reason") == write.FIELD_NOT_PERSISTED
+                       and c)
+        assert f"PodDisruptionBudget/{name}: .spec.unhealthyPodEvictionPolicy" in c["message"]
+        assert pdb_writes(ns, name) == drift.STUCK_APPLIES  # the create and two applies
+        seen = periodic_checks(operator, ns, name)
+        eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)  # 2 s apart here
+        assert pdb_writes(ns, name) == drift.STUCK_APPLIES  # held: no apply at the checks since
+        events = [e for e in emulator.get(f"/api/v1/namespaces/{ns}/events")["items"]
+                  if e["involvedObject"]["name"] == name and e["reason"] == write.FIELD_NOT_PERSISTED]
+        assert events and events[0]["type"] == "Warning"
+        # The webhook goes and the render changes: applied at once, it sticks, the condition clears.
+        em.mutators.remove(webhook)
+        emulator.merge_patch(service_path(ns, name), {"spec": {"rollout": {"maxSurge": 1, "maxUnavailable": 2}}})
+        eventually(lambda: emulator.get(f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/{name}")["spec"]
+                   ["maxUnavailable"] == 2)
+        eventually(lambda: condition(emulator, ns, name, "Degraded").get("reason") == "AsExpected")
+        assert pdb_writes(ns, name) == drift.STUCK_APPLIES + 1
+    finally:
+        if webhook in em.mutators:
+            em.mutators.remove(webhook)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+THEIRS = {"metadata": {"labels": {"app": "theirs"}}}
+
+
+@pytest.mark.parametrize("kind, plural, suffix, body", [
+    ("Service", "services", "-headless",
+     {"apiVersion": "v1", "kind": "Service", **THEIRS, "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}),
+    ("Deployment", "deployments", "",
+     {"apiVersion": "apps/v1", "kind": "Deployment", **THEIRS, "spec": {
+         "replicas": 2, "selector": {"matchLabels": {"app": "theirs"}},
+         "template": {"metadata": {"labels": {"app": "theirs"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}}}),
+], ids=["Service", "Deployment"])
+def test_an_object_made_between_our_read_and_our_write_is_not_taken_over(emulator, operator, namespace, kind, plural,
+                                                                         suffix, body):
+    """Someone else creates the object after the operator found none and before it writes: a
+    forced apply would take it over; the operator's create is refused (409) instead, and the
+    object is reported as someone else's, untouched."""
+    ns, name = namespace, f"raced-{kind.lower()}"
+    group = "/api/v1" if plural == "services" else "/apis/apps/v1"
+    path = f"{group}/namespaces/{ns}/{plural}/{name}{suffix}"
+    em.races[(plural, ns, f"{name}{suffix}")] = body
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
+        c = eventually(lambda: (c := condition(emulator, ns, name, "Degraded")).get("reason") == "NotOwned" and c)
+        assert f"{kind}/{name}{suffix}" in c["message"]
+        theirs = emulator.get(path)
+        assert not theirs["metadata"].get("ownerReferences") and theirs["metadata"]["labels"] == {"app": "theirs"}
+        assert theirs["spec"]["selector"] == body["spec"]["selector"]
+        writes = [a for a in em.applies if (a["kind"], a["namespace"], a["name"]) == (kind, ns, f"{name}{suffix}")]
+        assert writes and all(a["create"] for a in writes)  # refused (409), and never applied over
+    finally:
+        em.races.pop((plural, ns, f"{name}{suffix}"), None)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+def test_what_the_operator_creates_it_owns_by_apply(emulator, operator, namespace):
+    """After the create, our field manager's entry is an Apply (so a field we later stop sending
+    is removed: on a real API server, tests/cluster/test_write_on_cluster.py)."""
+    ns, name = namespace, "adopted"
+    emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
+    try:
+        svc = eventually(lambda: emulator.get(f"/api/v1/namespaces/{ns}/services/{name}-headless"))
+        ours = eventually(lambda: [m for m in emulator.get(f"/api/v1/namespaces/{ns}/services/{name}-headless")["metadata"]
+                                   ["managedFields"] if m["manager"] == "embedop"])
+        assert [m["operation"] for m in ours] == ["Apply"], svc
+        assert [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("Service", f"{name}-headless")] == [True]
+    finally:
+        emulator.request("DELETE", service_path(ns, name))
