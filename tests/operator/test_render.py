@@ -9,7 +9,7 @@ import yaml
 
 from embedop import crd, drift, render, spec as specs
 from embedop.config import OperatorSettings
-from embedserve.config import ConfigError, Settings
+from embedserve.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
