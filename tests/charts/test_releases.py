@@ -116,6 +116,18 @@ def test_releases_of_one_name_in_two_namespaces_do_not_share_cluster_scoped_obje
     assert a and not a & b
 
 
+def test_no_two_releases_share_a_cluster_scoped_name():
+    """Release c in namespace a-b and release b-c in namespace a: <namespace>-<fullname> gave both
+    a-b-c-operator; the namespace after the last dot cannot (a namespace has no dot)."""
+    def names(name, namespace):
+        return {o["metadata"]["name"] for o in render({"watchNamespace": namespace, "admissionPolicy": {"enabled": True}},
+                                                      name=name, namespace=namespace)
+                if "namespace" not in o["metadata"] and o["kind"] != "CustomResourceDefinition"}
+
+    one, other = names("c", "a-b"), names("b-c", "a")
+    assert len(one) == len(other) == 2 and not one & other, (one, other)
+
+
 def crd_owned_by(cluster, release: str | None, namespace: str = NS) -> None:
     """The CRD as the cluster has it: installed by `release` (Helm's ownership), or by kubectl (None)."""
     cluster.request("DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")

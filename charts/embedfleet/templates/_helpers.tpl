@@ -48,10 +48,14 @@ app.kubernetes.io/component: uninstall
 {{- default (include "embedfleet.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy): named
-after the release's namespace too, so that releases of one name in two namespaces do not collide. */ -}}
+{{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy), called
+with (list . "<what>"): <fullname>-<what>.<namespace>, so that releases of one name in two
+namespaces do not collide. The namespace after the last dot: a namespace has none, so no two
+(release, namespace) pairs give one name (<namespace>-<fullname> did: namespace a-b with release c,
+namespace a with release b-c). */ -}}
 {{- define "embedfleet.clusterName" -}}
-{{- printf "%s-%s" .Release.Namespace (include "embedfleet.fullname" .) | trimPrefix "-" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s-%s.%s" (include "embedfleet.fullname" $ctx) (index . 1) $ctx.Release.Namespace | trimSuffix "." -}}
 {{- end -}}
 
 {{- /* The leader-election Lease's name (EMBEDOP_LEASE_NAME, and the leader Role's resourceNames).
