@@ -217,8 +217,8 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
     # The servers never call the Kubernetes API: with the namespace's default account, no token is
     # mounted, so a compromised server (or model code) holds no API credential. A service that names
     # its own account (spec.serviceAccountName) may need that token in the pod (Vault's agent
-    # injector authenticates with it, so do other sidecars): the field is left out, and the
-    # account's own automountServiceAccountToken decides.
+    # injector authenticates with it, as do some cloud identity setups): the field is left out, and
+    # the account's own automountServiceAccountToken decides.
     if not spec.get("serviceAccountName"):
         pod["automountServiceAccountToken"] = False
     # The production pod fields, passed through as the spec states them (validated by the CRD's
