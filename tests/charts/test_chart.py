@@ -340,8 +340,27 @@ def test_values_of_a_release_from_before_the_crd_template_still_render():
 
 
 def test_versions_agree():
+    """One version names a release: the chart, its appVersion, both packages (and their
+    pyprojects), the images the Dockerfiles say to build and the client image the docs run; and
+    what the docs call an earlier release ("chart 0.2.0 or earlier") is older than it."""
+    import re
+    import tomllib
+
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    assert chart["version"] == chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    version = chart["version"]
+    for package in ("operator", "server"):
+        assert tomllib.loads((ROOT / package / "pyproject.toml").read_text())["project"]["version"] == version
+    for dockerfile, image in (("Dockerfile.operator", "embedop"), ("Dockerfile.server", "embedserve")):
+        assert f"-t {image}:{version} ." in (ROOT / dockerfile).read_text(), dockerfile
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), CHART / "templates" / "NOTES.txt"]
+    release = tuple(map(int, version.split(".")))
+    for page in pages:
+        text = page.read_text()
+        for tag in re.findall(r"ghcr\.io/embedfleet/embed(?:serve|op):(\d+\.\d+\.\d+)", text):
+            assert tag == version, (page.name, tag)
+        for earlier in re.findall(r"(\d+\.\d+)\.(?:\d+|x)(?= or earlier| and earlier)", text):
+            assert tuple(map(int, earlier.split("."))) < release[:2], (page.name, earlier)
     from embedop.config import OperatorSettings
 
     assert OperatorSettings().server_image.endswith(":" + chart["appVersion"])
