@@ -141,6 +141,7 @@ def test_a_claim_made_while_it_runs_stops_it_when_it_next_becomes_the_leader(clu
         assert op.proc.wait(60) == 2
     finally:
         op.stop()
+    assert not cluster.get(lease)["spec"].get("holderIdentity")  # a clean stop: released
     log = op.log()
     assert "lost leadership" in log and log.count("acquired leadership") == 2
     refused = log.rindex("refusing to start")
