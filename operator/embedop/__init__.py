@@ -38,4 +38,4 @@ I/O, from the edge in:
   __main__   `python -m embedop`
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -7,7 +7,8 @@ import asyncio
 import logging
 import sys
 
-# Exit status of an operator that refuses to start: another release's operator covers its scope.
+# Exit status of an operator that refuses to start, or stops on becoming the leader: another
+# release's operator covers its scope.
 REFUSED = 2
 log = logging.getLogger("embedop")
 
@@ -19,7 +20,7 @@ async def _scope_check(settings, namespaces: list[str]) -> str | None:
     from embedop.kube import Kube, Retryable
 
     kube = Kube.connect(settings.api_timeout_s)
-    own = (settings.pod_namespace, settings.scope_claim) if settings.pod_namespace and settings.scope_claim else None
+    own = scope.own_claim(settings.pod_namespace, settings.scope_claim)
     try:
         for attempt in range(6):
             try:
@@ -56,8 +57,9 @@ def main(argv=None) -> int:
         namespaces=args.namespace or [],
         liveness_endpoint=args.liveness,
         memo=kopf.Memo(namespaces=args.namespace or []),  # the informers watch the same namespaces
+        stop_flag=embedop.handlers.STOP,  # set on a refusal found at the start of a leadership term
     )
-    return 0
+    return REFUSED if embedop.handlers.refusal else 0
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ class OperatorSettings:
     Unset (an operator outside the cluster): the policy opens that port to spec.networkPolicy.metricsFrom only."""
     scope_claim: str = ""
     """EMBEDOP_SCOPE_CLAIM: the name of this operator's claim on the namespaces it watches, a Lease
-    in pod_namespace that the chart makes (scope.py). At start-up the operator refuses to run where
-    another release's older claim overlaps what it watches. Unset (outside the chart): it yields to
+    in pod_namespace that the chart makes (scope.py). At start-up, and at the start of each
+    leadership term, the operator refuses to run where another release's older claim overlaps what
+    it watches. Unset (outside the chart): it yields to
     every overlapping claim."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""

@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, write
+from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, scope, write
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -36,6 +36,18 @@ _fleet: Fleet | None = None
 _tasks: list[asyncio.Task] = []
 # What was last said in an Event per service, so a periodic check does not repeat it.
 _said: dict[tuple[str, str, str], str] = {}
+# Set when another release's older claim overlaps this operator's scope, found as one of its pods
+# became the leader (scope.Term): kopf stops (__main__ passes it as the stop flag), and the process
+# exits as a refusal at start-up does, with the message in `refusal`.
+STOP = asyncio.Event()
+refusal: str | None = None
+
+
+def _refuse(message: str) -> None:
+    global refusal
+    refusal = message
+    log.error("%s", message)
+    STOP.set()
 
 
 def fleet() -> Fleet:
@@ -104,11 +116,25 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     kube = Kube.connect(SETTINGS.api_timeout_s)
     stores = {kind: cache.Store() for kind in (*cache.WATCHED, *cache.UNLABELLED, crd.KIND)}
     leadership = None
+    may_write = lambda: True  # noqa: E731 - one operator pod, no election: checked at start-up only
     if SETTINGS.leader_election:
+        # Each term starts with the scope checked again (claims change while pods run); nothing is
+        # written until it has passed.
+        term = scope.Term(kube, scope.own_claim(SETTINGS.pod_namespace, SETTINGS.scope_claim),
+                          memo.get("namespaces") or [], _refuse)
+
+        async def lead() -> None:
+            if await term.start():
+                await fleet().lead()
+
+        async def end() -> None:
+            term.end()
+            await fleet().close()
+
         leadership = Leadership(kube, SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.identity,
-                                SETTINGS.lease_seconds, on_start=lambda: fleet().lead(), on_stop=lambda: fleet().close(),
-                                request_s=SETTINGS.api_timeout_s)
-    cluster = cache.Cluster(kube, stores, leadership.held if leadership else lambda: True)
+                                SETTINGS.lease_seconds, on_start=lead, on_stop=end, request_s=SETTINGS.api_timeout_s)
+        may_write = lambda: leadership.held() and term.passed  # noqa: E731
+    cluster = cache.Cluster(kube, stores, may_write)
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]

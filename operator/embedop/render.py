@@ -213,12 +213,14 @@ def _pod_spec(spec: dict, container: dict, grace_seconds: int) -> dict:
         "containers": [container],
         "volumes": [*render_cache.volumes(spec), {"name": "tmp", "emptyDir": {}}, *render_security.volumes(spec)],
         "enableServiceLinks": False,
-        # The servers never call the Kubernetes API: no token of the pod's service account is
-        # mounted, so a compromised server (or model code) holds no API credential. A cloud identity
-        # (spec.serviceAccountName: IRSA, Azure workload identity) is projected by its own webhook,
-        # and GKE's comes from the metadata server: neither needs this token.
-        "automountServiceAccountToken": False,
     }
+    # The servers never call the Kubernetes API: with the namespace's default account, no token is
+    # mounted, so a compromised server (or model code) holds no API credential. A service that names
+    # its own account (spec.serviceAccountName) may need that token in the pod (Vault's agent
+    # injector authenticates with it, as do some cloud identity setups): the field is left out, and
+    # the account's own automountServiceAccountToken decides.
+    if not spec.get("serviceAccountName"):
+        pod["automountServiceAccountToken"] = False
     # The production pod fields, passed through as the spec states them (validated by the CRD's
     # schema, spec.problems and, finally, the API server, whose refusal shows as Degraded).
     for field in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "imagePullSecrets",

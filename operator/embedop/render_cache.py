@@ -207,6 +207,8 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
         "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": container["securityContext"],
     }
+    # The server pods' token setting too: none mounted with the default account, the account's own
+    # setting with spec.serviceAccountName (render._pod_spec).
     kept = ("securityContext", "nodeSelector", "tolerations", "affinity", "imagePullSecrets", "serviceAccountName",
             "priorityClassName", "automountServiceAccountToken")
     pod_spec = {k: pod[k] for k in kept if k in pod}

@@ -1,5 +1,7 @@
-"""One operator per namespace: at start-up, refuse to run where another embedfleet release's
-operator already covers a namespace this one would watch.
+"""One operator per namespace: refuse to run where another embedfleet release's operator already
+covers a namespace this one would watch; checked at start-up and again at the start of each
+leadership term (Term), since claims come and go while an operator runs (a release installed or
+uninstalled, an operator run outside the chart, a check that could not read the claims before).
 
 Every release of the chart has a claim: a Lease in its own namespace, labelled CLAIM_LABEL, whose
 WATCHED annotation names the namespaces its operator watches ("*": all). Two operators whose
@@ -11,12 +13,14 @@ whose claim is newer, or that has none (run outside the chart), exits with an er
 other release, before it has written anything. Pods of one release share its claim, so a rollout
 never refuses itself.
 
-decide() is pure; check() reads the claims (one label-selected list across the cluster)."""
+decide() is pure; check() reads the claims (one label-selected list across the cluster, from the
+API server's watch cache)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 from embedop.kube import Kube, NotFound, Rejected
 
@@ -83,14 +87,25 @@ def refusal(blocking: list[Claim], watched: frozenset[str], own: tuple[str, str]
             "Uninstall one release, or give each its own watchNamespace (see docs/operator.md, \"Several releases\")")
 
 
+def own_claim(pod_namespace: str, claim: str) -> tuple[str, str] | None:
+    """This operator's claim (namespace, name): EMBEDOP_SCOPE_CLAIM in its pod's namespace; None
+    outside the chart."""
+    return (pod_namespace, claim) if pod_namespace and claim else None
+
+
 async def check(kube: Kube, own: tuple[str, str] | None, namespaces: list[str]) -> str | None:
     """The refusal message, or None when this operator may run. An API that does not let it list
-    the claims (RBAC without the chart's scope ClusterRole) is a warning, not a refusal."""
+    the claims (RBAC without the chart's scope ClusterRole: scopeCheck.enabled=false) is a warning,
+    not a refusal."""
     watched = frozenset(namespaces) or frozenset({ALL})
     try:
-        leases = await kube.list("Lease", None, {CLAIM_LABEL: "true"})
+        # resourceVersion=0: from the API server's watch cache. A consistent list would be a range
+        # read in etcd of every Lease of the cluster (each node's heartbeat is one), filtered after.
+        # The cache trails etcd by moments, and the claims are made at install, not while we look.
+        leases, _ = await kube.list_versioned("Lease", None, {CLAIM_LABEL: "true"}, cached=True)
     except (NotFound, Rejected) as e:
-        log.warning("could not read other operators' scope claims (%s): not checking for overlapping operators", e)
+        log.warning("could not read other operators' scope claims (%s): not checking for overlapping operators "
+                    "(the chart's scopeCheck.enabled=false gives no right to)", e)
         return None
     # The selector is the API server's; checked again here (a claim is only what carries the label).
     claims = [Claim.of(lease) for lease in leases
@@ -102,3 +117,28 @@ async def check(kube: Kube, own: tuple[str, str] | None, namespaces: list[str]) 
         return refusal(blocking, watched, own)
     log.info("scope: watching %s; no other operator's claim overlaps it", scope_text(watched))
     return None
+
+
+class Term:
+    """The check again at the start of each leadership term, before the leader writes anything:
+    `passed` is false from the term's start until the check has passed (the writes wait for it:
+    handlers.py). A lapse resumed is the same term (no other pod led meanwhile): not checked again.
+    A refusal calls `refused` with its message (the operator stops, as at start-up); a check that
+    fails (Retryable: the API not answering) raises, and the leader tries again at its next round."""
+
+    def __init__(self, kube: Kube, own: tuple[str, str] | None, namespaces: list[str],
+                 refused: Callable[[str], None]):
+        self.kube, self.own, self.namespaces, self.refused = kube, own, namespaces, refused
+        self.passed = False
+
+    async def start(self) -> bool:
+        """Whether this pod may act in this term."""
+        if not self.passed:
+            if (message := await check(self.kube, self.own, self.namespaces)) is not None:
+                self.refused(message)
+                return False
+            self.passed = True
+        return True
+
+    def end(self) -> None:
+        self.passed = False

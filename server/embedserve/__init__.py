@@ -1,3 +1,3 @@
 """embedserve: the embedfleet serving image (gRPC + HTTP embedding server)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

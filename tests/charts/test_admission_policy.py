@@ -64,18 +64,28 @@ def test_it_binds_the_namespaces_the_operator_watches():
     assert policy["spec"]["failurePolicy"] == "Fail"
 
 
-def judge(values, spec) -> list[str]:
-    """What the API server's CEL would answer for an EmbeddingService with `spec`: the messages
-    of the validations that fail (empty: admitted)."""
+def service(spec, **meta) -> dict:
+    return {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "EmbeddingService",
+            "metadata": {"name": "svc", "namespace": "search", **meta}, "spec": spec}
+
+
+def judge(values, spec, old: dict | None = None, **meta) -> list[str]:
+    """What the API server's CEL would answer for an EmbeddingService with `spec` (and `meta`),
+    created, or updated from the stored object `old`: the messages of the validations that fail
+    (empty: admitted). As the API server does, a matchCondition that is false leaves the request
+    unjudged."""
     policy, _ = policy_of(values)
     env = celpy.Environment()
-    obj = celpy.json_to_cel({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "EmbeddingService",
-                             "metadata": {"name": "svc", "namespace": "search"}, "spec": spec})
-    refused = []
-    for v in policy["spec"]["validations"]:
-        if not env.program(env.compile(v["expression"])).evaluate({"object": obj}):
-            refused.append(str(env.program(env.compile(v["messageExpression"])).evaluate({"object": obj})))
-    return refused
+    activation = {"object": celpy.json_to_cel(service(spec, **meta)),
+                  "oldObject": celpy.json_to_cel(old),
+                  "request": celpy.json_to_cel({"operation": "UPDATE" if old else "CREATE"})}
+
+    def run(expression):
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    if not all(run(c["expression"]) for c in policy["spec"].get("matchConditions", [])):
+        return []
+    return [str(run(v["messageExpression"])) for v in policy["spec"]["validations"] if not run(v["expression"])]
 
 
 FULL = yaml.safe_load((ROOT / "crds" / "examples" / "full.yaml").read_text())["spec"]
@@ -109,3 +119,43 @@ def test_nothing_listed_allows_only_the_defaults():
     assert judge(off_list, {"model": "m", "image": f"{SERVER}:9.9"}) == []
     assert len(judge(off_list, FULL)) == 3
     assert "leave it unset" in judge(off_list, {"model": "m", "serviceAccountName": "embedserve"})[0]
+
+
+# A service the policy would refuse today: made before it was enabled, or before an allow-list
+# was narrowed (here: none of the three is listed any more).
+BEYOND = {"model": "m", "image": "docker.io/someone/embedserve:1", "serviceAccountName": "embedserve",
+          "priorityClassName": "inference-high"}
+NARROWED = {"admissionPolicy": {"enabled": True}}
+
+
+def test_a_service_beyond_the_policy_can_still_be_deleted():
+    """Deleting with foreground propagation (the chart's uninstall hook, kubectl delete
+    --cascade=foreground) stamps deletionTimestamp and the foregroundDeletion finalizer; the
+    garbage collector takes the finalizer off with an UPDATE of the whole object once the
+    dependents are gone. Refused, the service would stay Terminating for good."""
+    assert len(judge(NARROWED, BEYOND)) == 3  # as a create: refused
+    terminating = service(BEYOND, deletionTimestamp="2026-12-01T00:00:00Z", finalizers=["foregroundDeletion"])
+    assert judge(NARROWED, BEYOND, old=terminating, deletionTimestamp="2026-12-01T00:00:00Z", finalizers=[]) == []
+    # Whatever such an update carries: the operator no longer acts on a service being deleted.
+    assert judge(NARROWED, {**BEYOND, "image": "docker.io/attacker/miner:1"}, old=terminating,
+                 deletionTimestamp="2026-12-01T00:00:00Z") == []
+
+
+def test_an_update_that_leaves_the_judged_fields_alone_is_admitted():
+    """kubectl label/annotate, a finalizer of someone else's, a spec edit elsewhere."""
+    stored = service(BEYOND)
+    assert judge(NARROWED, BEYOND, old=stored, labels={"team": "search"}) == []
+    assert judge(NARROWED, {**BEYOND, "replicas": 3, "model": "other"}, old=stored) == []
+
+
+def test_an_update_is_judged_on_each_field_it_changes():
+    stored = service(BEYOND)
+    (refused,) = judge(NARROWED, {**BEYOND, "image": "docker.io/attacker/miner:1"}, old=stored)
+    assert "spec.image docker.io/attacker/miner:1 is not allowed" in refused
+    assert judge(NARROWED, {**BEYOND, "image": f"{SERVER}:0.3.0"}, old=stored) == []  # into the policy: fine
+    (refused,) = judge(NARROWED, {**BEYOND, "serviceAccountName": "cluster-admin-sa"}, old=stored)
+    assert "spec.serviceAccountName cluster-admin-sa is not allowed" in refused
+    # A field set where it was unset is a change too.
+    (refused,) = judge(NARROWED, {"model": "m", "priorityClassName": "system-node-critical"},
+                       old=service({"model": "m"}))
+    assert "spec.priorityClassName system-node-critical is not allowed" in refused

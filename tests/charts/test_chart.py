@@ -25,6 +25,8 @@ MATRIX = {
     "namespaced": {"watchNamespace": "search"},
     "hooks": {"uninstall": {"deleteServices": True}},
     "hooks-namespaced": {"watchNamespace": "search", "uninstall": {"deleteServices": True}},
+    # What a namespace's admin can install: nothing cluster-scoped.
+    "namespace-only": {"watchNamespace": "search", "crds": {"install": False}, "scopeCheck": {"enabled": False}},
     "all-on": {"serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True, "healthFrom": [
                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
                "prometheusAdapter": {"enabled": True}, "grafanaDashboard": {"enabled": True},
@@ -97,13 +99,13 @@ def is_hook(o):
     return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
 
 
+def rbac_call_list(objects) -> list[tuple]:
+    return [(g, r, v) for o in objects if o["kind"] in ("ClusterRole", "Role") for rule in o["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]]
+
+
 def rbac_calls(objects):
-    calls = set()
-    for o in objects:
-        if o["kind"] in ("ClusterRole", "Role"):
-            for rule in o["rules"]:
-                calls |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    return calls
+    return set(rbac_call_list(objects))
 
 
 def operator_env(objects) -> dict:
@@ -119,8 +121,11 @@ def named(o: dict, suffix: str) -> bool:
 def test_rbac_is_exactly_what_the_operator_calls(case):
     objects = [o for o in render(MATRIX[case]) if not is_hook(o)]
     assert rbac_calls(objects) == kube.CALLS
+    for role in (o for o in objects if o["kind"] in ("ClusterRole", "Role")):  # each grant once
+        granted = rbac_call_list([role])
+        assert len(granted) == len(set(granted)), [c for c in set(granted) if granted.count(c) > 1]
     assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
-    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scope")}
+    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scope.embedfleet-system")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
     # The Lease is the operator's own, in its own namespace, whatever it watches: created (RBAC
     # cannot name what a create makes), then read and renewed by its name only.
@@ -130,7 +135,7 @@ def test_rbac_is_exactly_what_the_operator_calls(case):
     assert by_verb == {"create": None, "get": [operator_env(objects)["EMBEDOP_LEASE_NAME"]],
                        "patch": [operator_env(objects)["EMBEDOP_LEASE_NAME"]]}
     # The other releases' scope claims: listed across the cluster, nothing else.
-    (scope,) = [o for o in objects if o["kind"] == "ClusterRole" and named(o, "-scope")]
+    (scope,) = [o for o in objects if o["kind"] == "ClusterRole" and named(o, "-scope.embedfleet-system")]
     assert rbac_calls([scope]) == {("coordination.k8s.io", "leases", "list")}
     assert rbac_calls([lease, scope]) == {c for c in kube.CALLS if c[1] == "leases"}
     assert not any("*" in str(rule) for o in objects if "Role" in o["kind"] for rule in o.get("rules", []))
@@ -262,10 +267,31 @@ def test_namespaced_install_watches_only_its_namespace():
     ({"leaseName": "Not_A_Lease"}, "leaseName"),
     ({"admissionPolicy": {"enabled": True, "images": ["x/"]}}, "images"),
     ({"admissionPolicy": {"serviceAccounts": ["Not An Account"]}}, "serviceAccounts"),
+    # A prefix that ends mid-name: registry.example/embedserve would admit registry.example/embedserve-evil.
+    ({"admissionPolicy": {"imagePrefixes": ["registry.example/embedserve"]}}, "imagePrefixes"),
+    ({"admissionPolicy": {"imagePrefixes": ["/"]}}, "imagePrefixes"),
+    # 3 s would leave each API call of the operator 1 s (a third of the lease).
+    ({"leaseSeconds": 9}, "leaseSeconds"),
+    ({"scopeCheck": {"enabled": "no"}}, "enabled"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmError, match=message):
         render(values)
+
+
+def test_values_schema_takes_prefixes_that_end_a_name_and_a_lease_of_ten_seconds():
+    prefixes = ["registry.example/embedfleet/", "registry.example/embedserve:", "registry.example/embedserve@"]
+    assert render({"admissionPolicy": {"imagePrefixes": prefixes}, "leaseSeconds": 10})
+
+
+def test_a_namespace_only_install_needs_no_cluster_wide_rights():
+    """watchNamespace with crds.install=false and scopeCheck.enabled=false: nothing cluster-scoped,
+    so a namespace's admin can install it; the operator still makes every call but the claims'
+    list (refused, it warns and runs: tests/operator/test_scope.py)."""
+    objects = [o for o in render(MATRIX["namespace-only"]) if not is_hook(o)]
+    assert not [(o["kind"], o["metadata"]["name"]) for o in objects if "namespace" not in o["metadata"]]
+    assert rbac_calls(objects) == kube.CALLS - {("coordination.k8s.io", "leases", "list")}
+    assert any(o["kind"] == "Lease" for o in objects)  # its own claim, for the releases after it
 
 
 def test_chart_crd_is_the_operators_crd_byte_for_byte():
@@ -314,8 +340,27 @@ def test_values_of_a_release_from_before_the_crd_template_still_render():
 
 
 def test_versions_agree():
+    """One version names a release: the chart, its appVersion, both packages (and their
+    pyprojects), the images the Dockerfiles say to build and the client image the docs run; and
+    what the docs call an earlier release ("chart 0.2.0 or earlier") is older than it."""
+    import re
+    import tomllib
+
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    assert chart["version"] == chart["appVersion"] == embedop.__version__ == embedserve.__version__
+    version = chart["version"]
+    for package in ("operator", "server"):
+        assert tomllib.loads((ROOT / package / "pyproject.toml").read_text())["project"]["version"] == version
+    for dockerfile, image in (("Dockerfile.operator", "embedop"), ("Dockerfile.server", "embedserve")):
+        assert f"-t {image}:{version} ." in (ROOT / dockerfile).read_text(), dockerfile
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), CHART / "templates" / "NOTES.txt"]
+    release = tuple(map(int, version.split(".")))
+    for page in pages:
+        text = page.read_text()
+        for tag in re.findall(r"ghcr\.io/embedfleet/embed(?:serve|op):(\d+\.\d+\.\d+)", text):
+            assert tag == version, (page.name, tag)
+        for earlier in re.findall(r"(\d+\.\d+)\.(?:\d+|x)(?= or earlier| and earlier)", text):
+            assert tuple(map(int, earlier.split("."))) < release[:2], (page.name, earlier)
     from embedop.config import OperatorSettings
 
     assert OperatorSettings().server_image.endswith(":" + chart["appVersion"])

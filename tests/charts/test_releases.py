@@ -91,6 +91,51 @@ def test_an_upgraded_release_keeps_the_lease_its_operator_uses(cluster, tmp_path
     assert lease_of(render_on(cluster, tmp_path, name="other", upgrade=False)) == "other-operator-leader"
 
 
+def leader_lease(cluster, holder: str | None) -> None:
+    """Lease embedop-leader as the operators of releases from before leaseName left it: held by
+    `holder` (a pod's name and the operator's random suffix), released (""), or absent (None)."""
+    path = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
+    cluster.request("DELETE", f"{path}/embedop-leader")
+    if holder is not None:
+        cluster.request("POST", path, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                       "metadata": {"name": "embedop-leader", "namespace": NS},
+                                       "spec": {"holderIdentity": holder or None, "leaseDurationSeconds": 15}})
+
+
+def operator_pod(cluster, name: str, release: str) -> None:
+    """A running operator pod of `release`, labelled as the chart labels them."""
+    path = f"/api/v1/namespaces/{NS}/pods"
+    cluster.request("DELETE", f"{path}/{name}")
+    cluster.request("POST", path, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": name, "namespace": NS, "labels": {"app.kubernetes.io/name": "embedfleet-operator",
+                                                  "app.kubernetes.io/instance": release}},
+        "spec": {"containers": [{"name": "operator", "image": "ghcr.io/embedfleet/embedop:0.2.0"}]}})
+
+
+@pytest.mark.parametrize("holder, kept", [
+    ("ef-operator-5d8f7c9b4-x2x4z_0a1b2c3d", "embedop-leader"),  # its own pod leads on it: a rename would add a leader
+    ("other-operator-6c9d8b7f5-q8w7e_12345678", "ef-operator-leader"),  # another release's: it never led there
+    ("ef-operator-5d8f7c9b4-gone1_0a1b2c3d", "embedop-leader"),  # a pod no longer there: nobody acts on it
+    ("", "embedop-leader"),  # released
+    (None, "embedop-leader"),  # none: as before
+])
+def test_a_release_that_shared_embedop_leader_with_another_takes_its_own(cluster, tmp_path, holder, kept):
+    """Releases from before leaseName all elected on embedop-leader: of two in one namespace, the
+    one whose pods never held it never led. Upgraded while another release's pod holds it, a
+    release takes a Lease of its own; while one of its own pods holds it, it keeps it."""
+    deploy(cluster, render(), None)
+    operator_pod(cluster, "ef-operator-5d8f7c9b4-x2x4z", "ef")
+    operator_pod(cluster, "other-operator-6c9d8b7f5-q8w7e", "other")
+    leader_lease(cluster, holder)
+    try:
+        assert lease_of(render_on(cluster, tmp_path)) == kept
+        # A release that names its Lease (EMBEDOP_LEASE_NAME) keeps it, whoever holds embedop-leader.
+        deploy(cluster, render(), "ef-operator-leader")
+        assert lease_of(render_on(cluster, tmp_path)) == "ef-operator-leader"
+    finally:
+        leader_lease(cluster, None)
+
+
 def claim_of(objects) -> dict:
     (claim,) = [o for o in objects if o["kind"] == "Lease"]
     return claim
@@ -114,6 +159,18 @@ def test_releases_of_one_name_in_two_namespaces_do_not_share_cluster_scoped_obje
 
     a, b = cluster_scoped("team-a"), cluster_scoped("team-b")
     assert a and not a & b
+
+
+def test_no_two_releases_share_a_cluster_scoped_name():
+    """Release c in namespace a-b and release b-c in namespace a: <namespace>-<fullname> gave both
+    a-b-c-operator; the namespace after the last dot cannot (a namespace has no dot)."""
+    def names(name, namespace):
+        return {o["metadata"]["name"] for o in render({"watchNamespace": namespace, "admissionPolicy": {"enabled": True}},
+                                                      name=name, namespace=namespace)
+                if "namespace" not in o["metadata"] and o["kind"] != "CustomResourceDefinition"}
+
+    one, other = names("c", "a-b"), names("b-c", "a")
+    assert len(one) == len(other) == 2 and not one & other, (one, other)
 
 
 def crd_owned_by(cluster, release: str | None, namespace: str = NS) -> None:

@@ -226,15 +226,20 @@ def test_production_pod_fields_are_rendered():
 
 
 @pytest.mark.parametrize("name", ["minimal", "production"])
-def test_no_server_pod_and_no_fill_job_gets_an_api_token(name):
-    """The servers never call the Kubernetes API: their service account's token (the namespace's
-    default, or spec.serviceAccountName) is not mounted in them, nor in the fill Job's pod."""
+def test_no_server_pod_and_no_fill_job_gets_the_default_accounts_api_token(name):
+    """The servers never call the Kubernetes API: with the namespace's default account, its token
+    is not mounted in them, nor in the fill Job's pod. A service that names its own account
+    (production does) may need the token in the pod (Vault's agent injector logs in with it): the
+    field is left out, and the account's own automountServiceAccountToken decides."""
     spec, (d, *_) = rendered(name)
-    assert d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     cached = specs.defaulted({**VARIATIONS[name], "modelCache": {"claimName": "models", "prefill": True}})
     job = render.fill_job(OWNER, cached, IMAGE, 45)
-    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
-    assert job["spec"]["template"]["spec"].get("serviceAccountName") == spec.get("serviceAccountName")
+    for pod in (d["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
+        assert pod.get("serviceAccountName") == spec.get("serviceAccountName")
+        if spec.get("serviceAccountName"):
+            assert "automountServiceAccountToken" not in pod
+        else:
+            assert pod["automountServiceAccountToken"] is False
 
 
 def test_pod_labels_cannot_take_the_selector_labels():

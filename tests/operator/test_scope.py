@@ -5,6 +5,7 @@ covers a namespace it would watch (scope.py), as a table of the pure decision an
 import pytest
 
 from embedop import scope
+from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
 from tests.operator.emulator import Emulator
 
@@ -115,3 +116,64 @@ def test_an_operator_whose_scope_nobody_claimed_first_runs(cluster, claims, tmp_
         eventually(lambda: "acquired leadership" in op.log(), timeout=60)
     finally:
         op.stop()
+
+
+def lease_lists(who: str) -> list[dict]:
+    return [c for c in em.calls if c["who"] == who and c["resource"] == "leases" and c["verb"] == "list"]
+
+
+def test_a_claim_made_while_it_runs_stops_it_when_it_next_becomes_the_leader(cluster, claims, tmp_path):
+    """An operator run outside the chart (no claim of its own) started where nobody claimed; a
+    cluster-wide release installed after it finds no claim of its, and runs too. The overlap
+    shows at this operator's next term: another pod took the lease (here: the test, as a holder
+    that then goes silent), this one takes it back, checks the claims again before it writes,
+    and stops, exiting as it would at start-up. Each look reads the watch cache (resourceVersion=0),
+    selected by the claims' label."""
+    lease = f"{LEASES.format('search')}/rechecked-leader"
+    op = OperatorProcess(cluster.kubeconfig(tmp_path / "kubeconfig", token="rechecked"), tmp_path / "operator.log",
+                         env={"POD_NAMESPACE": "search", "EMBEDOP_LEASE_NAME": "rechecked-leader"}, namespace="search")
+    try:
+        eventually(lambda: "acquired leadership" in op.log(), timeout=60)
+        claims("platform", "later-operator-scope", "*", NEW, "later")
+        spec = cluster.get(lease)["spec"]
+        cluster.merge_patch(lease, {"spec": {"holderIdentity": "later-operator-7d9f8-x2x4z_0a1b2c3d",
+                                             "renewTime": spec["renewTime"]}})
+        assert op.proc.wait(60) == 2
+    finally:
+        op.stop()
+    assert not cluster.get(lease)["spec"].get("holderIdentity")  # a clean stop: released
+    log = op.log()
+    assert "lost leadership" in log and log.count("acquired leadership") == 2
+    refused = log.rindex("refusing to start")
+    assert refused > log.rindex("acquired leadership") and "release later in namespace platform" in log[refused:]
+    looks = lease_lists("rechecked")
+    assert len(looks) == 3  # at start-up, and at the start of each term
+    assert all(c["params"].get("resourceVersion") == "0" and c["selector"] == f"{scope.CLAIM_LABEL}=true"
+               for c in looks), looks
+
+
+def test_a_claims_list_it_may_not_make_is_a_warning(cluster, claims, tmp_path, monkeypatch, caplog):
+    """scopeCheck.enabled=false: no ClusterRole to list the claims (403). The operator warns and
+    runs unchecked, at start-up and at each term."""
+    import asyncio
+
+    from embedop.kube import Kube
+
+    claims("platform", "cw-operator-scope", "*", OLD, "cw")
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig(tmp_path / "kubeconfig", token="unlisted")))
+    em.faults[("GET", "leases", "unlisted")] = [(403, 'leases.coordination.k8s.io is forbidden: User '
+                                                      '"system:serviceaccount:search:ns-operator" cannot list')]
+
+    async def look():
+        kube = Kube.connect(5)
+        try:
+            return await scope.check(kube, ("search", "ns-operator-scope"), ["search"])
+        finally:
+            await kube.close()
+
+    try:
+        assert asyncio.run(look()) is None
+    finally:
+        em.faults.pop(("GET", "leases", "unlisted"), None)
+    assert [c["fault"] for c in em.calls if c.get("fault") and c["resource"] == "leases"][-1][0] == 403
+    assert "not checking for overlapping operators" in caplog.text and "scopeCheck.enabled=false" in caplog.text

@@ -48,26 +48,35 @@ app.kubernetes.io/component: uninstall
 {{- default (include "embedfleet.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy): named
-after the release's namespace too, so that releases of one name in two namespaces do not collide. */ -}}
+{{- /* Cluster-scoped objects of the release (the scope ClusterRole, the admission policy), called
+with (list . "<what>"): <fullname>-<what>.<namespace>, so that releases of one name in two
+namespaces do not collide. The namespace after the last dot: a namespace has none, so no two
+(release, namespace) pairs give one name (<namespace>-<fullname> did: namespace a-b with release c,
+namespace a with release b-c). */ -}}
 {{- define "embedfleet.clusterName" -}}
-{{- printf "%s-%s" .Release.Namespace (include "embedfleet.fullname" .) | trimPrefix "-" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s-%s.%s" (include "embedfleet.fullname" $ctx) (index . 1) $ctx.Release.Namespace | trimSuffix "." -}}
 {{- end -}}
 
 {{- /* The leader-election Lease's name (EMBEDOP_LEASE_NAME, and the leader Role's resourceNames).
 leaseName when given; else the name the release's operator already uses, read from its live
-Deployment (lookup; a release from before this setting used the operator's default,
-embedop-leader): renaming it during a rollout would let the old pod and the new one each hold a
-Lease of its own and both act; else (a new release, or a render without a cluster: helm template,
-lint, --dry-run, Argo CD) a Lease of the release's own, <fullname>-leader, so that two releases in one
-namespace never share one (one of them would never lead). */ -}}
+Deployment (lookup): renaming it during a rollout would let the old pod and the new one each hold
+a Lease of its own and both act. A release from before this setting used the operator's default,
+embedop-leader, which every such release of the namespace shared, and the one not holding it never
+led: it keeps embedop-leader only while embedop-leader is held by one of its own pods (or by no
+live pod: nobody acts on it, and its old pod may take it during the rollout); held by another
+release's pod, it takes a Lease of its own, on which its new pod leads at once (its old pod, never
+the holder, goes on waiting). Else (a new release, or a render without a cluster: helm template,
+lint, a client-side --dry-run, Argo CD: lookup finds nothing) a Lease of the release's own,
+<fullname>-leader, so that two releases in one namespace never share one. */ -}}
 {{- define "embedfleet.leaseName" -}}
 {{- if .Values.leaseName -}}
 {{- .Values.leaseName -}}
 {{- else -}}
+{{- $own := printf "%s-leader" (include "embedfleet.fullname" .) -}}
 {{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "embedfleet.fullname" .) -}}
 {{- if $live -}}
-{{- $name := "embedop-leader" -}}
+{{- $name := "" -}}
 {{- range (($live.spec).template.spec).containers | default list -}}
 {{- if eq .name "operator" -}}
 {{- range .env | default list -}}
@@ -75,9 +84,22 @@ namespace never share one (one of them would never lead). */ -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- if not $name -}}
+{{- $name = "embedop-leader" -}}
+{{- $holder := ((lookup "coordination.k8s.io/v1" "Lease" .Release.Namespace $name).spec).holderIdentity | default "" -}}
+{{- /* The holder's identity is its pod's name and a random suffix (operator config, identity). */ -}}
+{{- $pod := dict -}}
+{{- if $holder -}}{{- $pod = lookup "v1" "Pod" .Release.Namespace (regexReplaceAll "_[0-9a-f]+$" $holder "") -}}{{- end -}}
+{{- if $pod -}}
+{{- $labels := ($pod.metadata).labels | default dict -}}
+{{- range $k, $v := include "embedfleet.selector" . | fromYaml -}}
+{{- if ne (toString (get $labels $k)) (toString $v) -}}{{- $name = $own -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $name -}}
 {{- else -}}
-{{- printf "%s-leader" (include "embedfleet.fullname" .) -}}
+{{- $own -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

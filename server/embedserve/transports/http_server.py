@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from embedserve import __version__
 from embedserve.transports import addresses, budget, http_api, outcomes
 from embedserve.metrics import CONTENT_TYPE
 from embedserve.transports.hub import Hub
@@ -30,7 +31,7 @@ def build_app(server: Hub) -> FastAPI:
     # FastAPI's own OpenTelemetry off: a request's span is embedserve.tracing's (with its stages);
     # FastAPI's would be a second server span per request wherever a global provider is set
     # (opentelemetry-instrument), and off it does not look for one on every request.
-    app = FastAPI(title="embedfleet server", version="0.2.0", max_body_size=server.settings.http_max_body_bytes,
+    app = FastAPI(title="embedfleet server", version=__version__, max_body_size=server.settings.http_max_body_bytes,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
 
     @app.get("/health")

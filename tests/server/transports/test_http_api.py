@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+import embedserve
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import decode_embeddings
@@ -97,7 +98,9 @@ def test_tei_embed(default_server):
         code, _, body = post(default_server.http + path, {"inputs": "not a classifier"})
         assert code == 400 and "use Embed or /v1/embeddings" in body["error"]["message"], (path, body)
     with urllib.request.urlopen(default_server.http + "/openapi.json", timeout=10) as r:
-        assert not {"/classify", "/rerank", "/embed_sparse"} & set(json.load(r)["paths"])
+        document = json.load(r)
+    assert not {"/classify", "/rerank", "/embed_sparse"} & set(document["paths"])
+    assert document["info"]["version"] == embedserve.__version__  # the package's, never a copy of it
 
 
 @pytest.fixture(scope="module")
