@@ -76,6 +76,7 @@ class Server:
         self.quantization = Quantization(settings.quantize_range)  # QUANTIZE_RANGE=calibrated: once loaded
         self.started_at = time.monotonic()
         self.draining = False
+        self._lag: asyncio.Task | None = None  # the loop-lag probe of a model process with front ends
         self.loaded = asyncio.Event()
         self.loaded_at: float | None = None  # monotonic: from then on front ends get answers (FRONTENDS > 1)
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
@@ -248,4 +249,6 @@ class Server:
             self.service.draining = True
         if self.engine:
             await self.engine.stop()
+        if self._lag is not None:
+            self._lag.cancel()
         self._executor.shutdown(wait=False)

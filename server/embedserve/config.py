@@ -19,6 +19,10 @@ PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
 POOLING_MODES = ("cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens")
 POOLING_ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens"}
 CHARS_PER_TOKEN_BOUND = 16
+# The most a request may hold by default, whatever the buckets: the event loop reads a body a few
+# times over (parsing, hashing what the tokenizer reads) at ~1 GB/s, and a probe waits behind it
+# (long-context buckets, 8,192, would otherwise size gRPC's limit at 268 MB).
+MAX_DEFAULT_REQUEST_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,10 +181,10 @@ class Settings:
     """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
     can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters
     of 4 UTF-8 bytes each (texts are cut there before tokenizing), plus 1 MiB (17 MiB with the
-    defaults). Responses may be larger (64 MiB)."""
+    defaults), at most 32 MiB. Responses: MAX_REPLY_BYTES."""
     http_max_body_bytes: int = 0
     """HTTP_MAX_BODY_BYTES: the most any HTTP route reads (413 above). Default: twice the gRPC
-    limit (JSON escapes). Each route reads less, by its own budget named from the model's max
+    limit (JSON escapes), at most 32 MiB. Each route reads less, by its own budget named from the model's max
     length (transports/budget.py), and a body's JSON items are counted before it is parsed."""
     max_reply_bytes: int = 64 * 2**20
     """MAX_REPLY_BYTES: the largest answer any route or RPC gives (64 MiB: 512 float vectors of
@@ -188,12 +192,15 @@ class Settings:
     work where its size is known from the request (vectors: rows × dimensions × encoding), else
     as soon as it is known (sparse rows, /tokenize, /decode): 400 / INVALID_ARGUMENT naming the
     size, never cut silently. Also gRPC's largest message sent."""
+    http_body_timeout_s: float = 60.0
+    """HTTP_BODY_TIMEOUT_S: a request body not sent whole within this is refused (408): a caller
+    trickling its body holds no request slot, nor its buffer, for ever."""
     max_concurrent_requests: int = 1024
     """MAX_CONCURRENT_REQUESTS: per serving process (each front end with FRONTENDS > 1), the most
-    requests in progress on the API ports: HTTP connections and requests together past this are
-    answered 503 (uvicorn's limit_concurrency), gRPC calls RESOURCE_EXHAUSTED; and the most
-    concurrent streams of one gRPC connection. Each request in progress may hold its body (up
-    to the route's limit, docs/api.md): this bounds what a flood of slow or large callers holds."""
+    requests in progress on the API ports: past it an HTTP request is answered 429 (idle
+    connections are not counted; /health and /metrics always answered), a gRPC call
+    RESOURCE_EXHAUSTED. Each request in progress may hold its body (up to the route's limit,
+    docs/api.md): this bounds what a flood of slow or large callers holds."""
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
@@ -299,6 +306,7 @@ class Settings:
             http_max_body_bytes=s.int("HTTP_MAX_BODY_BYTES", d.http_max_body_bytes),
             max_reply_bytes=s.int("MAX_REPLY_BYTES", d.max_reply_bytes, low=2**20),
             max_concurrent_requests=s.int("MAX_CONCURRENT_REQUESTS", d.max_concurrent_requests, low=1),
+            http_body_timeout_s=s.float("HTTP_BODY_TIMEOUT_S", d.http_body_timeout_s, positive=True),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
             task=s.choice("TASK", d.task, ("auto", "embed", "classify", "rerank", "sparse")),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
@@ -324,9 +332,11 @@ class Settings:
         _check_guards(settings)
         if not settings.max_message_bytes:
             text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
-            settings = dataclasses.replace(settings, max_message_bytes=settings.max_texts_per_request * text_bytes + 2**20)
+            settings = dataclasses.replace(settings, max_message_bytes=min(
+                settings.max_texts_per_request * text_bytes + 2**20, MAX_DEFAULT_REQUEST_BYTES))
         if not settings.http_max_body_bytes:
-            settings = dataclasses.replace(settings, http_max_body_bytes=2 * settings.max_message_bytes)
+            settings = dataclasses.replace(settings, http_max_body_bytes=min(2 * settings.max_message_bytes,
+                                                                             MAX_DEFAULT_REQUEST_BYTES))
         return settings
 
 

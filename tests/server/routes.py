@@ -105,14 +105,15 @@ def instances(schema: dict, doc: dict, fill: Fill, name: str = "") -> list:
 
 
 def schema_bodies(doc: dict, path: str, fill: Fill) -> list[bytes]:
-    """The route's bodies from its OpenAPI request schema (none: it takes no body), deduplicated."""
+    """The route's bodies from its OpenAPI request schema (none: it takes no body), deduplicated;
+    characters outside ASCII escaped (\\uXXXX) unless the fill's are astral (sent as raw UTF-8)."""
     operation = doc["paths"].get(path, {}).get("post")
     if not operation or "requestBody" not in operation:
         return []
     schema = operation["requestBody"]["content"]["application/json"]["schema"]
     out = []
     for value in instances(schema, doc, fill):
-        body = json.dumps(value).encode()
+        body = json.dumps(value, ensure_ascii=ord(fill.char) < 0x10000).encode()
         if body not in out:
             out.append(body)
     return out

@@ -130,8 +130,8 @@ def _status_field(pid: int, field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def stalls(server: ServerProcess) -> float:
-    """Loop-lag observations over MAX_STALL_S, every serving process's (multiprocess: summed)."""
+def lag_counts(server: ServerProcess) -> tuple[float, float]:
+    """(loop-lag observations, those over MAX_STALL_S), every serving process's (multiprocess: summed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(server.metrics + "/metrics", timeout=10).read().decode()
@@ -142,8 +142,7 @@ def stalls(server: ServerProcess) -> float:
                 count += sample.value
             elif sample.name == "embedfleet_event_loop_lag_seconds_bucket" and float(sample.labels["le"]) == MAX_STALL_S:
                 under += sample.value
-    assert count > 0, "no loop-lag series: the probe is not running"
-    return count - under
+    return count, count - under
 
 
 class Budget:
@@ -153,7 +152,7 @@ class Budget:
     def __init__(self, server: ServerProcess):
         self.server = server
         self.pids = [server.proc.pid, *children(server.proc.pid)]
-        self.stalls = stalls(server)
+        self.probed, self.stalls = lag_counts(server)
         self.seen: list[str] = []
         self.largest = (0.0, "")  # the largest growth over its bound, and what caused it
         self.log: list[tuple[float, float, str]] = []  # (began, ended, what): wall clock, as the prober's
@@ -173,22 +172,34 @@ class Budget:
             grew = _status_field(pid, "VmHWM") - base[pid]
             assert grew <= allowed, f"{what}: process {pid} grew {grew / MIB:.0f} MiB (bound {allowed / MIB:.0f} MiB)"
             self.largest = max(self.largest, (grew / allowed, f"{what}: {grew / MIB:.0f} MiB"))
-        now = stalls(self.server)
+        probed, now = lag_counts(self.server)
         assert now == self.stalls, f"{what}: the event loop stalled over {MAX_STALL_S} s ({now - self.stalls} times)"
+        if time.time() - began > 0.5:  # the probe ran meanwhile (every 25 ms): its silence is no proof
+            assert probed > self.probed, f"{what}: the loop-lag probe did not run"
+        self.probed = probed
         self.seen.append(what)
         return answer
 
 
-def post(server: ServerProcess, path: str, body: bytes, method: str = "POST") -> tuple[int, bytes]:
+def post(server: ServerProcess, path: str, body: bytes, method: str = "POST", chunk: int = 0,
+         port: int = 0) -> tuple[int, bytes]:
     """One request on a connection of its own; the body sent on a thread while the answer is read,
-    since a route that needs no body may answer (and close) before the body is all sent."""
-    sock = socket.create_connection((server.host, server.http_port), timeout=120)
+    since a route that needs no body may answer (and close) before the body is all sent. `chunk`:
+    sent with chunked transfer encoding, in pieces of that many bytes (each a message to the app)."""
+    sock = socket.create_connection((server.host, port or server.http_port), timeout=120)
+    length = "Transfer-Encoding: chunked" if chunk else f"Content-Length: {len(body)}"
     head = (f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            f"{length}\r\nConnection: close\r\n\r\n").encode()
 
     def send():
         try:
-            sock.sendall(head + body)
+            if not chunk:
+                return sock.sendall(head + body)
+            sock.sendall(head)
+            for start in range(0, len(body), 64 * chunk):  # 64 pieces a write: fewer system calls
+                sock.sendall(b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in
+                                      (body[i:i + chunk] for i in range(start, min(start + 64 * chunk, len(body)), chunk))))
+            sock.sendall(b"0\r\n\r\n")
         except OSError:  # answered and closed before the body was all sent
             pass
 
@@ -209,16 +220,18 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
     ignores them, one that does meets the budget)."""
     if method != "POST":
         return {"no body": b""}
-    s = Settings.from_env({})
-    budgets = budget.route_budgets(http_api.BODY_PATHS - http_api.ID_PATHS, http_api.ID_PATHS,
-                                   s.max_texts_per_request, max_length, s.http_max_body_bytes)
-    limit = budgets.get(path, budget.DEFAULT)
+    limit = http_api.budgets(Settings.from_env({}), max_length).get(path, budget.DEFAULT)
     max_chars = max_length * CHARS_PER_TOKEN_BOUND
     out = {}
-    for name, fill in (("longest rows, escaped", Fill(max_chars, "é", True, served)),
-                       ("longest rows, truncate false", Fill(max_chars, "!", False, served)),
-                       ("one-character texts", Fill(1, "a", True, served))):
-        for i, body in enumerate(schema_bodies(doc, path, fill)):
+    for name, char, flag, chars in (("longest rows, escaped", "é", True, max_chars),
+                                    ("longest rows, truncate false", "!", False, max_chars),
+                                    ("longest rows, raw UTF-8", "\U0001F600", True, max_chars),
+                                    ("one-character texts", "a", True, 1)):
+        # Texts as long as the route's bytes let the most rows be (halved until the body fits).
+        while (bodies := schema_bodies(doc, path, Fill(chars, char, flag, served))) and \
+                max(map(len, bodies)) > limit.body_bytes and chars > 1:
+            chars //= 2
+        for i, body in enumerate(bodies):
             if len(body) <= limit.body_bytes:
                 out[f"schema: {name} #{i}"] = body
     out.update({f"hostile: {k}": v for k, v in hostile_bodies(limit.body_bytes, limit.items).items()})
@@ -306,11 +319,23 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                 if (mode, path, method, endpoint) in covered:  # the same handler, on a server of this mode
                     continue
                 covered.add((mode, path, method, endpoint))
-                for name, body in http_bodies(doc, path, method, served, max_length).items():
+                bodies = http_bodies(doc, path, method, served, max_length)
+                # One of them in 16-byte chunks: a message to the app each, ~1.5 M for this body
+                if method == "POST":
+                    chunked = bodies["hostile: one-character strings, at the items"]
+                    bodies["hostile: one-character strings, at the items, in 16-byte chunks"] = (chunked, 16)
+                for name, body in bodies.items():
+                    body, chunk = body if isinstance(body, tuple) else (body, 0)
                     status, reply = measure.check(f"{method} {path} {name}", len(body),
-                                                  lambda: post(server, path, body, method))
+                                                  lambda: post(server, path, body, method, chunk))
                     assert status in CLEAR, (method, path, name, status, reply[:300])
                     assert len(reply) <= MAX_REPLY, (method, path, name, len(reply))
+            # The metrics port reads no body: the largest hostile ones, to both its paths and another
+            for path in ("/health", "/metrics", "/embed"):
+                for name, body in list(hostile_bodies(12 * MIB, 2 * MIB).items())[:3]:
+                    status, _ = measure.check(f"metrics port POST {path} {name}", len(body),
+                                              lambda: post(server, path, body, "POST", port=server.metrics_port))
+                    assert status == 404, (path, name, status)
             limit = s.max_message_bytes
             with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", -1),
                                                                ("grpc.max_receive_message_length", -1)]) as channel:

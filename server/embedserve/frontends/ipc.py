@@ -130,7 +130,10 @@ class Link(_Endpoint):
             # too, so `not future.done()` alone was never true here, and no cancel was ever sent
             # (the model process computed every cancelled call, gRPC's and HTTP's, for nobody).
             if future.cancelled() or not future.done():
-                await self.socket.send_multipart([json.dumps({"op": "cancel", "id": request_id}).encode(), b""])
+                try:
+                    await self.socket.send_multipart([json.dumps({"op": "cancel", "id": request_id}).encode(), b""])
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - a closed socket, a second cancel: the first stands
+                    pass
             raise
         finally:
             self._waiting.pop(request_id, None)

@@ -5,15 +5,15 @@ process by much more than its own size. The replies' bound is MAX_REPLY_BYTES (j
 encodings.reply_bytes); gRPC's requests have theirs in grpc_budget.py.
 
 Two bounds per route, named from what the model can use:
-- bytes: MAX_TEXTS_PER_REQUEST texts (and a query) of the model's max_length ×
-  CHARS_PER_TOKEN_BOUND characters, where texts are cut before tokenizing anyway, each character
-  as JSON escapes it (\\uXXXX, 6 bytes); or, for /decode, as many token ids as a request can
-  embed (MAX_TEXTS_PER_REQUEST × max_length);
-- JSON items (array elements and object members, counted outside strings): the most a route
-  can use is a token-id request's, MAX_TEXTS_PER_REQUEST × max_length ids. The parser makes an
-  object per item (a list, an int, a string: ~60-70 bytes and 0.1-0.3 µs each, more with the
-  collections they set off), and only an item count bounds that: 33 MB of `[],` had been 740 MiB
-  and 2.3 s of the loop inside json.loads, before any schema could refuse it.
+- bytes: MAX_TEXTS_PER_REQUEST texts (and a query) of twice the model's max_length ×
+  CHARS_PER_TOKEN_BOUND characters, where texts are cut before tokenizing anyway (see
+  TEXT_BYTES_PER_CHAR); or, for /decode, as many token ids as a request can embed;
+- JSON items (array elements and object members, counted outside strings): a route of texts uses
+  a few per text; a route of token ids (/v1/embeddings, /decode) as many as a request can embed,
+  MAX_TEXTS_PER_REQUEST × max_length, at most MAX_IDS. The parser makes an object per item (a
+  list, an int, a string: ~60-70 bytes and 0.1-0.3 µs each, more with the collections they set
+  off), and only an item count bounds that: 33 MB of `[],` had been 740 MiB and 2.3 s of the loop
+  inside json.loads, before any schema could refuse it.
 A path not listed (a route added without naming its own budget, another task's path, a GET)
 gets DEFAULT: a short JSON body. Over either bound: 413, naming the bound, before parsing.
 
@@ -32,9 +32,17 @@ import numpy as np
 
 from embedserve.config import CHARS_PER_TOKEN_BOUND
 
-JSON_BYTES_PER_CHAR = 6  # \uXXXX: a character as JSON may escape it (one outside the BMP: two of them, for one)
+# Body bytes a text may take: twice the characters the tokenizer reads of it. ASCII, where a token
+# spans the most characters, is a byte a character; a script of a token or two a character (CJK,
+# escaped as \uXXXX: 6 bytes) is read far past what the model keeps long before this. Bytes past
+# it only cost the event loop (12.7 MB at 6 bytes a character: 135 ms of json.loads on a loaded
+# 2-core host, for a number of 12.7 M digits) for characters no row depends on.
+TEXT_BYTES_PER_CHAR = 2
 ID_BYTES = 12  # "2147483647, " : one token id as JSON writes it, a separator and a space
 OVERHEAD_BYTES = 64 * 1024  # the other fields of a body, and room for whitespace
+# Token ids a request may send, whatever the model's max length (a long-context model's 512 × 8,192
+# would be 4.2 M: ~0.9 s of the loop in json.loads): as many as 512 rows of 512.
+MAX_IDS = 512 * 512
 THREAD_BYTES = 1 << 20  # an exact count of a longer body runs on a thread (numpy drops the GIL)
 _CHUNK = 1 << 22  # the exact count's numpy pass, this much at a time (memory: ~4 bytes per byte of it)
 
@@ -49,15 +57,18 @@ DEFAULT = Budget(OVERHEAD_BYTES, 1024)
 
 
 def route_budgets(text_paths: frozenset[str], id_paths: frozenset[str], max_texts: int, max_length: int,
-                  body_cap: int) -> dict[str, Budget]:
-    """Each body route's budget: `text_paths` take texts (and perhaps token ids, which fit in the
-    same items), `id_paths` only token ids (/decode); `max_length` the model's (tokens per text),
+                  body_cap: int, texts_and_ids: frozenset[str] = frozenset()) -> dict[str, Budget]:
+    """Each body route's budget: `text_paths` take texts, `id_paths` only token ids (/decode),
+    `texts_and_ids` either (/v1/embeddings); `max_length` the model's (tokens per text),
     `body_cap` HTTP_MAX_BODY_BYTES, the most any route reads. Pure."""
-    items = max_texts * max_length + 4 * max_texts + 256  # ids, their rows' brackets, a few fields
-    text_bytes = (max_texts + 1) * max_length * CHARS_PER_TOKEN_BOUND * JSON_BYTES_PER_CHAR + OVERHEAD_BYTES
-    id_bytes = max_texts * max_length * ID_BYTES + OVERHEAD_BYTES
-    budgets = {path: Budget(min(body_cap, text_bytes), items) for path in text_paths}
-    budgets.update({path: Budget(min(body_cap, id_bytes), items) for path in id_paths})
+    fields = 4 * max_texts + 256  # per text a few (an object's member, a row's brackets), and the request's fields
+    ids = min(max_texts * max_length, MAX_IDS)
+    text_bytes = min(body_cap, (max_texts + 1) * max_length * CHARS_PER_TOKEN_BOUND * TEXT_BYTES_PER_CHAR
+                     + OVERHEAD_BYTES)
+    id_bytes = min(body_cap, ids * ID_BYTES + OVERHEAD_BYTES)
+    budgets = {path: Budget(text_bytes, fields) for path in text_paths}
+    budgets.update({path: Budget(id_bytes, ids + fields) for path in id_paths})
+    budgets.update({path: Budget(max(text_bytes, id_bytes), ids + fields) for path in texts_and_ids})
     return budgets
 
 
@@ -88,9 +99,9 @@ def json_items(body: bytes, limit: int) -> int:
     return count
 
 
-def _too_large(message: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "code": "request_too_large"}}).encode()
+def _too_large(message: str, status: int) -> bytes:
+    code = "request_too_large" if status == 413 else "request_timeout"
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
 
 
 class BodyBudget:
@@ -99,8 +110,10 @@ class BodyBudget:
     counted before the app parses it, then handed on as one piece. A refusal is a 413 in the
     API's error shape; `refused(scope, message)` notes why (its log line and span)."""
 
-    def __init__(self, app, budgets: Callable[[], dict[str, Budget]], refused: Callable[[dict, str], None]):
-        self.app, self.budgets, self.refused = app, budgets, refused
+    def __init__(self, app, budgets: Callable[[], dict[str, Budget]], refused: Callable[[dict, str], None],
+                 read_s: float = 60.0):
+        """`read_s` (HTTP_BODY_TIMEOUT_S): a body not read whole by then is refused (408)."""
+        self.app, self.budgets, self.refused, self.read_s = app, budgets, refused, read_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -110,20 +123,26 @@ class BodyBudget:
         if length is not None and length.isdigit() and int(length) > budget.body_bytes:
             return await self._refuse(scope, send, f"the body has {int(length)} bytes, more than this route "
                                       f"reads ({budget.body_bytes}: docs/api.md, Limits)")
-        chunks, size = [], 0
+        # One growing buffer, not a list of the chunks as they came: 2-byte chunks had been an object
+        # of ~40 bytes each. And a deadline: a caller trickling its body holds its slot no longer.
+        data, deadline = bytearray(), asyncio.get_running_loop().time() + self.read_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await self._refuse(scope, send, f"the body was not sent whole within {self.read_s:g} s "
+                                          "(HTTP_BODY_TIMEOUT_S)", status=408)
             if message["type"] == "http.disconnect":
                 return  # gone before its body was read: nothing to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > budget.body_bytes:
+            data += message.get("body", b"")
+            if len(data) > budget.body_bytes:
                 return await self._refuse(scope, send, f"the body has more than {budget.body_bytes} bytes, "
                                           "the most this route reads (docs/api.md, Limits)")
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        del chunks
+        body = bytes(data)
+        del data
         if len(body) > THREAD_BYTES:
             items = await asyncio.to_thread(json_items, body, budget.items)
         else:
@@ -132,7 +151,8 @@ class BodyBudget:
             return await self._refuse(scope, send, f"the body holds more than {budget.items} JSON items (array "
                                       "elements and object members outside strings), the most this route uses "
                                       "(docs/api.md, Limits)")
-        await asyncio.sleep(0)  # the loop's turn between the count and the parse, each up to tens of ms
+        if len(body) > THREAD_BYTES:
+            await asyncio.sleep(0)  # the loop's turn between the count and the parse, each up to tens of ms
         handed = False
 
         async def replay():
@@ -144,10 +164,10 @@ class BodyBudget:
 
         return await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, send, message: str) -> None:
+    async def _refuse(self, scope, send, message: str, status: int = 413) -> None:
         self.refused(scope, message)
-        body = _too_large(message)
-        await send({"type": "http.response.start", "status": 413, "headers": [
+        body = _too_large(message, status)
+        await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")]})  # the rest of a large body is not read
         await send({"type": "http.response.body", "body": body})

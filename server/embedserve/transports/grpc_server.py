@@ -194,30 +194,7 @@ def sparse_response(rows) -> pb.EmbedSparseResponse:
 # no gRPC client's keepalive (ours: every 5 s on a silent connection) is refused; a faster flood
 # still earns GOAWAY after gRPC's default 2 strikes.
 MIN_PING_INTERVAL_MS = 1000
-
-
-# Health Watch streams at once per process (more: RESOURCE_EXHAUSTED). Open without a key (as
-# kubelet's and grpc-health-probe's Check must be), each holds a stream for as long as its caller
-# likes: a handful per watcher (a mesh's sidecar, a load balancer) is all anyone needs.
-MAX_HEALTH_WATCHES = 64
-
-
-class HealthServicer(health.aio.HealthServicer):
-    """grpc.health.v1 with its Watch streams bounded (MAX_HEALTH_WATCHES)."""
-
-    def __init__(self):
-        super().__init__()
-        self.watching = 0
-
-    async def Watch(self, request, context):
-        if self.watching >= MAX_HEALTH_WATCHES:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{MAX_HEALTH_WATCHES} health Watch streams are open already: use Check, or retry later")
-        self.watching += 1
-        try:
-            await super().Watch(request, context)
-        finally:
-            self.watching -= 1
+MAX_STREAMS_PER_CONNECTION = 256
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
@@ -233,7 +210,9 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_reply_bytes),  # MAX_REPLY_BYTES: checked before the work
-        ("grpc.max_concurrent_streams", max_concurrent),
+        # One connection's calls at once (past them its client waits for a stream): well below the
+        # process's, so one connection cannot take them all.
+        ("grpc.max_concurrent_streams", min(max_concurrent, MAX_STREAMS_PER_CONNECTION)),
         ("grpc.so_reuseport", int(reuse_port)),
         # Our Client pings connections silent for 5 s, calls or none, to notice a frozen pod.
         # gRPC servers by default accept no ping on a connection without calls and one per
@@ -253,7 +232,7 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
     interceptors = [*(interceptors or ()), grpc_budget.WireBudget(max_fields)]
     server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    health_servicer = HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server

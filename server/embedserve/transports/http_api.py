@@ -208,6 +208,20 @@ API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 BODY_PATHS = API_PATHS - {"/v1/models"}  # routes that read a JSON body (their budget: install_routes)
 ID_PATHS = frozenset(("/decode",))  # of which token ids only
+TEXT_OR_ID_PATHS = frozenset(("/v1/embeddings",))  # texts or token ids
+
+
+def budgets(s: Settings, max_length: int) -> dict[str, budget.Budget]:
+    """Each body route's budget (transports/budget.py) for a model of `max_length` tokens."""
+    return budget.route_budgets(BODY_PATHS - ID_PATHS - TEXT_OR_ID_PATHS, ID_PATHS, s.max_texts_per_request,
+                                max_length, s.http_max_body_bytes, TEXT_OR_ID_PATHS)
+
+
+def busy(request: Request) -> JSONResponse:
+    """The answer past MAX_CONCURRENT_REQUESTS requests in progress on this process: another pod,
+    or this one in a moment (the openai client retries a 429 after retry-after-ms)."""
+    return _error(429, "rate_limit_error", "too many requests in progress on this server (MAX_CONCURRENT_REQUESTS)",
+                  "too_many_requests_in_progress", {"Retry-After": "1", "retry-after-ms": "200"}, request)
 
 
 def starting(request: Request, server: Hub) -> JSONResponse | None:
@@ -226,8 +240,7 @@ def install_routes(app: FastAPI, server: Hub) -> None:
     router = APIRouter()
     s = server.settings
     # What a body may hold (transports/budget.py): named from the model's max length, now known.
-    app.state.budgets = budget.route_budgets(BODY_PATHS - ID_PATHS, ID_PATHS, s.max_texts_per_request,
-                                             server.service.tokenizer.max_length, s.http_max_body_bytes)
+    app.state.budgets = budgets(s, server.service.tokenizer.max_length)
 
     def service():
         if server.service is None:

@@ -48,10 +48,12 @@ def build_app(server: Hub) -> FastAPI:
     # request's cycle (its metrics, line, span; 503 while warming up; cancelled when its caller
     # leaves) is around that, so a 413 is counted and logged as any refusal.
     app.state.budgets = {}  # path → budget.Budget, set as the model's routes are installed
-    app.add_middleware(budget.BodyBudget, budgets=lambda: app.state.budgets, refused=_noted)
+    app.add_middleware(budget.BodyBudget, budgets=lambda: app.state.budgets, refused=_noted,
+                       read_s=server.settings.http_body_timeout_s)
     app.add_middleware(RequestCycle, starting=lambda request: http_api.starting(request, server),
                        finished=server.metrics.request_finished, api_paths=http_api.API_PATHS,
-                       observed=http_api.OBSERVED_PATHS)
+                       observed=http_api.OBSERVED_PATHS, busy=http_api.busy,
+                       most=server.settings.max_concurrent_requests)
     return app
 
 
@@ -127,10 +129,7 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """uvicorn serving `asgi` on host:port (TLS with `ssl_context`)."""
 
-    def __init__(self, asgi, host: str, port: int, reuse_port: bool = False, ssl_context: ssl.SSLContext | None = None,
-                 limit_concurrency: int | None = None):
-        """`limit_concurrency`: connections and requests in progress together past which uvicorn
-        answers 503 (MAX_CONCURRENT_REQUESTS on the API port)."""
+    def __init__(self, asgi, host: str, port: int, reuse_port: bool = False, ssl_context: ssl.SSLContext | None = None):
         self._socket = addresses.listening_socket(host)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:  # front ends share the port; the kernel spreads the connections
@@ -142,7 +141,7 @@ class HttpServer:
         # log_config=None: uvicorn's lines go through the process's own handler (embedserve.logs:
         # LOG_FORMAT), not a handler and format of its own.
         config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off", ssl_context_factory=factory,
-                                log_config=None, limit_concurrency=limit_concurrency)
+                                log_config=None)
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 

@@ -61,7 +61,7 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable[
     router.post("/", response_model=None, responses=answer, summary="Embed sparse (TEI's /)")(embed_sparse)
 
 
-ENTRY_BYTES = 40  # {"index":30521,"value":1.2345678901234567}, : the most one entry takes
+ENTRY_BYTES = 48  # {"index":30521,"value":0.12345679104328156}, : the most one entry takes
 
 
 def rows_of(rows):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -54,7 +55,9 @@ class Reply:
         await self.add("]")
 
     def response(self, status_code: int = 200) -> Response:
-        return Response(b"".join(self.parts), status_code=status_code, media_type="application/json")
+        body = b"".join(self.parts)
+        self.parts = []  # the pieces go as the whole is made: twice the answer at most, not three times
+        return Response(body, status_code=status_code, media_type="application/json")
 
 
 def row_json(row: np.ndarray) -> str:
@@ -68,8 +71,22 @@ def row_json(row: np.ndarray) -> str:
 
 
 def dumps(value) -> str:
-    """A small value (a scalar, a short string, a few fields) as JSON."""
-    return json.dumps(value, ensure_ascii=False)
+    """A small value (a scalar, a short string, a few fields) as JSON; a non-finite float as null
+    (JSON has no NaN), as the rows are written."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), ensure_ascii=False)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def vectors(rows: np.ndarray, encoding: str, quantization: "encodings.Quantization", normalized: bool) -> Iterator[str]:

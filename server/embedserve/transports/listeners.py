@@ -50,9 +50,8 @@ class Transports:
         api = auth.HttpKeys(api, self.keys, http_api.API_PATHS) if keyed else api
         self.http = http_server.HttpServer(
             http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), host, s.http_port,
-            reuse_port, self.tls.http_context if self.tls else None, limit_concurrency=s.max_concurrent_requests)
-        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), host, s.metrics_port, reuse_port,
-                                                   limit_concurrency=metrics_port.MAX_CONNECTIONS)
+            reuse_port, self.tls.http_context if self.tls else None)
+        self.metrics_http = http_server.HttpServer(metrics_port.build_app(hub), host, s.metrics_port, reuse_port)
         self._reloads = [c.reload for c in (self.keys, self.tls) if c is not None]
         self._reloading: asyncio.Task | None = None
         self._lag: asyncio.Task | None = None

@@ -21,10 +21,6 @@ from embedserve.transports.http_server import health_response, metrics_response
 from embedserve.transports.hub import Hub
 
 ANSWERS = {"/health": health_response, "/metrics": metrics_response}
-# Connections at once (503 past it): probes and scrapes come a few at a time; a flood of idle
-# connections must not hold a serving process's memory. Generous for a node's kubelet, a
-# Prometheus or two and the operator.
-MAX_CONNECTIONS = 256
 
 
 def build_app(server: Hub):

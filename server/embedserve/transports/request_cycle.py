@@ -9,7 +9,12 @@ device's work exactly under overload. So once a request's body is read, its conn
 watched: a disconnect before the answer starts cancels the request where it is (its rows leave
 the bucket queues: service._wait → engine.drop; with FRONTENDS > 1 the front end's cancel
 reaches the model process over IPC), and it is counted with status 499 (nginx's "client closed
-request": no answer was sent). An answer already being written is left to finish."""
+request": no answer was sent). An answer already being written is left to finish.
+
+Requests in progress are counted here too: past MAX_CONCURRENT_REQUESTS a request is answered
+429 at once, in the API's error shape with Retry-After, and counted as any refusal. uvicorn's own
+limit (limit_concurrency) counted idle connections with requests: a client's keep-alive pool, or
+a few idle sockets opened on purpose, answered every request of the pod 503, probes included."""
 
 from __future__ import annotations
 
@@ -32,9 +37,12 @@ class RequestCycle:
     only for `api_paths` (a path is the caller's choice, span names must not be)."""
 
     def __init__(self, app, starting: Callable, finished: Callable[[str, str, float], None],
-                 api_paths: frozenset[str], observed: frozenset[str]):
+                 api_paths: frozenset[str], observed: frozenset[str], busy: Callable, most: int):
+        """`busy(request)`: the answer past `most` requests in progress (MAX_CONCURRENT_REQUESTS)."""
         self.app, self.starting, self.finished = app, starting, finished
         self.api_paths, self.observed = api_paths, observed
+        self.busy, self.most = busy, most
+        self.in_progress = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -51,7 +59,7 @@ class RequestCycle:
                 status = message["status"]
             await send(message)
 
-        me, gone = asyncio.current_task(), False
+        me, gone, left = asyncio.current_task(), False, False
         watcher: asyncio.Task | None = None
 
         async def watch():
@@ -65,14 +73,18 @@ class RequestCycle:
                 me.cancel()
 
         async def receiving():
-            nonlocal watcher
+            nonlocal watcher, left
             message = await receive()
             if message["type"] == "http.request" and not message.get("more_body", False) and watcher is None:
                 watcher = asyncio.ensure_future(watch())
+            elif message["type"] == "http.disconnect":  # gone while its body was still arriving
+                left = True
             return message
 
+        self.in_progress += 1
         try:
-            early = self.starting(request)
+            early = self.starting(request) or (self.busy(request) if self.in_progress > self.most
+                                               and path not in outcomes.QUIET_PATHS else None)  # probes always answered
             if early is not None:
                 await early(scope, receive, sending)
             else:
@@ -86,8 +98,12 @@ class RequestCycle:
             self._end(request, path, 500, t0, trace, bug=e)
             raise
         finally:
+            self.in_progress -= 1
             if watcher is not None:
                 watcher.cancel()
+        if status is None and left:
+            status = CLIENT_GONE
+            outcomes.note(request, GONE_REASON)
         self._end(request, path, status or 500, t0, trace)
 
     def _end(self, request, path: str, status: int, t0: float, trace, bug: BaseException | None = None) -> None:

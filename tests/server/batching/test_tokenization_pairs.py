@@ -126,3 +126,26 @@ def test_longest_first_keeps_what_the_rust_tokenizer_keeps(model_dir, max_length
         for n2 in range(30):
             ids = tok.encode(" ".join(["a"] * n1), " ".join(["b"] * n2)).ids
             assert (ids.count(a), ids.count(b)) == longest_first(n1, n2, max_length - 3), (n1, n2)
+
+
+def test_pairs_match_the_tokenizer_under_a_roberta_template(hf):
+    """A RoBERTa-style template (<s> A </s></s> B </s>: two separators between the sides) found by
+    pair_template as the tokenizer itself lays it out, cut longest first, a query alone over the
+    budget included."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import RobertaProcessing
+
+    raw = Tokenizer.from_str(hf.backend_tokenizer.to_str())
+    raw.post_processor = RobertaProcessing(("[SEP]", hf.sep_token_id), ("[CLS]", hf.cls_token_id))
+    base = TextTokenizer(raw.to_str(), hf.pad_token_id, len(hf), 24, truncate=True)
+    assert base.pair_specials == 4
+    reference = Tokenizer.from_str(raw.to_str())
+    reference.no_padding()
+    reference.enable_truncation(24)
+    for query in ["moon", "word " * 40, *LONG]:
+        ids, lengths = base.encode_pairs(query, TEXTS + LONG)
+        want = [e.ids for e in reference.encode_batch([(query, t) for t in TEXTS + LONG])]
+        assert [r[:n].tolist() for r, n in zip(ids, lengths)] == want, query[:20]
+    assert json.loads(raw.to_str())["post_processor"]["type"] == "RobertaProcessing"
