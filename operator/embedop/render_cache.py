@@ -155,9 +155,10 @@ def fill_digest(service: str, spec: dict, server_env: list[dict], claim_uid: str
     services with a long common prefix must still differ; the namespace is the Job's own), the
     claim, by name and uid (a claim deleted and made again under its name is another, empty one:
     it is filled again), the settings (as the pods get them, spec.env included) that decide what
-    is downloaded, and the cache layout."""
+    is downloaded, and the cache layout. Without `claim_uid`: the digest operators of chart 0.2.x
+    keyed fills by (no uid in the key at all), which fill.read still honours once."""
     wanted = [e for e in server_env if e["name"] in FILLED_BY]
-    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], claim_uid,
+    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], *([claim_uid] if claim_uid else []),
                       sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
