@@ -72,7 +72,7 @@ class PodSample:
     served: bool = False  # the API shows it has been Ready (autoscaler.pod_view), though not now
     task: str | None = None  # the task label of its embedfleet_model_info (None: not exported); not a decision input
     # Not scraped because no answer came in time on a connection the pod had taken (its kernel
-    # accepted it, or it was kept alive): the pod is there and too busy to answer. With a hot last
+    # accepted it in this very scrape: scrape.py): the pod is there and too busy to answer. With a hot last
     # reading, saturated (decide); any other failure is blind.
     timed_out: bool = False
 
