@@ -17,7 +17,7 @@ what we apply does not stick.
 - **Held when it does not stick.** Every apply's answer is compared with what was sent
   (drift.after_apply, remembered per object in Cluster.applied): a render the API server keeps
   pruning or a webhook keeps rewriting is not applied again after a few tries (`held`), and the
-  service says why (Degraded, reason FieldNotPersisted)."""
+  service says why (condition FieldNotPersisted, and a Warning Event; not Degraded: status.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 object someone else makes between our read and our write is refused (409) rather than taken over;
 the create's field ownership made our apply's; and a render the API server does not store as sent
 (a webhook rewrites it, a schema prunes it) held after a few applies instead of applied at every
-check, with the service Degraded, reason FieldNotPersisted, naming the JSON path. The decisions as
+check, with the service's condition FieldNotPersisted naming the JSON path (not Degraded: a
+digest-pinning policy, a webhook's default, is no fault of the fleet; a pinned digest is the image
+its tag named, and is not even held). The decisions as
 tables with a clock the test drives; the behaviour through the real operator process against the
 emulator (mutating webhooks: emulator.mutators; the race: emulator.races)."""
 
@@ -154,9 +156,11 @@ def test_a_field_a_webhook_rewrites_is_held_after_three_applies_and_named(emulat
     em.mutators.append(webhook)
     try:
         emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
-        c = eventually(lambda: (c := condition(emulator, ns, name, "Degraded")).get("reason") == write.FIELD_NOT_PERSISTED
+        c = eventually(lambda: (c := condition(emulator, ns, name, write.FIELD_NOT_PERSISTED)).get("status") == "True"
                        and c)
         assert f"PodDisruptionBudget/{name}: .spec.unhealthyPodEvictionPolicy" in c["message"]
+        degraded = condition(emulator, ns, name, "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("False", "AsExpected")  # Argo CD, Flux: healthy
         assert pdb_writes(ns, name) == drift.STUCK_APPLIES  # the create and two applies
         seen = periodic_checks(operator, ns, name)
         eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)  # 2 s apart here
@@ -169,7 +173,7 @@ def test_a_field_a_webhook_rewrites_is_held_after_three_applies_and_named(emulat
         emulator.merge_patch(service_path(ns, name), {"spec": {"rollout": {"maxSurge": 1, "maxUnavailable": 2}}})
         eventually(lambda: emulator.get(f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/{name}")["spec"]
                    ["maxUnavailable"] == 2)
-        eventually(lambda: condition(emulator, ns, name, "Degraded").get("reason") == "AsExpected")
+        eventually(lambda: condition(emulator, ns, name, write.FIELD_NOT_PERSISTED).get("status") == "False")
         assert pdb_writes(ns, name) == drift.STUCK_APPLIES + 1
     finally:
         if webhook in em.mutators:
@@ -224,3 +228,44 @@ def test_what_the_operator_creates_it_owns_by_apply(emulator, operator, namespac
         assert [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("Service", f"{name}-headless")] == [True]
     finally:
         emulator.request("DELETE", service_path(ns, name))
+
+
+def test_an_image_a_policy_pins_to_its_digest_is_the_same_image(emulator, operator, namespace):
+    """Kyverno's verifyImages (mutateDigest) stores `repo:tag` as `repo:tag@sha256:…`: the image
+    the tag named, pulled by its digest. Not a drift: applied once, never held, nothing said."""
+    ns, name = namespace, "pinned"
+    digest = "sha256:" + "ab" * 32
+
+    def pin(obj):
+        if obj.get("kind") == "Deployment" and (obj.get("metadata") or {}).get("name") == name:
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                if "@" not in c["image"]:
+                    c["image"] += f"@{digest}"
+
+    em.mutators.append(pin)
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, {**SPEC, "image": "registry.example/embedserve:1.2"}, ns))
+        deploy = f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"
+        d = eventually(lambda: emulator.get(deploy))
+        assert d["spec"]["template"]["spec"]["containers"][0]["image"] == f"registry.example/embedserve:1.2@{digest}"
+        seen = periodic_checks(operator, ns, name)
+        eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)
+        assert [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("Deployment", name)] == [True]
+        assert condition(emulator, ns, name, write.FIELD_NOT_PERSISTED)["status"] == "False"
+        # A new tag is a new image: applied (and pinned again).
+        emulator.merge_patch(service_path(ns, name), {"spec": {"image": "registry.example/embedserve:1.3"}})
+        eventually(lambda: emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["image"]
+                   == f"registry.example/embedserve:1.3@{digest}")
+    finally:
+        em.mutators.remove(pin)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+def test_only_a_digest_added_to_the_tag_sent_is_the_same_image():
+    containers = lambda image: {"spec": {"containers": [{"name": "c", "image": image}]}}  # noqa: E731
+    sent = containers("r/x:1")
+    assert drift.subset(sent, containers("r/x:1@sha256:" + "0" * 64))
+    assert not drift.subset(sent, containers("r/x:2@sha256:" + "0" * 64))
+    assert not drift.subset(containers("r/x:1@sha256:" + "1" * 64), containers("r/x:1@sha256:" + "0" * 64))
+    assert not drift.subset({"spec": {"env": [{"name": "image", "value": "a"}]}},
+                            {"spec": {"env": [{"name": "image", "value": "a@sha256:0"}]}})
