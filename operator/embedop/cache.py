@@ -213,6 +213,8 @@ class Cluster:
         # What this operator applied to each owned object and whether it stuck (drift.Applied), by
         # (kind, namespace, name): the reconcile holds a render the API server does not keep as sent.
         self.applied: dict[tuple[str, str, str], drift.Applied] = {}
+        # Objects (by uid) whose adoption (write.adopted) was refused, and until when it is not tried.
+        self.unadopted: dict[str, float] = {}
         # Kinds whose copies are complete only once their informer has listed them (Informer.synced):
         # before (a list refused: RBAC), an absence is read from the API, not trusted.
         self.listed: dict[str, asyncio.Event] = {}

@@ -126,7 +126,13 @@ class Conflict(Retryable):
 
 
 class Rejected(RuntimeError):
-    """The API refused the request for good (invalid object, forbidden by admission)."""
+    """The API refused the request for good (invalid object, forbidden by admission); `code`: its
+    HTTP status, where there was one (422 is a JSON patch's failed `test`, but also an invalid
+    object and a ValidatingAdmissionPolicy's default refusal)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class NotFound(Rejected):
@@ -172,12 +178,12 @@ async def _errors(what: str, total_s: float | None = None) -> AsyncIterator[None
         if code == 409:
             raise Conflict(message) from e
         if code == 404:
-            raise NotFound(message) from e
+            raise NotFound(message, code) from e
         if code == 410:
             raise Gone(message) from e
         if code in RETRYABLE:
             raise Retryable(message, _retry_after(e.response)) from e
-        raise Rejected(message) from e
+        raise Rejected(message, code) from e
     except httpx2.TransportError as e:  # refused, reset, timed out
         raise Retryable(f"{what}: {type(e).__name__}: {e}") from e
 

@@ -269,3 +269,83 @@ def test_only_a_digest_added_to_the_tag_sent_is_the_same_image():
     assert not drift.subset(containers("r/x:1@sha256:" + "1" * 64), containers("r/x:1@sha256:" + "0" * 64))
     assert not drift.subset({"spec": {"env": [{"name": "image", "value": "a"}]}},
                             {"spec": {"env": [{"name": "image", "value": "a@sha256:0"}]}})
+
+
+def frozen(name: str, status: int = 422):
+    """A ValidatingAdmissionPolicy refusing UPDATEs of the Service `name` (422, its default reason
+    Invalid: the status a failed JSON patch `test` answers with too)."""
+    def policy(obj):
+        meta = obj.get("metadata") or {}
+        if obj.get("kind") == "Service" and meta.get("name") == name and meta.get("resourceVersion"):
+            return status, f'ValidatingAdmissionPolicy "frozen" with binding "frozen" denied request: {name} is frozen'
+    return policy
+
+
+def test_an_adoption_admission_refuses_is_not_sent_again_at_every_check(emulator, operator, namespace):
+    """A policy that refuses UPDATEs of an object refuses the adoption's JSON patch: one attempt
+    and one read (did a `test` fail? the entry has not moved: no), then not again for an hour,
+    logged, where each check used to send three patches and three reads."""
+    ns, name = namespace, "unadoptable"
+    target = f"{name}-headless"
+    policy = frozen(target)
+    em.policies.append(policy)
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
+        eventually(lambda: emulator.get(f"/api/v1/namespaces/{ns}/services/{target}"))
+        seen = periodic_checks(operator, ns, name)
+        eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)
+        calls = [c["verb"] for c in em.calls if (c["resource"], c["namespace"], c["name"]) == ("services", ns, target)]
+        assert calls == ["get", "patch", "get"], calls  # the read before its create, the adoption, its re-read
+        assert f"Service {ns}/{target}: the fields of its create could not be made embedop's apply" in operator.log()
+        assert "not tried again for 60 min" in operator.log()
+    finally:
+        em.policies.remove(policy)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+def test_an_adoption_is_read_again_when_its_entry_moved_and_a_refusal_waits_out_its_backoff(tmp_path, monkeypatch):
+    """Against the emulator with a clock the test drives: a `test` that failed because the entry
+    changed since it was read (422) is read again and patched; a refusal is not tried again
+    before ADOPT_BACKOFF_S, and is after (for that object: its uid)."""
+    import asyncio
+
+    from embedop import cache
+    from embedop.kube import Kube
+    from tests.operator.emulator import Emulator
+
+    def service(name):
+        return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+                "spec": {"ports": [{"port": 80}]}}
+
+    def verbs(mark, name):
+        return [c["verb"] for c in em.calls[mark:] if c["subject"] == "adoption-probe" and c["name"] == name]
+
+    with Emulator(subject="adoption-probe") as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+
+        async def scenario():
+            now = [1000.0]
+            kube = Kube.connect()
+            cluster = cache.Cluster(kube, {}, clock=lambda: now[0])
+            try:
+                stored = await write.create(cluster, service("moved"), adopt=False)
+                stale = copy.deepcopy(stored)  # our entry as an older read had it
+                stale["metadata"]["managedFields"][0]["time"] = "2000-01-01T00:00:00Z"
+                mark = len(em.calls)
+                adopted = await write.adopted(cluster, "Service", stale)
+                assert [m["operation"] for m in adopted["metadata"]["managedFields"]] == ["Apply"]
+                assert verbs(mark, "moved") == ["patch", "get", "patch"]
+
+                em.policies.append(frozen("refused"))
+                stored = await write.create(cluster, service("refused"), adopt=False)
+                for t, expected in ((0, ["patch", "get"]), (60, []), (write.ADOPT_BACKOFF_S - 1, []),
+                                    (write.ADOPT_BACKOFF_S, ["patch", "get"])):
+                    now[0] = 1000.0 + t
+                    mark = len(em.calls)
+                    assert await write.adopted(cluster, "Service", stored) == stored
+                    assert verbs(mark, "refused") == expected, (t, verbs(mark, "refused"))
+            finally:
+                em.policies.clear()
+                await kube.close()
+
+        asyncio.run(scenario())
