@@ -184,12 +184,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         ours = not agent.startswith("Python-urllib")  # not the tests' own kubectl stand-in
         is_object_call = request.resource is not None and request.resource.plural is not None
         if is_object_call and ours:
-            key = (request.method.value, request.resource.plural)
-            if request.subresource and faults.get((key[0], f"{key[1]}/{request.subresource}")):
-                key = (key[0], f"{key[1]}/{request.subresource}")
-            if faults.get(by := (*key, request.headers.get("Authorization", "").removeprefix("Bearer "))):
-                key = by
-            if faults.get(key):
+            method, token = request.method.value, request.headers.get("Authorization", "").removeprefix("Bearer ")
+            resources = ([f"{request.resource.plural}/{request.subresource}"] if request.subresource else []) + [
+                request.resource.plural]  # a subresource's own faults first, each the caller's own first
+            key = next((k for r in resources for k in ((method, r, token), (method, r)) if faults.get(k)), None)
+            if key is not None:
                 status = faults[key].pop(0)
                 calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",
                               "resource": request.resource.plural, "namespace": request.namespace,
