@@ -191,7 +191,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             if key is not None:
                 status = faults[key].pop(0)
                 calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",
-                              "resource": request.resource.plural, "namespace": request.namespace,
+                              "resource": request.resource.plural, "namespace": request.namespace, "name": request.name,
                               "selector": None, "who": "", "fault": status})
                 if status == TIMEOUT:  # answer too late: the caller's timeout fires first
                     await asyncio.sleep(3)
