@@ -5,8 +5,7 @@ One `python -m embedserve` on the simulated accelerator (`sim:1500`); the flood 
 process holding `--concurrency` connections that POST /embed back to back (texts of 5-40 words,
 far past the device's capacity, so most are refused at once: the server's event loop, which both
 ports share, is what saturates). The scrapes alternate between the two ports, one new
-connection each (as the operator's, whose kept-alive connections the server closes after 5 s
-idle, a scrape interval), `--rounds` of each with the operator's 2 s timeout. It prints each
+connection each (as the operator's: one per scrape), `--rounds` of each with the operator's 2 s timeout. It prints each
 port's median and P90 time to the whole answer and its timeouts, and the metrics port's median
 over the API port's: why the autoscaler reads the metrics port first (operator/embedop/scrape.py)."""
 

@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-three modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-five modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):

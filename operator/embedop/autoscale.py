@@ -72,7 +72,7 @@ class PodSample:
     served: bool = False  # the API shows it has been Ready (autoscaler.pod_view), though not now
     task: str | None = None  # the task label of its embedfleet_model_info (None: not exported); not a decision input
     # Not scraped because no answer came in time on a connection the pod had taken (its kernel
-    # accepted it, or it was kept alive): the pod is there and too busy to answer. With a hot last
+    # accepted it in this very scrape: scrape.py): the pod is there and too busy to answer. With a hot last
     # reading, saturated (decide); any other failure is blind.
     timed_out: bool = False
 
@@ -351,22 +351,31 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
 # lowest cost first, among pods otherwise alike (pods not Ready go before any Ready one, whatever
 # their cost). An int32, as a string; absent is 0.
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-INT32_MAX = 2**31 - 1
+# The pods a scale-down is to remove get int32's least cost, below whatever a pod template may set
+# (spec.podAnnotations), and our mark; every other pod keeps its template's value. So an idle pod
+# that stays is not confused with one that goes (a cost per pod's queue made idle pods equal to
+# unannotated ones, and left a ranking on the pods that a later scale-down by someone else read).
+REMOVAL_COST = str(-(2**31))
+REMOVAL_MARK = "embedfleet.dev/scale-down"  # on the pods given REMOVAL_COST: ours to clear
 
 
-def deletion_costs(samples: list[PodSample], annotated: dict[str, str | None], removed: int) -> dict[str, str]:
-    """The pod-deletion-cost annotations to write before `removed` pods go, so the idlest go: each
-    read pod's cost is its queued work (real tokens waiting, clamped to an int32), written only
-    where it differs from the pod's annotation (`annotated`, by pod name). None at all when the
-    pods that go are all among those not Ready, which the ReplicaSet takes first anyway."""
-    if removed <= sum(1 for s in samples if not s.ready):
-        return {}
-
-    def value(raw: str | None) -> int | None:
-        try:
-            return int(raw) if raw is not None else 0
-        except ValueError:
-            return None  # not an int32 the controller can read: written again
-
-    costs = {s.name: min(INT32_MAX, max(0, round(s.queued_tokens))) for s in samples if s.scraped}
-    return {name: str(cost) for name, cost in costs.items() if value(annotated.get(name)) != cost}
+def removal_marks(samples: list[PodSample], annotations: dict[str, dict], removed: int,
+                  template_cost: str | None) -> dict[str, dict[str, str | None]]:
+    """The annotations to merge into pods (None: removed) before `removed` pods go, so that the
+    ReplicaSet removes the idlest: the Ready pods read with the least queued work (as many as go
+    beyond the pods not Ready, which it takes first anyway) get REMOVAL_COST and REMOVAL_MARK; a
+    pod marked before (a decision dropped after its marks were written) that is not to go gets
+    its template's cost back (`template_cost`; None: none) and loses the mark. `annotations`: the
+    pods' own, by name (those being deleted left out). Only what changes; `removed` 0: only the
+    clearing."""
+    unready = sum(1 for s in samples if not s.ready)
+    ranked = sorted((s for s in samples if s.ready and s.scraped and s.name in annotations),
+                    key=lambda s: (s.queued_tokens, s.name))
+    going = {s.name for s in ranked[:max(0, removed - unready)]}
+    out: dict[str, dict[str, str | None]] = {}
+    for name, own in annotations.items():
+        if name in going and (own.get(DELETION_COST), own.get(REMOVAL_MARK)) != (REMOVAL_COST, "true"):
+            out[name] = {DELETION_COST: REMOVAL_COST, REMOVAL_MARK: "true"}
+        elif name not in going and REMOVAL_MARK in own:
+            out[name] = {DELETION_COST: template_cost, REMOVAL_MARK: None}
+    return out

@@ -8,8 +8,10 @@ taken on a count that has changed meanwhile is dropped rather than applied. When
 the whole Deployment, the count still changes, through the scale subresource
 (reconcile.apply_deployment). Right after a change the service's spec.replicas is set to it
 (reconcile.mirror_count), so that a switch to mode off keeps the fleet as it is. Before the count
-goes down, the pods' deletion costs are set from their queued work (autoscale.deletion_costs), so
-that the ReplicaSet removes the idlest.
+goes down, the pods to remove (the idlest) get the lowest pod-deletion-cost (autoscale.removal_marks),
+so that the ReplicaSet removes those: only once the Deployment, read fresh, still has the count
+decided on (the apply is guarded by that read), a few patches at a time; marks a dropped decision
+left are cleared at a later step, once no scale-down is under way.
 
 A settled service costs no API request: the Deployment, the service and the pods are read from the
 watches, and status is written only when the decision or a condition changes (the measured rates
@@ -61,50 +63,71 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     decision = autoscale.decide(samples, current, autoscale.Policy.from_spec(spec["autoscaling"], spec["admission"]), history, now)
     blind = unscraped(samples, errors, ports, len(decision.saturated))
     refused = None
-    if decision.desired < current:
-        await _mark_deletion_costs(cluster, namespace, pods, samples, current - decision.desired)
     if decision.desired != current:
-        scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired)
+        scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired, samples)
         if not scaled:
             decision = dataclasses.replace(decision, desired=current, reason="the count changed meanwhile: decide again")
+    elif len(alive := [p for p in pods if not p["metadata"].get("deletionTimestamp")]) <= current:
+        # No scale-down under way (the ReplicaSet has removed its surplus): a dropped decision's marks go.
+        await _mark(cluster, namespace, autoscale.removal_marks(samples, _annotations(alive), 0, _template_cost(live)))
     await _write_status(cluster, namespace, name, spec, decision, samples, current, unscraped=blind, due=measured_due,
                         acted_on=body["metadata"].get("generation"))
     return Step(decision.history, decision, current, body, blind, refused)
 
 
-async def _mark_deletion_costs(cluster: Cluster, namespace: str, pods: list[dict],
-                               samples: list[autoscale.PodSample], removed: int) -> None:
-    """Before `removed` pods go: each read pod's deletion cost, where it changed (the ReplicaSet
-    reads it only now, when it picks which pods to delete). Best effort: a pod gone meanwhile, a
-    refusal (RBAC without patch on pods: a chart from before this call) or an outage never holds the
-    scale-down back."""
-    annotated = {p["metadata"]["name"]: ((p["metadata"].get("annotations") or {}).get(autoscale.DELETION_COST))
-                 for p in pods}
-    costs = autoscale.deletion_costs(samples, annotated, removed)
+MARK_CONCURRENCY = 4  # pods patched at once: a scale-down of many pods is not a burst of requests
 
-    async def mark(pod: str, cost: str) -> None:
-        try:
-            await cluster.annotate("Pod", namespace, pod, {autoscale.DELETION_COST: cost})
-        except NotLeader:
-            raise
-        except NotFound:
-            pass
-        except (Rejected, Retryable) as e:
-            log.warning("%s/%s: deletion cost not set (%s); the ReplicaSet picks the pods to remove by itself",
-                        namespace, pod, e)
 
-    await asyncio.gather(*(mark(pod, cost) for pod, cost in costs.items()))
+def _annotations(pods: list[dict]) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p["metadata"].get("annotations") or {} for p in pods}
+
+
+def _template_cost(deployment: dict) -> str | None:
+    """The pod-deletion-cost the pod template gives (spec.podAnnotations), if any."""
+    template = (deployment.get("spec") or {}).get("template") or {}
+    return ((template.get("metadata") or {}).get("annotations") or {}).get(autoscale.DELETION_COST)
+
+
+async def _mark(cluster: Cluster, namespace: str, marks: dict[str, dict[str, str | None]]) -> None:
+    """Merge `marks` (autoscale.removal_marks) into the pods, MARK_CONCURRENCY at a time. Best
+    effort: a pod gone meanwhile, a refusal (RBAC without patch on pods: a chart from before this
+    call) or an outage never holds the scale-down back."""
+    limit = asyncio.Semaphore(MARK_CONCURRENCY)
+
+    async def one(pod: str, annotations: dict[str, str | None]) -> None:
+        async with limit:
+            try:
+                await cluster.annotate("Pod", namespace, pod, annotations)
+            except NotLeader:
+                raise
+            except NotFound:
+                pass
+            except (Rejected, Retryable) as e:
+                log.warning("%s/%s: deletion cost not set (%s); the ReplicaSet picks the pods to remove by itself",
+                            namespace, pod, e)
+
+    await asyncio.gather(*(one(pod, annotations) for pod, annotations in marks.items()))
 
 
 async def _scale(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, live: dict,
-                 desired: int) -> tuple[bool, str | None]:
+                 desired: int, samples: list[autoscale.PodSample] = ()) -> tuple[bool, str | None]:
     """Apply the service's Deployment with the new count (through the scale subresource when
-    admission refuses the whole spec), then mirror it into spec.replicas. → (False when the
+    admission refuses the whole spec), then mirror it into spec.replicas. A scale-down first reads
+    the Deployment from the API and marks the pods to remove (`samples`: their readings) only
+    while it still has the count decided on; the apply is guarded by that read. → (False when the
     Deployment changed since it was read and its count is no longer the one decided on: the next
     step decides again; the refusal's message when the fallback was taken)."""
     current = live["spec"].get("replicas")
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    for _ in range(reconcile.CONFLICT_RETRIES):
+    for attempt in range(reconcile.CONFLICT_RETRIES):
+        if desired < current:
+            if attempt == 0:  # (after a Conflict, `live` was read fresh below)
+                live = await cluster.get("Deployment", namespace, name, fresh=True)
+                if live is None or live["spec"].get("replicas") != current:
+                    return False, None
+            alive = [p for p in cluster.pods(namespace, render.selector(name)) if not p["metadata"].get("deletionTimestamp")]
+            await _mark(cluster, namespace, autoscale.removal_marks(samples, _annotations(alive), current - desired,
+                                                                    _template_cost(live)))
         deployment, _ = reconcile.deployment_for(settings, body, spec, live, desired)
         # While a model cache's fill runs, the count changes but the pods stay on the revision they have.
         fill = await fills.read(cluster, settings, reconcile.owner_of(body), spec,

@@ -7,7 +7,9 @@ fill a pre-filled model cache) are listed and watched with a server-side label s
 API server sends only the fleets' objects, never every Deployment or Pod of the cluster. The
 EmbeddingServices themselves come from kopf's own watch (handlers.py puts each event here). The
 model caches' claims, which are not ours and carry no label of ours, are watched whole in the
-served namespaces (UNLABELLED), trimmed to the few fields read.
+served namespaces (UNLABELLED), trimmed to the few fields read, from the first read of one on
+(Cluster.on_demand): an operator whose services mount no claim never lists them, and a list its
+RBAC refuses (a chart from before the claims) does not hold up its start.
 
 Reads come from these copies. An object missing from them is read from the API (`Cluster.get`):
 it may exist without our label (someone else's object of the same name, which the reconcile must
@@ -45,8 +47,11 @@ WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPod
 OPTIONAL_WATCHED = (render_gateway.KIND,)
 # Kinds the operator reads but does not own, so they carry no label of ours: listed and watched
 # whole in the namespaces it serves (the model cache's claims: their access modes and uid), kept
-# trimmed to what is read (TRIM), followed at the services' periodic checks (no kick).
+# trimmed to what is read (TRIM), followed at the services' periodic checks (no kick); their
+# informer starts at the first read of one (Cluster.on_demand), which waits up to DEMAND_WAIT_S
+# for its first list (else, and until it has listed, a claim is read by name).
 UNLABELLED = ("PersistentVolumeClaim",)
+DEMAND_WAIT_S = 5.0
 ABSENT_RECHECK_S = 60.0
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed where it stopped
 BACKOFF_S = (0.5, 30.0)  # first and largest wait before listing again after a failure
@@ -213,13 +218,22 @@ class Cluster:
         # What this operator applied to each owned object and whether it stuck (drift.Applied), by
         # (kind, namespace, name): the reconcile holds a render the API server does not keep as sent.
         self.applied: dict[tuple[str, str, str], drift.Applied] = {}
+        # Objects (by uid) whose adoption (write.adopted) was refused, and until when it is not tried.
+        self.unadopted: dict[str, float] = {}
         # Kinds whose copies are complete only once their informer has listed them (Informer.synced):
         # before (a list refused: RBAC), an absence is read from the API, not trusted.
         self.listed: dict[str, asyncio.Event] = {}
+        # Informers started at the first read of their kind (UNLABELLED), by kind; their tasks,
+        # and until when (the event loop's clock) a read waits for their first list.
+        self.on_demand: dict[str, Informer] = {}
+        self.tasks: list[asyncio.Task] = []
+        self._demanded: dict[str, float] = {}
 
     async def get(self, kind: str, namespace: str, name: str, fresh: bool = False, ours: bool = False) -> dict | None:
         """`ours`: only an object of ours matters (one the watch would show): a copy's absence is
         the answer, no API read (once the kind's informer has listed it, where `listed` knows)."""
+        if kind in self.on_demand:
+            await self._demand(kind)
         store = self.stores.get(kind)
         trusted = ours and (kind not in self.listed or self.listed[kind].is_set())
         if store is not None and not fresh and ((obj := store.get(namespace, name)) is not None or trusted):
@@ -231,6 +245,20 @@ class Cluster:
             elif kind not in WATCHED or _ours(obj):  # a watch would show it: keep it
                 store.put(obj)
         return obj
+
+    async def _demand(self, kind: str) -> None:
+        """Start `kind`'s informer at its first read, and wait (DEMAND_WAIT_S from its start, at most)
+        for its first list: until then a copy's absence means nothing, and each read is a GET."""
+        loop, informer = asyncio.get_running_loop(), self.on_demand[kind]
+        if kind not in self._demanded:
+            self._demanded[kind] = loop.time() + DEMAND_WAIT_S
+            self.listed[kind] = informer.synced
+            self.tasks.append(asyncio.create_task(informer.run(), name=f"informer:{kind}"))
+        if not informer.synced.is_set() and (left := self._demanded[kind] - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(informer.synced.wait(), left)
+            except TimeoutError:
+                pass
 
     def pods(self, namespace: str, labels: dict) -> list[dict]:
         return self.select("Pod", namespace, labels)

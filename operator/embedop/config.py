@@ -22,6 +22,12 @@ class OperatorSettings:
     """EMBEDOP_RESYNC_SECONDS: how often each service's owned objects and status are checked
     against the watches' copies (costs no API request when nothing drifted; drift is also reverted
     at once on the watch events)."""
+    retry_seconds: float = 5.0
+    """EMBEDOP_RETRY_SECONDS: how long a service's loop waits after a pass failed (an API error, an
+    outage, a 404), doubled at each further failure in a row up to resync_seconds, with up to 20%
+    less at random (services failing together do not retry together); nothing is sent for that
+    service meanwhile, watch events included. A persistent failure so costs what a settled
+    service's periodic check would, not a request every few seconds."""
     scrape_timeout_s: float = 2.0
     """EMBEDOP_SCRAPE_TIMEOUT_S: per-pod timeout of a /metrics scrape."""
     api_timeout_s: float = 5.0
@@ -91,6 +97,7 @@ class OperatorSettings:
         return cls(
             server_image=env.get("EMBEDOP_SERVER_IMAGE") or d.server_image,
             resync_seconds=positive("EMBEDOP_RESYNC_SECONDS", d.resync_seconds),
+            retry_seconds=positive("EMBEDOP_RETRY_SECONDS", d.retry_seconds),
             scrape_timeout_s=positive("EMBEDOP_SCRAPE_TIMEOUT_S", d.scrape_timeout_s),
             api_timeout_s=api_timeout,
             metrics_port=metrics_port(env.get("EMBEDOP_METRICS_PORT"), d.metrics_port),

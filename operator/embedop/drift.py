@@ -27,7 +27,20 @@ def _is_quantity(path: tuple[str, ...]) -> bool:
     return any(len(path) >= len(q) and all(k in ("*", p) for k, p in zip(q, path[-len(q):])) for q in QUANTITY_PATHS)
 
 
+# A container's image: a policy that pins digests (Kyverno's verifyImages mutateDigest) stores
+# `repo:tag` as `repo:tag@sha256:…`, the same image, which stays what the tag named when it was
+# admitted (the kubelet pulls by the digest). Equal, so it is neither applied again nor held.
+IMAGE_PATHS = (("containers", "image"), ("initContainers", "image"))
+
+
+def _pinned(sent, stored) -> bool:
+    return (isinstance(sent, str) and isinstance(stored, str) and "@" not in sent
+            and stored.startswith(f"{sent}@sha256:"))
+
+
 def _same_scalar(a, b, path: tuple[str, ...] = ()) -> bool:
+    if path[-2:] in IMAGE_PATHS and _pinned(a, b):
+        return True
     if not _is_quantity(path):
         return a == b and isinstance(a, bool) == isinstance(b, bool)
     if str(a) == str(b):
@@ -121,7 +134,7 @@ def _unguarded(obj: dict) -> dict:
 # STUCK_WINDOW_S the render is not applied again until it changes, or for STUCK_BACKOFF_S
 # (a CRD upgraded, a webhook removed); a retry then that does not stick either holds again at once.
 STUCK_APPLIES, STUCK_WINDOW_S, STUCK_BACKOFF_S = 3, 600.0, 3600.0
-FIELD_NOT_PERSISTED = "FieldNotPersisted"  # the Degraded reason (and the Event's) while a render is held
+FIELD_NOT_PERSISTED = "FieldNotPersisted"  # the condition (and the Event's reason) while a render is held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +173,7 @@ def held(record: Applied | None, desired: dict, now: float) -> bool:
 
 
 def stuck_message(kind: str, name: str, record: Applied) -> str:
-    """Degraded's message (reason FieldNotPersisted) for an object held by `record`."""
+    """The FieldNotPersisted condition's message for an object held by `record`."""
     return (f"{kind}/{name}: {', '.join(record.paths)} not stored as sent, applied {STUCK_APPLIES} times "
             f"within {STUCK_WINDOW_S / 60:.0f} min (the API server prunes a field its schema lacks, e.g. a CRD older "
             f"than this operator, or a mutating webhook rewrites it); not applied again until what the operator "

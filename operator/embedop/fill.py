@@ -11,7 +11,16 @@ fill's name that this service does not own (someone else's) proves nothing: the 
 Both the Job's name and the record are a digest that includes the claim's uid (from the watch of the
 namespace's claims, cache.UNLABELLED): a claim deleted and made again under the same name is a new,
 empty one, filled again rather than trusted. No Job is made before its claim exists (state
-NoClaim: the pods wait, the status says which claim is missing)."""
+NoClaim: the pods wait, the status says which claim is missing).
+
+Operators of chart 0.2.x keyed a fill without the claim's uid (render_cache.fill_digest without
+one). A fill they recorded (or whose Job of theirs succeeded) for a claim that exists counts as
+Complete, once: the reconcile then records the uid-keyed digest and deletes the old Job. Without
+this an upgrade would run every pre-filled fleet's fill again, and hold its pod template until
+the Job succeeded, which a ReadWriteOncePod claim held by a server pod (or a ReadWriteOnce one
+attached on another node) never lets happen: the Job would wait out its deadline and fail. (Such
+a record cannot tell a claim made again under its name since; the upgrade trusts it as the
+operator that wrote it did.)"""
 
 from __future__ import annotations
 
@@ -88,16 +97,28 @@ async def read(cluster: Cluster, settings: OperatorSettings, owner: render.Owner
     digest = job["metadata"]["labels"][render_cache.FILL_LABEL]
     pods = cluster.select("Pod", owner.namespace, {render_cache.FILL_LABEL: digest,
                                                    "app.kubernetes.io/instance": owner.name})
-    return of(job, current, spec, owner, recorded(body), pods, claim)
+    legacy = render.fill_job_name(owner, spec, settings.grace_seconds)  # chart 0.2.x's: no uid
+    old_job = await cluster.get("Job", owner.namespace, legacy, ours=True)
+    return of(job, current, spec, owner, recorded(body), pods, claim,
+              migrated=migrated(recorded(body), legacy, old_job, owner))
+
+
+def migrated(filled: str | None, legacy_name: str, legacy_job: dict | None, owner: render.Owner) -> bool:
+    """Whether a fill of chart 0.2.x's key (`legacy_name`: `<service>-fill-<digest without the
+    claim's uid>`) is known done: recorded in status, or its Job, this service's, succeeded."""
+    digest = legacy_name.rpartition("-fill-")[2]
+    done = legacy_job is not None and owner.owns(legacy_job) and render_cache.fill_state(legacy_job) == "Complete"
+    return filled == digest or done
 
 
 def of(rendered: dict, current: dict | None, spec: dict, owner: render.Owner, filled: str | None = None,
-       pods: list[dict] = (), claim: dict | None = None) -> Fill:
-    """`filled`: the digest status.modelCache.filled records; `claim`: the claim it fills."""
+       pods: list[dict] = (), claim: dict | None = None, migrated: bool = False) -> Fill:
+    """`filled`: the digest status.modelCache.filled records; `claim`: the claim it fills;
+    `migrated`: chart 0.2.x's fill of the same (without the claim's uid) is done."""
     name, digest = rendered["metadata"]["name"], rendered["metadata"]["labels"][render_cache.FILL_LABEL]
     foreign = current is not None and not owner.owns(current)
     state = render_cache.fill_state(None if foreign else current)
-    if state == "Missing" and filled == digest:
+    if state == "Missing" and (filled == digest or migrated):
         state = "Complete"
     return Fill(name, digest, current, rendered, state, render_cache.fill_message(current, name, spec, pods), foreign,
                 claim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import defaultdict
 from typing import Callable
 
@@ -22,7 +23,13 @@ from embedop.render import SERVICE_LABEL
 from embedop.scrape import Reader
 
 log = logging.getLogger(__name__)
-RETRY_S = 5.0
+
+
+def retry_in(failures: int, first_s: float, cap_s: float) -> float:
+    """The wait after `failures` (≥ 1) failed passes in a row: `first_s`, doubled per further
+    failure, at most `cap_s` (the periodic check's interval). Pure; the loop takes up to 20% off
+    at random."""
+    return min(cap_s, first_s * 2 ** min(failures - 1, 30))
 
 
 class Fleet:
@@ -116,18 +123,32 @@ class Fleet:
         history = autoscale.History()
         next_resync = next_scale = loop.time()
         last_measured = -status.MEASURED_REFRESH_S
+        failures = 0  # failed passes in a row: each waits longer (retry_in), kicks included
+
+        def backoff(retry_after: float | None = None) -> float:
+            nonlocal failures, next_resync, next_scale
+            failures += 1
+            wait = retry_in(failures, self.settings.retry_seconds, self.settings.resync_seconds)
+            wait = max(retry_after or 0.0, wait * random.uniform(0.8, 1.0))  # a 429's Retry-After, if longer
+            next_resync = next_scale = loop.time() + wait
+            return wait
+
         async with Reader() as reader:
             while True:
-                try:
-                    await asyncio.wait_for(kick.wait(), max(0.0, min(next_resync, next_scale) - loop.time()))
-                except TimeoutError:
-                    pass
+                delay = max(0.0, min(next_resync, next_scale) - loop.time())
+                if failures:  # backing off: nothing for this service before then, watch events included
+                    await asyncio.sleep(delay)
+                else:
+                    try:
+                        await asyncio.wait_for(kick.wait(), delay)
+                    except TimeoutError:
+                        pass
                 try:
                     if not self.cluster.may_write():
                         # The lease lapsed (a renewal that timed out): this pod acts again once it
                         # renews, or its loops are closed when another pod takes the lease.
                         kick.clear()
-                        next_resync = next_scale = loop.time() + RETRY_S
+                        next_resync = next_scale = loop.time() + self.settings.retry_seconds
                         continue
                     if kick.is_set() or loop.time() >= next_resync:
                         kick.clear()
@@ -137,7 +158,7 @@ class Fleet:
                             return
                         log.debug("%s/%s: periodic check done", namespace, name)
                     if loop.time() >= next_scale:
-                        next_scale = loop.time() + RETRY_S  # unless the step says otherwise
+                        next_scale = loop.time() + self.settings.retry_seconds  # unless the step says otherwise
                         due = loop.time() - last_measured >= status.MEASURED_REFRESH_S
                         async with self.locks[namespace, name]:
                             step = await autoscaler.step(self.cluster, self.settings, reader, namespace, name,
@@ -152,24 +173,17 @@ class Fleet:
                         history = step.history if step.decision is not None else autoscale.History()
                         if step.decision is not None:
                             self.on_decision(step.body, step)
+                    failures = 0
                 except NotFound as e:
                     # The service went while a step ran, or an object it owns did (a Deployment
                     # deleted since its copy was read answers 404 to its scale subresource): only
                     # the first ends the loop; the next pass re-reads and re-creates the second.
                     if not await self._exists(namespace, name):
                         return
-                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, RETRY_S)
-                    next_resync = min(next_resync, loop.time() + RETRY_S)
-                    next_scale = max(next_scale, loop.time() + RETRY_S)
+                    log.warning("%s/%s: %s; again in %.1f s", namespace, name, e, backoff())
                 except NotLeader:  # the lease lapsed mid-step: see above
-                    next_resync = next_scale = loop.time() + RETRY_S
-                except Retryable as e:
-                    log.warning("%s/%s: %s; again in %.0f s", namespace, name, e, e.retry_after or RETRY_S)
-                    if e.retry_after:  # API Priority and Fairness (429) asked: nothing for this service before then
-                        await asyncio.sleep(e.retry_after)
-                        next_resync = loop.time()
-                    else:
-                        next_resync = min(next_resync, loop.time() + RETRY_S)
-                    next_scale = max(next_scale, loop.time() + (0 if e.retry_after else RETRY_S))
+                    next_resync = next_scale = loop.time() + self.settings.retry_seconds
+                except Retryable as e:  # a 429 (API Priority and Fairness) says how long at least
+                    log.warning("%s/%s: %s; again in %.1f s", namespace, name, e, backoff(e.retry_after))
                 except Exception:  # noqa: BLE001 - a bug must not end the service's loop for good
-                    log.exception("%s/%s: loop step failed", namespace, name)
+                    log.exception("%s/%s: loop step failed; again in %.1f s", namespace, name, backoff())

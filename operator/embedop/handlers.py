@@ -138,11 +138,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
-    # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic check.
-    unlabelled = [cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})
-                  for kind in cache.UNLABELLED]
-    cluster.listed.update({i.kind: i.synced for i in unlabelled})  # a claim missing before they are listed: read
-    informers += unlabelled
+    # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic
+    # check; listed from the first read of one on (no claim in use: never).
+    cluster.on_demand.update({kind: cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})
+                              for kind in cache.UNLABELLED})
     _tasks.extend(asyncio.create_task(i.run(), name=f"informer:{i.kind}") for i in informers)
     # Handlers run once every owned kind has been listed, so a reconcile never reads an empty copy;
     # but not never: kopf serves its liveness endpoint only after this, and a kind that cannot be
@@ -161,7 +160,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
 async def shutdown(**_) -> None:
     if _fleet is not None:  # the loops end before the lease goes: no write after a successor's
         await _fleet.close()
-    for task in reversed(_tasks):  # the lease is released, then the copies go
+    for task in [*reversed(_tasks), *(_fleet.cluster.tasks if _fleet else [])]:  # the lease goes, then the copies
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     if _fleet is not None:

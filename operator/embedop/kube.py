@@ -54,8 +54,9 @@ RESOURCES = {kind: (create_namespaced_resource(group, version, kind, plural), gr
 EmbeddingService = RESOURCES[crd.KIND][0]
 Deployment = RESOURCES["Deployment"][0]
 
-# Every (group, resource, verb) the operator calls, as RBAC sees it; tests check the chart against it.
-CALLS = {
+# Every (group, resource, verb) the operator calls, as RBAC sees it, each once (a test compares the
+# chart's rules with this list, duplicates included); CALLS is the same as a set.
+CALL_LIST = (
     # get: the live object (count, resourceVersion); create: an object that does not exist yet
     # (never by apply, which would take over one made meanwhile); patch: server-side apply of
     # what is ours, and once after a create, our field manager's entry made an apply's.
@@ -70,7 +71,8 @@ CALLS = {
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
                                                       "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
       for v in ("list", "watch")),
-    # A scale-down's pods ranked by their queued work (controller.kubernetes.io/pod-deletion-cost).
+    # Server pods: the ones a scale-down is to remove marked with the lowest pod-deletion-cost
+    # (autoscale.removal_marks; the ReplicaSet then removes those), stale marks cleared.
     ("", "pods", "patch"),
     # The count through the scale subresource when admission refuses the whole Deployment.
     ("apps", "deployments/scale", "patch"),
@@ -78,9 +80,6 @@ CALLS = {
     # changed: its pod template is immutable), watched by the operator's label for its completion,
     # and those of earlier revisions deleted once a later one has succeeded.
     *(("batch", "jobs", v) for v in ("get", "create", "list", "watch", "delete")),
-    # Server pods: patched with their pod-deletion-cost before a scale-down (the ReplicaSet then
-    # removes the pods the autoscaler chose).
-    ("", "pods", "patch"),
     # spec.modelCache.claimName: the claims' access modes and uid (a claim re-created empty is filled
     # again), read from a watch of the served namespaces' claims (cache.UNLABELLED), never written;
     # get: only while they have not been listed (a claim not in the copy then is read by name).
@@ -104,7 +103,8 @@ CALLS = {
     # plugin (OpenShift, hardened clusters) requires update on the owner's finalizers subresource.
     (crd.GROUP, f"{crd.PLURAL}/finalizers", "update"),
     ("", "events", "create"),  # kopf.info / kopf.warn
-}
+)
+CALLS = frozenset(CALL_LIST)
 
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 
@@ -126,7 +126,13 @@ class Conflict(Retryable):
 
 
 class Rejected(RuntimeError):
-    """The API refused the request for good (invalid object, forbidden by admission)."""
+    """The API refused the request for good (invalid object, forbidden by admission); `code`: its
+    HTTP status, where there was one (422 is a JSON patch's failed `test`, but also an invalid
+    object and a ValidatingAdmissionPolicy's default refusal)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class NotFound(Rejected):
@@ -172,12 +178,12 @@ async def _errors(what: str, total_s: float | None = None) -> AsyncIterator[None
         if code == 409:
             raise Conflict(message) from e
         if code == 404:
-            raise NotFound(message) from e
+            raise NotFound(message, code) from e
         if code == 410:
             raise Gone(message) from e
         if code in RETRYABLE:
             raise Retryable(message, _retry_after(e.response)) from e
-        raise Rejected(message) from e
+        raise Rejected(message, code) from e
     except httpx2.TransportError as e:  # refused, reset, timed out
         raise Retryable(f"{what}: {type(e).__name__}: {e}") from e
 

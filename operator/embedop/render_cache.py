@@ -57,7 +57,7 @@ def claim_access(spec: dict, claim: dict | None, pods: list[dict] = ()) -> tuple
     from the claim's access modes (those of the bound volume, else those asked for): (True,
     False or None for Unknown; reason: the mode; message naming the claim and what the mode does
     to the pods). Never a refusal: a ReadWriteOnce claim serves pods on one node. `pods`: the
-    server pods (their nodes). None: the spec mounts no claim."""
+    server pods (how many nodes they run on). None: the spec mounts no claim."""
     cache = spec["modelCache"]
     if kind(cache) not in ("claim", "prefilled"):
         return None
@@ -65,7 +65,7 @@ def claim_access(spec: dict, claim: dict | None, pods: list[dict] = ()) -> tuple
     if claim is None:
         return None, "ClaimNotFound", f"claim {name} does not exist: pods that mount it stay Pending until it does"
     modes = set((claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or [])
-    nodes = sorted({n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))})
+    nodes = {n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}
     counted = "the autoscaler counts them as capacity on its way"
     if "ReadWriteMany" in modes:
         return True, "ReadWriteMany", f"claim {name} is ReadWriteMany: every pod mounts it, on any node"
@@ -75,7 +75,8 @@ def claim_access(spec: dict, claim: dict | None, pods: list[dict] = ()) -> tuple
                     "Job cannot write it: fill it out of band and drop modelCache.prefill (docs/operator.md)")
         return True, "ReadOnlyMany", f"claim {name} is ReadOnlyMany: every pod reads it, on any node"
     if "ReadWriteOnce" in modes:
-        where = f"; the pods now run on {len(nodes)} nodes ({', '.join(nodes)})" if len(nodes) > 1 else ""
+        # A count, not the nodes' names: the message is rewritten (a status write) when it changes.
+        where = f"; the pods now run on {len(nodes)} nodes" if len(nodes) > 1 else ""
         return (False, "ReadWriteOnce", f"claim {name} is ReadWriteOnce: it is attached to one node at a time; pods "
                 f"scheduled on another (and a fill Job there) wait in ContainerCreating (Multi-Attach) and {counted}. "
                 f"It works with every pod on one node (a single-node cluster, a nodeSelector); to spread the pods, use a "
@@ -155,9 +156,10 @@ def fill_digest(service: str, spec: dict, server_env: list[dict], claim_uid: str
     services with a long common prefix must still differ; the namespace is the Job's own), the
     claim, by name and uid (a claim deleted and made again under its name is another, empty one:
     it is filled again), the settings (as the pods get them, spec.env included) that decide what
-    is downloaded, and the cache layout."""
+    is downloaded, and the cache layout. Without `claim_uid`: the digest operators of chart 0.2.x
+    keyed fills by (no uid in the key at all), which fill.read still honours once."""
     wanted = [e for e in server_env if e["name"] in FILLED_BY]
-    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], claim_uid,
+    key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], *([claim_uid] if claim_uid else []),
                       sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 

@@ -8,10 +8,13 @@ that refuses it or never lets a connection through, on the API port, remembered 
 (ports() says why: the metrics port costs the server's event loop less and is not
 where the API's clients queue; pods of server images from before it answer only on the API port).
 
-How a failure reads: a scrape that was sent on an open connection (the pod's kernel took it) and
-got no answer within the timeout is `timed_out` (the pod is there and too busy to answer: with a
-hot last reading, saturated); every other failure (refused, no connection, an error status, an
-answer without the shared signal) is blind."""
+How a failure reads: a scrape sent on a connection whose TCP handshake completed in this very
+attempt (the pod's kernel took it just now) that got no answer within the timeout is `timed_out`
+(the pod is there and too busy to answer: with a hot last reading, saturated); every other failure
+(refused, no connection, an error status, an answer without the shared signal) is blind. Each
+scrape opens a connection of its own (force_close): on a connection kept alive from an earlier
+scrape a written request only says the local kernel buffered it, and a node that died without a
+word, or a partition, would then read as saturated and grow the fleet by a step."""
 
 from __future__ import annotations
 
@@ -136,15 +139,17 @@ def ports(spec: dict, metrics_port: int = render.METRICS_PORT) -> tuple[int, ...
 
 
 class Reader:
-    """One service's scrapes: one HTTP session for its pods (kept between steps, so connections
-    the servers keep alive are reused) and, per pod, the port its /metrics answered on."""
+    """One service's scrapes: one HTTP session for its pods (a new connection per scrape: see the
+    module's docstring; one handshake per pod per interval) and, per pod, the port its /metrics
+    answered on."""
 
     def __init__(self) -> None:
         self.session: aiohttp.ClientSession | None = None
         self.ports: dict[str, int] = {}  # pod name → the port that answered (a pod's image never changes)
 
     async def __aenter__(self) -> "Reader":
-        self.session = aiohttp.ClientSession(trace_configs=[_connection_trace()])
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             trace_configs=[_connection_trace()])
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -182,7 +187,7 @@ class Reader:
                 return autoscale.PodSample(scraped=True, **base, **values, task=task)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 sent = attempt.get("sent", False)
-                timed_out = isinstance(e, asyncio.TimeoutError) and sent
+                timed_out = isinstance(e, asyncio.TimeoutError) and sent and attempt.get("connected", False)
                 failures.append(f"port {port}: " + (f"{type(e).__name__}: {e}" if str(e) else
                                                     f"no answer within {timeout:g} s" if sent else
                                                     f"no connection within {timeout:g} s"))
@@ -201,20 +206,26 @@ def _unreachable(error: Exception, sent: bool) -> bool:
 
 
 def _connection_trace() -> aiohttp.TraceConfig:
-    """Marks an attempt (its trace_request_ctx) `sent` once its request is written on an open
-    connection; a new connection (aiohttp's own retry of a stale kept-alive one included) clears
-    it, so the mark says whether the pod took the attempt that timed out."""
+    """Marks an attempt (its trace_request_ctx) `connected` once a TCP handshake of its own has
+    completed, and `sent` once its request is written; a new connection (aiohttp's own retry of a
+    stale one included) clears `sent`. Both together say the pod's kernel took this attempt: a
+    connection reused from an earlier one (which force_close rules out) would never be `connected`."""
     trace = aiohttp.TraceConfig()
 
     async def connecting(_session, ctx, _params) -> None:
         if ctx.trace_request_ctx is not None:
             ctx.trace_request_ctx["sent"] = False
 
+    async def connected(_session, ctx, _params) -> None:
+        if ctx.trace_request_ctx is not None:
+            ctx.trace_request_ctx["connected"] = True
+
     async def sent(_session, ctx, _params) -> None:
         if ctx.trace_request_ctx is not None:
             ctx.trace_request_ctx["sent"] = True
 
     trace.on_connection_create_start.append(connecting)
+    trace.on_connection_create_end.append(connected)
     trace.on_request_headers_sent.append(sent)
     return trace
 

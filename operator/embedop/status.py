@@ -3,7 +3,7 @@
 Two writers share the status, each with its own fields (and each writes only with the
 resourceVersion it read, so neither undoes the other):
 - the reconcile: observedGeneration, replicas, readyReplicas, selector, defaultImage, the Ready,
-  Progressing, Degraded and ModelCacheShared conditions, and desiredReplicas in modes off and hpa (where it clears
+  Progressing, Degraded, FieldNotPersisted and ModelCacheShared conditions, and desiredReplicas in modes off and hpa (where it clears
   the autoscaler's conditions and measurements, which would go stale);
 - the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason, the
   served task and the ScalingLimited, MetricsUnavailable and TaskMismatch conditions (the reconcile
@@ -17,7 +17,11 @@ import datetime
 
 from embedop import drift
 
-RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded")
+# FieldNotPersisted: a render held because the API server does not store it as sent (write.py). Its
+# own condition, not Degraded: what holds it is often harmless (a policy pinning an image's digest,
+# a webhook adding a default), the fleet itself is fine, and a Degraded renewed every hour would
+# fail Argo CD's and Flux's health checks for good.
+RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded", drift.FIELD_NOT_PERSISTED)
 TASK_MISMATCH = "TaskMismatch"
 # Ready's reason for a service at zero replicas on purpose (mode off, spec.replicas 0); a scale to
 # zero by KEDA or a later autoscaling mode says the same.
@@ -88,7 +92,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                     missing: tuple[str, str] | None = None, unpersisted: list[str] | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
     is the API's message when it refused an object the spec rendered; `unpersisted`, the messages
-    of renders held because the API server does not store them as sent (write.py); `missing`, (reason, message)
+    of renders held because the API server does not store them as sent (write.py: the
+    FieldNotPersisted condition, not Degraded); `missing`, (reason, message)
     when the cluster does not serve a kind the spec asks for (a CRD not installed); `foreign`, the objects of
     the service's names that someone else owns (never applied over); `fill`, (state, message) of
     a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing). A fill that
@@ -111,8 +116,6 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                              generation, previous, now)
     elif rejected:
         degraded = condition("Degraded", True, "RejectedByAPI", rejected, generation, previous, now)
-    elif unpersisted:
-        degraded = condition("Degraded", True, drift.FIELD_NOT_PERSISTED, "; ".join(unpersisted), generation, previous, now)
     elif missing:
         degraded = condition("Degraded", True, missing[0], missing[1], generation, previous, now)
     elif fill and fill[0] == "Failed":
@@ -138,6 +141,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
             condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
                       f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
             degraded,
+            condition(drift.FIELD_NOT_PERSISTED, True, "Held", "; ".join(unpersisted), generation, previous, now)
+            if unpersisted else condition(drift.FIELD_NOT_PERSISTED, False, "StoredAsSent", "", generation, previous, now),
         ]),
     }
 

@@ -13,11 +13,15 @@ what we apply does not stick.
   entry (`adoption`: what client-go's csaupgrade does for kubectl), by a JSON patch whose `test`
   operations check the entry it rewrites (a controller's status write meanwhile does not stop it;
   a changed entry is read again); and, should that patch have failed, at the next reconcile that
-  finds the entry still there (`adopted`: no request otherwise).
+  finds the entry still there (`adopted`: no request otherwise). A patch refused for another reason
+  (a webhook or admission policy that refuses UPDATEs of the object, RBAC) is not tried again for
+  ADOPT_BACKOFF_S, for that object (its uid), logged: each reconcile would otherwise send it again
+  and again for nothing. (A failed `test` answers 422, as do a ValidatingAdmissionPolicy's refusal
+  and an invalid object: only a re-read that finds the entry changed tells them apart.)
 - **Held when it does not stick.** Every apply's answer is compared with what was sent
   (drift.after_apply, remembered per object in Cluster.applied): a render the API server keeps
   pruning or a webhook keeps rewriting is not applied again after a few tries (`held`), and the
-  service says why (Degraded, reason FieldNotPersisted)."""
+  service says why (condition FieldNotPersisted, and a Warning Event; not Degraded: status.py)."""
 
 from __future__ import annotations
 
@@ -26,11 +30,12 @@ import logging
 
 from embedop import drift
 from embedop.cache import Cluster
-from embedop.kube import FIELD_MANAGER, Conflict, Rejected
+from embedop.kube import FIELD_MANAGER, Conflict, NotFound, Rejected
 
 log = logging.getLogger(__name__)
 
 ADOPT_ATTEMPTS = 3
+ADOPT_BACKOFF_S = drift.STUCK_BACKOFF_S  # an adoption refused: not tried again for an hour, as a held render
 FIELD_NOT_PERSISTED = drift.FIELD_NOT_PERSISTED
 
 
@@ -81,18 +86,41 @@ async def adopted(cluster: Cluster, kind: str, stored: dict) -> dict:
     entry made part of its Apply entry (`adoption`); no request when there is none. → the object
     as it is now."""
     meta = stored["metadata"]
+    refused = cluster.unadopted.get(meta.get("uid", ""))
+    if refused is not None and cluster.clock() < refused:
+        return stored
     for _ in range(ADOPT_ATTEMPTS):
         if (operations := adoption(stored)) is None:
             return stored
         try:
             return await cluster.json_patch(kind, meta["namespace"], meta["name"], operations)
-        except (Rejected, Conflict):  # the entry moved (a test failed) or the object went: read it again
+        except NotFound:
+            return stored
+        except Rejected as e:
+            if e.code == 422:  # a test failed (the entry moved), or a refusal that answers 422
+                fresh = await cluster.get(kind, meta["namespace"], meta["name"], fresh=True)
+                if fresh is None:
+                    return stored
+                if adoption(fresh) != operations:
+                    stored = fresh
+                    continue
+            return _refused(cluster, kind, stored, e)
+        except Conflict:  # the object changed under the patch: read it again
             fresh = await cluster.get(kind, meta["namespace"], meta["name"], fresh=True)
             if fresh is None:
                 return stored
             stored = fresh
     log.warning("%s %s/%s: the fields of its create are still owned by an Update of %s (tried again at the next "
                 "check)", kind, meta["namespace"], meta["name"], FIELD_MANAGER)
+    return stored
+
+
+def _refused(cluster: Cluster, kind: str, stored: dict, error: Rejected) -> dict:
+    meta = stored["metadata"]
+    cluster.unadopted[meta.get("uid", "")] = cluster.clock() + ADOPT_BACKOFF_S
+    log.warning("%s %s/%s: the fields of its create could not be made %s's apply (%s); not tried again for %.0f min "
+                "(a field the operator later stops sending may stay until then)", kind, meta["namespace"],
+                meta["name"], FIELD_MANAGER, error, ADOPT_BACKOFF_S / 60)
     return stored
 
 

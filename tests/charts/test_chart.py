@@ -99,13 +99,14 @@ def is_hook(o):
     return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
 
 
-def rbac_call_list(objects) -> list[tuple]:
-    return [(g, r, v) for o in objects if o["kind"] in ("ClusterRole", "Role") for rule in o["rules"]
-            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]]
-
-
 def rbac_calls(objects):
     return set(rbac_call_list(objects))
+
+
+def rbac_call_list(objects):
+    """rbac_calls, each rule's calls as often as the rules grant them (sorted): a duplicate shows."""
+    return sorted((g, r, v) for o in objects if o["kind"] in ("ClusterRole", "Role") for rule in o["rules"]
+                  for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"])
 
 
 def operator_env(objects) -> dict:
@@ -124,6 +125,7 @@ def test_rbac_is_exactly_what_the_operator_calls(case):
     for role in (o for o in objects if o["kind"] in ("ClusterRole", "Role")):  # each grant once
         granted = rbac_call_list([role])
         assert len(granted) == len(set(granted)), [c for c in set(granted) if granted.count(c) > 1]
+    assert len(kube.CALL_LIST) == len(set(kube.CALL_LIST))  # each call declared once
     assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
     roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scope.embedfleet-system")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})

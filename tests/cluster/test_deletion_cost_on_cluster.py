@@ -1,7 +1,8 @@
-"""What the emulator has no controller for: the ReplicaSet honouring the deletion costs the
-operator writes before a scale-down (autoscale.deletion_costs, written with Cluster.annotate), so
-the idlest pods go. A plain Deployment of three pause containers stands for a fleet; its pods'
-costs are computed from queues of 0, 500 and 50 tokens, then it is scaled to 1."""
+"""What the emulator has no controller for: the ReplicaSet honouring the marks the operator writes
+before a scale-down (autoscale.removal_marks, written with Cluster.annotate: int32's least
+pod-deletion-cost on the pods to go, nothing on the others), so the idlest pods go. A plain
+Deployment of three pause containers stands for a fleet; its pods' marks are computed from queues
+of 0, 500 and 50 tokens, then it is scaled to 1."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ def test_a_scale_down_removes_the_pods_with_the_least_queued_work(emulator, name
     names = [p["metadata"]["name"] for p in pods]
     queued = dict(zip(names, (0.0, 500.0, 50.0)))
     samples = [autoscale.PodSample(n, True, True, 1000.0, 100.0, q) for n, q in queued.items()]
-    costs = autoscale.deletion_costs(samples, {n: None for n in names}, removed=2)
-    assert set(costs) == {names[1], names[2]}  # the idle one stays at the default 0
+    marks = autoscale.removal_marks(samples, {n: {} for n in names}, removed=2, template_cost=None)
+    assert set(marks) == {names[0], names[2]}  # the busiest is left as it is
 
     async def annotate():
         kube = Kube(AsyncClient(), timeout_s=10)
         try:
             cluster = Cluster(kube, {})
-            for name, cost in costs.items():
-                await cluster.annotate("Pod", namespace, name, {autoscale.DELETION_COST: cost})
+            for name, annotations in marks.items():
+                await cluster.annotate("Pod", namespace, name, annotations)
         finally:
             await kube.close()
     asyncio.run(annotate())

@@ -85,10 +85,47 @@ def test_a_v1_0_0_inference_pool_crd_prunes_app_protocol_and_the_pool_is_written
         mark = len(operator.log())
         eventually(lambda: operator.log()[mark:].count(f"{namespace}/old-crd: periodic check done") >= 4, timeout=60)
         assert not [u for m, u in requests(operator.log()[mark:]) if m == "PATCH" and "/inferencepools/old-crd" in u]
-        degraded = [c for c in emulator.get(service_path(namespace, "old-crd"))["status"]["conditions"]
-                    if c["type"] == "Degraded"]
-        assert degraded[0]["status"] == "False", degraded
+        said = [c for c in emulator.get(service_path(namespace, "old-crd"))["status"]["conditions"]
+                if c["type"] in ("Degraded", "FieldNotPersisted")]
+        assert len(said) == 2 and all(c["status"] == "False" for c in said), said
     finally:
         if emulator.get(service_path(namespace, "old-crd")):
             emulator.request("DELETE", service_path(namespace, "old-crd"))
         emulator.request("DELETE", crd_path)
+
+
+def test_an_adoption_admission_refuses_is_tried_once_not_at_every_check(emulator, namespace, operator):
+    """A ValidatingAdmissionPolicy (Kubernetes 1.30+) refusing UPDATEs of one Service refuses the
+    JSON patch that makes its create's fields the operator's apply's, with 422 as a failed `test`
+    would: after one attempt and one read the operator leaves it for an hour (write.adopted)."""
+    name, base = "frozen", "/apis/admissionregistration.k8s.io/v1"
+    target, policy = f"{name}-headless", f"frozen-{namespace}"
+    emulator.request("POST", f"{base}/validatingadmissionpolicies", {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy", "metadata": {"name": policy},
+        "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": [{
+            "apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["services"]}]},
+            "validations": [{"expression": f"object.metadata.name != '{target}'", "message": f"{target} is frozen"}]}})
+    emulator.request("POST", f"{base}/validatingadmissionpolicybindings", {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": policy}, "spec": {"policyName": policy, "validationActions": ["Deny"], "matchResources": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}})
+    try:
+        probe = f"/api/v1/namespaces/{namespace}/services/{target}"
+        emulator.request("POST", f"/api/v1/namespaces/{namespace}/services", {
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": target}, "spec": {"ports": [{"port": 80}]}})
+        # The premise (the policy may take a moment to be enforced): its refusal is a 422.
+        patch = [{"op": "add", "path": "/metadata/labels", "value": {"probe": "1"}}]
+        refused = lambda: emulator._send("PATCH", probe, patch, "application/json-patch+json").status_code == 422  # noqa: E731
+        eventually(refused, timeout=60)
+        emulator.request("DELETE", probe)
+        emulator.request("POST", service_path(namespace), new_service(name, SPEC, namespace))
+        eventually(lambda: emulator.get(probe) and f"Service {namespace}/{target}: the fields of its create could not"
+                   in operator.log(), timeout=60)
+        mark = len(operator.log())
+        eventually(lambda: operator.log()[mark:].count(f"{namespace}/{name}: periodic check done") >= 3, timeout=60)
+        assert not [u for m, u in requests(operator.log()[mark:]) if f"/services/{target}" in u]
+    finally:
+        emulator.request("DELETE", f"{base}/validatingadmissionpolicybindings/{policy}")
+        emulator.request("DELETE", f"{base}/validatingadmissionpolicies/{policy}")
+        if emulator.get(service_path(namespace, name)):
+            emulator.request("DELETE", service_path(namespace, name))

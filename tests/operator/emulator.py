@@ -47,12 +47,14 @@ writes: list[tuple] = []
 
 
 # Every call made by anything but the tests' own kubectl stand-in, in order: {"t": time.monotonic(),
-# "subject", "verb" (as RBAC sees it), "resource" (plural[/subresource]), "namespace", "selector"
+# "subject", "verb" (as RBAC sees it), "resource" (plural[/subresource]), "namespace", "name", "selector"
 # (the labelSelector asked for), "params" (the query), "who" (the caller's bearer token: its
 # kubeconfig's user)}.
 calls: list[dict] = []
 # Admission policies (as Kyverno or Gatekeeper webhooks): each takes an object being created or
-# changed by the operator (not through a subresource) and returns a refusal message or None.
+# changed by the operator (not through a subresource; a JSON patch's result too) and returns a
+# refusal message (a webhook's 403), (status, message) (a ValidatingAdmissionPolicy's refusal is
+# 422, reason Invalid, unless it says otherwise), or None.
 policies: list = []
 # Status fields the installed CRD's schema lacks (an older CRD than the operator): the API server
 # prunes them from every write, silently, as it prunes unknown fields of a structural schema.
@@ -117,6 +119,15 @@ def _drop_empty_env(obj: dict) -> None:
                 del entry["value"]
 
 
+def _admit(obj: dict) -> None:
+    """`policies`' verdict on an object being written (see there)."""
+    for policy in policies:
+        if isinstance(refusal := policy(obj), tuple):
+            raise api_error(refusal[0], "Invalid" if refusal[0] == 422 else "Forbidden", refusal[1])
+        if refusal:
+            raise api_error(403, "Forbidden", f'admission webhook "validate.kyverno.svc" denied the request: {refusal}')
+
+
 def _manager(request) -> str:
     return request.params.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
 
@@ -137,8 +148,9 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       value conflicts with its owners; owners show in metadata.managedFields;
     - the API's validation of the built-in kinds the operator writes (kubernetes_validate,
       strict): an invalid object is refused with 422 and the validator's message;
-    - admission webhooks (`policies`): a refusal is a 403 with the webhook's message, for writes
-      to an object itself (as Kyverno and Gatekeeper see them), not to its scale subresource;
+    - admission webhooks and policies (`policies`): a refusal is a 403 with the webhook's message
+      (or the status a policy gives), for writes to an object itself (as Kyverno and Gatekeeper
+      see them; a JSON patch's result included), not to its scale subresource;
     - what the API server stores, not what was sent: an env entry's empty value is dropped,
       status fields an older CRD lacks (`unknown_status`) are pruned, and a custom resource served
       with its CRD's schema (InferencePools: `schemas`) is pruned of what the schema lacks and
@@ -172,15 +184,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         ours = not agent.startswith("Python-urllib")  # not the tests' own kubectl stand-in
         is_object_call = request.resource is not None and request.resource.plural is not None
         if is_object_call and ours:
-            key = (request.method.value, request.resource.plural)
-            if request.subresource and faults.get((key[0], f"{key[1]}/{request.subresource}")):
-                key = (key[0], f"{key[1]}/{request.subresource}")
-            if faults.get(by := (*key, request.headers.get("Authorization", "").removeprefix("Bearer "))):
-                key = by
-            if faults.get(key):
+            method, token = request.method.value, request.headers.get("Authorization", "").removeprefix("Bearer ")
+            resources = ([f"{request.resource.plural}/{request.subresource}"] if request.subresource else []) + [
+                request.resource.plural]  # a subresource's own faults first, each the caller's own first
+            key = next((k for r in resources for k in ((method, r, token), (method, r)) if faults.get(k)), None)
+            if key is not None:
                 status = faults[key].pop(0)
                 calls.append({"t": time.monotonic(), "subject": self.subject, "verb": "faulted",
-                              "resource": request.resource.plural, "namespace": request.namespace,
+                              "resource": request.resource.plural, "namespace": request.namespace, "name": request.name,
                               "selector": None, "who": "", "fault": status})
                 if status == TIMEOUT:  # answer too late: the caller's timeout fires first
                     await asyncio.sleep(3)
@@ -220,7 +231,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
             recorded[self.subject].add((request.resource.group or "", resource, verb))
             calls.append({"t": time.monotonic(), "subject": self.subject, "verb": verb, "resource": resource,
-                          "namespace": request.namespace, "selector": request.params.get("labelSelector"),
+                          "namespace": request.namespace, "name": request.name,
+                          "selector": request.params.get("labelSelector"),
                           "params": dict(request.params),
                           "who": request.headers.get("Authorization", "").removeprefix("Bearer ")})
             if verb not in ("list", "watch", "get"):
@@ -273,9 +285,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 crd_served = self.crds.get("inferencepools", inference_pool_schema.CRD)
                 if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}, crd_served):
                     raise api_error(422, "Invalid", f"InferencePool.{merged['metadata'].get('name')} is invalid: {refused}")
-            for policy in policies:
-                if refusal := policy(merged):
-                    raise api_error(403, "Forbidden", f'admission webhook "validate.kyverno.svc" denied the request: {refusal}')
+            _admit(merged)
         if request.subresource == "status" and isinstance(data, dict) and isinstance(data.get("status"), dict):
             data["status"] = {k: v for k, v in data["status"].items() if k not in unknown_status}
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
@@ -297,6 +307,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     patched = jsonpatch.apply_patch(copy.deepcopy(current or {}), data)
                 except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
                     raise api_error(422, "Invalid", f"the JSON patch failed: {e}") from None
+                if ours and not request.subresource:  # admission judges the patched object
+                    _admit(patched)
                 if request.resource.plural == "deployments":  # ownership rewritten
                     self.replica_owners[(request.namespace, request.name)] = {
                         m["manager"]: m["operation"] + (f"/{m['subresource']}" if m.get("subresource") else "")

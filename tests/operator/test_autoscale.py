@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from embedop.autoscale import History, PodSample, Policy, Seen, decide, deletion_costs, trend
+from embedop.autoscale import History, PodSample, Policy, Seen, decide, trend
 
 POLICY = Policy(min_replicas=1, max_replicas=20, target_utilization=0.5, target_drain_s=1.0,
                 scale_up_stabilization_s=0, scale_down_stabilization_s=60)
@@ -469,15 +469,28 @@ def test_a_pod_that_cannot_be_read_otherwise_stays_blind(case):
         assert d.desired == 8 and "could not be read" in d.reason
 
 
-def test_the_idlest_pods_are_the_cheapest_to_delete():
-    """Costs are each read pod's queued tokens, as an int32 string, written only where they differ
-    from the pod's annotation (absent is 0), and only when a Ready pod goes at all."""
+def test_only_the_pods_to_remove_are_marked_and_stale_marks_are_cleared():
+    """The Ready pods read with the least queued work, as many as go beyond the pods not Ready
+    (which the ReplicaSet takes first), get int32's least cost and our mark; every other pod keeps
+    its template's cost, so an idle pod that stays is not one that goes; a mark left by a dropped
+    decision goes from a pod that stays; nothing is written where nothing changes."""
+    from embedop.autoscale import DELETION_COST, REMOVAL_COST, REMOVAL_MARK, removal_marks
+
+    go = {DELETION_COST: REMOVAL_COST, REMOVAL_MARK: "true"}
     samples = [PodSample(f"p{i}", True, True, CAP, 100, queued) for i, queued in enumerate((0, 100.4, 300, 9e12))]
-    assert deletion_costs(samples, {}, 2) == {"p1": "100", "p2": "300", "p3": str(2**31 - 1)}
-    assert deletion_costs(samples, {"p1": "100", "p2": "7", "p3": str(2**31 - 1)}, 1) == {"p2": "300"}
-    assert deletion_costs(samples, {"p0": "500", "p1": "100", "p2": "300", "p3": "x"}, 1) == {
-        "p0": "0", "p3": str(2**31 - 1)}
+    plain = {s.name: {} for s in samples}
+    assert removal_marks(samples, plain, 2, None) == {"p0": go, "p1": go}
+    assert removal_marks(samples, {**plain, "p0": dict(go)}, 2, None) == {"p1": go}  # p0 is marked already
+    # A dropped decision's marks: cleared where the pod stays, to the template's cost (or none).
+    stale = {**plain, "p2": {**go, "other": "x"}}
+    assert removal_marks(samples, stale, 1, None) == {"p0": go, "p2": {DELETION_COST: None, REMOVAL_MARK: None}}
+    assert removal_marks(samples, stale, 0, "5") == {"p2": {DELETION_COST: "5", REMOVAL_MARK: None}}
+    assert removal_marks(samples, plain, 0, None) == {}  # at rest: nothing
     # Two starting pods: the ReplicaSet removes those first, whatever the costs.
     starting = [PodSample(f"s{i}", False, False) for i in range(2)]
-    assert deletion_costs(samples + starting, {}, 2) == {}
-    assert deletion_costs(samples + starting, {}, 3) == {"p1": "100", "p2": "300", "p3": str(2**31 - 1)}
+    both = {**plain, "s0": {}, "s1": {}}
+    assert removal_marks(samples + starting, both, 2, None) == {}
+    assert removal_marks(samples + starting, both, 3, None) == {"p0": go}
+    # Pods not read (their load unknown) and pods being deleted (left out of `annotations`) are not marked.
+    blind = [PodSample("b", True, False)] + samples[1:]
+    assert removal_marks(blind, {"b": {}, "p1": {}, "p2": {}}, 1, None) == {"p1": go}

@@ -4,8 +4,9 @@ metrics port (EMBEDOP_METRICS_PORT):
 
 - a fleet too busy to answer its scrapes (each takes the connection, none answers) grows by the
   usual step, where it used to hold;
-- before a scale-down, each pod's deletion cost says its queued work, so the ReplicaSet removes
-  the idlest; written only where it changes, and only then;
+- before a scale-down, the pods to remove (the idlest) get the lowest deletion cost, once the
+  Deployment read fresh still has the count decided on, so the ReplicaSet removes those; marks a
+  dropped decision left are cleared at a later step;
 - a Deployment deleted between its copy's read and the scale subresource's call (404) does not
   end the service's loop: the Deployment is made again.
 
@@ -140,8 +141,9 @@ def test_a_fleet_too_busy_to_answer_grows_by_the_step(emulator, operator_):
 def test_the_idlest_pods_are_the_ones_a_scale_down_removes(emulator, operator_):
     """Three pods, 100 tok/s each of 1,000 (one pod's worth), queues of 0, 120 and 300 tokens
     (each within what a pod at its target holds: no backlog): 3 → 1 at once (no window). Before,
-    the two pods with queued work get their queue as deletion cost; the idle one, already at
-    the default 0, gets no call. Settled, no pod is written again."""
+    the Deployment is read from the API (its count still 3) and the two idlest pods, and only
+    they, get the lowest cost: the one that stays keeps none. Settled (the emulator's Deployment
+    removes no pod: a scale-down under way), no pod is written again."""
     name = "trim"
     emulator.request("POST", service_path(NS), new_service(name, {
         "model": "m", "replicas": 3, "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
@@ -157,12 +159,14 @@ def test_the_idlest_pods_are_the_ones_a_scale_down_removes(emulator, operator_):
         eventually(lambda: replicas(emulator, name) == 1, timeout=30)
         costs = {i: (emulator.get(f"{PODS}/{name}-{i}")["metadata"].get("annotations") or {}).get(autoscale.DELETION_COST)
                  for i in range(3)}
-        assert costs == {0: None, 1: "120", 2: "300"}, costs
+        assert costs == {0: autoscale.REMOVAL_COST, 1: autoscale.REMOVAL_COST, 2: None}, costs
         calls = em.calls[mark:]
         patched = [c for c in calls if c["resource"] == "pods" and c["verb"] == "patch"]
         assert len(patched) == 2
         scaled = next(i for i, c in enumerate(calls) if c["resource"] == "deployments" and c["verb"] == "patch")
-        assert all(calls.index(c) < scaled for c in patched)  # set before the count went down
+        read = max(i for i, c in enumerate(calls[:scaled]) if (c["resource"], c["verb"], c.get("name"))
+                   == ("deployments", "get", name))
+        assert all(read < calls.index(c) < scaled for c in patched)  # after the fresh read, before the count went down
         log_mark, calls_mark = len(operator_.log()), len(em.calls)
         eventually(lambda: decisions(operator_, name, log_mark) >= 3, timeout=30)
         assert not [c for c in em.calls[calls_mark:] if c["resource"] == "pods" and c["verb"] != "watch"]
@@ -230,3 +234,85 @@ def test_a_scale_down_goes_ahead_when_pods_cannot_be_annotated(emulator, operato
         em.faults.pop(("PATCH", "pods"), None)
         for pod in pods:
             pod.stop()
+
+
+def test_marks_a_dropped_decision_left_are_cleared_once_no_scale_down_is_under_way(emulator, operator_):
+    """Two pods marked for removal by a decision that was then dropped (the count had changed):
+    the fleet holds at 2 (one pod's worth of demand each), and the marks go at the next step, or a
+    later scale-down by anyone (kubectl scale in mode off) would remove them first. Then nothing."""
+    name = "unmark"
+    emulator.request("POST", service_path(NS), new_service(name, {
+        "model": "m", "replicas": 2, "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+        "autoscaling": {"mode": "operator", "minReplicas": 2, "maxReplicas": 6, "intervalSeconds": 1}}))
+    eventually(lambda: emulator.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"))
+    ips = pod_addresses(PORT, 2)
+    marked = {autoscale.DELETION_COST: autoscale.REMOVAL_COST, autoscale.REMOVAL_MARK: "true", "kept": "yes"}
+    for i, ip in enumerate(ips):
+        post_pod(emulator, name, f"{name}-{i}", ip)
+        emulator.merge_patch(f"{PODS}/{name}-{i}", {"metadata": {"annotations": marked}})
+    pods = [Pod(ip, exposition(service_rate=1000, arrival_rate=500)) for ip in ips]
+    try:
+        eventually(lambda: all(emulator.get(f"{PODS}/{name}-{i}")["metadata"]["annotations"] == {"kept": "yes"}
+                               for i in range(2)), timeout=30)
+        assert replicas(emulator, name) == 2
+        log_mark, calls_mark = len(operator_.log()), len(em.calls)
+        eventually(lambda: decisions(operator_, name, log_mark) >= 3, timeout=30)
+        assert not [c for c in em.calls[calls_mark:] if c["resource"] == "pods" and c["verb"] == "patch"]
+    finally:
+        for pod in pods:
+            pod.stop()
+
+
+def test_no_pod_is_marked_when_the_count_changed_since_its_copy_was_read(tmp_path, monkeypatch):
+    """The autoscaler decides 3 → 1 on its copy of the Deployment, but the API's has 4 by now
+    (kubectl scale, a handover): the read before the marks finds it, and the decision is dropped
+    with no pod written (marks written first were left on pods for whatever scale-down came next)."""
+    import asyncio
+
+    from embedop import autoscaler, cache, crd, reconcile, render, spec as specs
+    from embedop.config import OperatorSettings
+    from embedop.kube import Kube
+    from embedop.scrape import Reader
+    from tests.operator.emulator import Emulator
+
+    name = "moved"
+    spec = {"model": "m", "replicas": 3, "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
+            "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 6, "scaleDownStabilizationSeconds": 0}}
+    settings = OperatorSettings(metrics_port=PORT, scrape_timeout_s=1.0)
+    ips = pod_addresses(PORT, 3)
+    servers = [Pod(ip, exposition(service_rate=1000, arrival_rate=100, queued=q)) for ip, q in zip(ips, (0, 120, 300))]
+    with Emulator(subject="marks-probe") as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+        body = e.request("POST", service_path(NS), new_service(name, spec, NS))
+        owner = reconcile.owner_of(body)
+        deployment = render.deployment(owner, specs.defaulted(spec), "embedserve", 3, 45, PORT)
+        copy = e.request("POST", f"/apis/apps/v1/namespaces/{NS}/deployments", deployment)  # what the watch last said
+        e.merge_patch(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/scale", {"spec": {"replicas": 4}})
+        pods = []
+        for i, ip in enumerate(ips):
+            post_pod(e, name, f"{name}-{i}", ip)
+            pods.append(e.get(f"{PODS}/{name}-{i}"))
+
+        async def scenario():
+            kube = Kube.connect()
+            stores = {kind: cache.Store() for kind in ("Deployment", "Pod", "Job", "PersistentVolumeClaim", crd.KIND)}
+            for kind, obj in (("Deployment", copy), (crd.KIND, body), *(("Pod", p) for p in pods)):
+                stores[kind].put(obj)
+            cluster = cache.Cluster(kube, stores)
+            mark = len(em.calls)
+            try:
+                async with Reader() as reader:
+                    step = await autoscaler.step(cluster, settings, reader, NS, name, autoscale.History(), 1000.0)
+            finally:
+                await kube.close()
+            return step, [c for c in em.calls[mark:] if c["subject"] == "marks-probe"]
+
+        try:
+            step, calls = asyncio.run(scenario())
+        finally:
+            for pod in servers:
+                pod.stop()
+        assert step.current == 3 and step.decision.desired == 3 and "changed meanwhile" in step.decision.reason
+        assert not [c for c in calls if c["resource"] == "pods"], calls
+        assert e.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}")["spec"]["replicas"] == 4
+        assert all(not (e.get(f"{PODS}/{name}-{i}")["metadata"].get("annotations")) for i in range(3))

@@ -14,7 +14,7 @@ from embedop.kube import Kube, Retryable
 from tests.conftest import free_port
 from tests.operator import emulator as em
 from tests.operator.conftest import OperatorProcess, eventually
-from tests.operator.emulator import new_service, service_path
+from tests.operator.emulator import Emulator, new_service, service_path
 
 NS = "default"
 
@@ -83,6 +83,39 @@ def test_a_429_is_retried_after_the_wait_the_api_server_asks(emulator, tmp_path)
         assert retried - refused >= em.RETRY_AFTER_S - 0.5, retried - refused
     finally:
         fresh.stop()
+
+
+def test_the_wait_after_a_failure_doubles_up_to_the_periodic_check():
+    from embedop.fleet import retry_in
+
+    assert [retry_in(n, 5.0, 30.0) for n in range(1, 7)] == [5.0, 10.0, 20.0, 30.0, 30.0, 30.0]
+    assert retry_in(1, 5.0, 2.0) == 2.0 and retry_in(10_000, 5.0, 30.0) == 30.0
+
+
+def test_a_failure_that_persists_is_retried_ever_less_often_up_to_the_periodic_check(tmp_path):
+    """A service whose every status write fails (503: an outage, a webhook down) used to be retried
+    every 5 s for as long as it lasted, a fresh pass each time: 12 a minute per service against a
+    periodic check every 30 s. Each failure in a row now waits twice as long, up to the periodic
+    check's interval (here 0.25 s doubling to 8 s); watch events (the objects its first pass made)
+    do not cut the wait short."""
+    resync, first = 8.0, 0.25
+    key = ("PATCH", "embeddingservices/status", "backoff")  # this operator's calls alone (its token)
+    em.faults[key] = [503] * 1000
+    with Emulator() as e:
+        op = OperatorProcess(e.kubeconfig(tmp_path / "kubeconfig", token="backoff"), tmp_path / "operator.log",
+                             env={"EMBEDOP_RESYNC_SECONDS": str(resync), "EMBEDOP_RETRY_SECONDS": str(first)})
+        try:
+            e.request("POST", service_path(NS), new_service("outage", {"model": "m", "resources": {"gpu": 0},
+                                                                              "autoscaling": {"mode": "off"}}))
+            faulted = lambda: [c["t"] for c in em.calls if c.get("fault") == 503 and c["resource"] == "embeddingservices"]  # noqa: E731
+            times = eventually(lambda: len(t := faulted()) >= 7 and t, timeout=60)
+        finally:
+            op.stop()
+            em.faults.pop(key, None)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    for n, gap in enumerate(gaps[:6], start=1):  # at least 80% of each wait (the random part)
+        assert gap >= 0.75 * min(resync, first * 2 ** (n - 1)), (n, gaps)
+    assert gaps[5] >= 0.75 * resync, gaps  # at the cap: the periodic check's pace, not every few seconds
 
 
 async def test_a_call_that_trickles_is_cut_at_the_api_timeout_in_all(tmp_path):

@@ -10,3 +10,13 @@ from tests.imports import circles, graph
 def test_no_import_circle_and_no_relative_import():
     edges, relative = graph(Path(embedop.__file__).parent)
     assert circles(edges) == [] and relative == []
+
+
+def test_the_docstring_lists_every_module_and_counts_them():
+    import re
+
+    modules = {p.stem for p in Path(embedop.__file__).parent.glob("*.py")} - {"__init__"}
+    listed = set(re.findall(r"^  (\w+)\s", embedop.__doc__, re.M))
+    assert listed == modules, (modules - listed, listed - modules)
+    words = {23: "twenty-three", 24: "twenty-four", 25: "twenty-five", 26: "twenty-six", 27: "twenty-seven"}
+    assert f" {words[len(modules)]} modules" in embedop.__doc__

@@ -255,3 +255,54 @@ def test_a_claims_absence_is_trusted_only_once_the_claims_are_listed(tmp_path, m
                 await kube.close()
 
         asyncio.run(scenario())
+
+
+# What chart 0.2.x's operator keyed these fills by (render_cache.fill_digest at 46abe4b: the claim's
+# name, no uid), for UPGRADED below: pinned, since it is what their statuses and Job names hold.
+LEGACY = {"upgraded": "8ad6c075a9", "upgraded-job": "d4a808db97"}
+UPGRADED = {**SPEC, "modelCache": {"claimName": "models-up", "prefill": True}}
+
+
+def test_the_legacy_digest_is_what_chart_0_2_keyed_fills_by():
+    from embedop import render, render_cache, spec as specs
+
+    spec = specs.defaulted(UPGRADED)
+    for name, digest in LEGACY.items():
+        assert render_cache.fill_digest(name, spec, render.server_env(spec, 45)) == digest
+        assert render_cache.fill_digest(name, spec, render.server_env(spec, 45), "uid") != digest
+
+
+def test_an_upgrade_does_not_fill_again_what_chart_0_2_filled(tmp_path):
+    """Services whose fill an operator of chart 0.2.x recorded (status.modelCache.filled without
+    the claim's uid in its key), or whose fill Job of that time succeeded: the new operator runs no
+    Job and holds no pod template (on a ReadWriteOncePod claim a server pod holds, the Job could
+    never start); it records the uid-keyed digest and deletes the old Job."""
+    from embedop import render, spec as specs
+    from tests.operator.conftest import OperatorProcess
+    from tests.operator.emulator import Emulator
+
+    ns = "default"
+    with Emulator() as e:
+        make_claim(e, ns, "models-up", ("ReadWriteOncePod",))
+        recorded = e.request("POST", service_path(ns), new_service("upgraded", UPGRADED, ns))
+        e.merge_patch(f"{service_path(ns, 'upgraded')}/status", {"status": {"modelCache": {"filled": LEGACY["upgraded"]}}})
+        by_job = e.request("POST", service_path(ns), new_service("upgraded-job", UPGRADED, ns))
+        owner = render.Owner("upgraded-job", ns, by_job["metadata"]["uid"])
+        old = render.fill_job(owner, specs.defaulted(UPGRADED), "embedserve:0.2.0", 45)  # as 0.2.x made it
+        assert old["metadata"]["name"].endswith(LEGACY["upgraded-job"])
+        e.request("POST", f"/apis/batch/v1/namespaces/{ns}/jobs", old)
+        e.merge_patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{old['metadata']['name']}/status", COMPLETE)
+        op = OperatorProcess(e.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log")
+        try:
+            for cr in (recorded, by_job):
+                name = cr["metadata"]["name"]
+                d = eventually(lambda: e.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"))  # not held
+                assert env_of(d)["MODEL_REVISION"] == "v1"
+                filled = eventually(lambda: ((e.get(service_path(ns, name)).get("status") or {}).get("modelCache")
+                                             or {}).get("filled") not in (None, LEGACY[name]) and e.get(service_path(ns, name)))
+                assert condition(filled, "Progressing").get("reason") != "FillingModelCache"
+            eventually(lambda: not fill_jobs(e, ns, "upgraded-job"))  # the old Job goes, none is made
+            assert not fill_jobs(e, ns, "upgraded")
+            assert not [a for a in applies if a["create"] and a["kind"] == "Job" and a["name"].startswith("upgraded")]
+        finally:
+            op.stop()

@@ -184,7 +184,7 @@ SHARED = {"model": "m", "modelCache": {"claimName": "models"}}
 @pytest.mark.parametrize("spec, pvc, pods, status, reason, says", [
     (SHARED, claim("ReadWriteMany"), on("a", "b"), True, "ReadWriteMany", ["claim models"]),
     (SHARED, claim("ReadWriteOnce"), on("a"), False, "ReadWriteOnce", ["claim models", "Multi-Attach", "one node"]),
-    (SHARED, claim("ReadWriteOnce"), on("a", "b", "a"), False, "ReadWriteOnce", ["2 nodes (a, b)"]),
+    (SHARED, claim("ReadWriteOnce"), on("a", "b", "a"), False, "ReadWriteOnce", ["run on 2 nodes"]),
     (SHARED, claim("ReadWriteOncePod"), [], False, "ReadWriteOncePod", ["claim models", "Pending"]),
     (PREFILLED, claim("ReadWriteOncePod"), [], False, "ReadWriteOncePod", ["fill Job"]),
     (SHARED, claim("ReadOnlyMany"), [], True, "ReadOnlyMany", ["every pod reads it"]),
@@ -200,6 +200,15 @@ def test_the_claims_access_mode_is_what_the_condition_says(spec, pvc, pods, stat
     assert got[:2] == (status, reason) and all(s in got[2] for s in says), got
     if reason in ("ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"):
         assert reason in got[2]
+
+
+def test_the_message_counts_the_nodes_and_does_not_name_them():
+    """The condition is written when its message changes: naming the nodes would write the status
+    at every reschedule of a pod to another node; the count changes only when the spread does."""
+    spec, rwo = specs.defaulted(SHARED), claim("ReadWriteOnce")
+    message = lambda *nodes: render_cache.claim_access(spec, rwo, on(*nodes))[2]  # noqa: E731
+    assert message("a", "b") == message("c", "d", "c") != message("a", "b", "c")
+    assert "node-7" not in message("node-7", "node-9")
 
 
 def test_no_claim_no_condition():

@@ -341,30 +341,78 @@ async def test_a_timeout_on_a_taken_connection_is_told_from_one_never_connected(
     assert not unreachable.timed_out and "no connection within 0.5 s" in errors["unreachable"], errors
 
 
-async def test_a_kept_alive_connection_that_goes_unanswered_is_timed_out():
-    """The second read of a pod reuses the first one's connection (no connect to time): the pod
-    answered once, then its loop was too busy."""
-    ip, answered = "127.0.0.34", []
+class AnswersOnce:
+    """A pod's metrics port that answers its first request (HTTP/1.1, keep-alive) and then reads
+    every request and answers none: `connections` counts the connections its kernel handed it."""
 
-    async def metrics(request):
-        if answered:
-            await asyncio.sleep(3600)
-        answered.append(1)
-        return aiohttp.web.Response(text=exposition(rate=1000, arrival=900, queued=0, offered=10, limit=0.45))
+    def __init__(self, ip: str):
+        self.ip, self.connections, self.answered, self.done = ip, 0, False, asyncio.Event()
+        self.server = None
 
-    app = aiohttp.web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = aiohttp.web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await aiohttp.web.TCPSite(runner, ip, port).start()
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, self.ip, 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        while not self.done.is_set():
+            request = await reader.readuntil(b"\r\n\r\n")
+            if not request or self.answered:
+                await self.done.wait()
+                break
+            self.answered = True
+            body = exposition(rate=1000, arrival=900, queued=0, offered=10, limit=0.45).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: keep-alive\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    def stop(self):
+        self.done.set()
+        self.server.close()
+
+
+async def test_a_pod_that_answered_and_then_takes_a_new_scrape_without_answering_is_timed_out():
+    """The pod answered once, then its loop was too busy: the next scrape's own connection is
+    taken by its kernel, and no answer comes. (A new connection each time: see the next test.)"""
+    pod = AnswersOnce("127.0.0.34")
+    port = await pod.start()
     try:
         async with Reader() as reader:
-            (first,) = await reader.scrape([kubelet_pod(ip=ip)], (port,), timeout=0.5)
-            (second,) = await reader.scrape([kubelet_pod(ip=ip)], (port,), timeout=0.5)
+            (first,) = await reader.scrape([kubelet_pod(ip=pod.ip)], (port,), timeout=0.5)
+            (second,) = await reader.scrape([kubelet_pod(ip=pod.ip)], (port,), timeout=0.5)
     finally:
-        await runner.cleanup()
+        pod.stop()
     assert first.scraped and not second.scraped and second.timed_out
+    assert pod.connections == 2
+
+
+async def test_a_pod_cut_off_after_it_answered_is_blind_not_saturated():
+    """A node that died without a word, or a partition, after the pod answered: no new connection
+    gets through. A request written on the connection kept alive from the answer would only have
+    been buffered by our own kernel, and read as saturated (a ×4 step on a fleet that lost a
+    node); each scrape makes its own connection, so this one is `no connection`: blind."""
+    pod = AnswersOnce("127.0.0.38")
+    port = await pod.start()
+    listener = parked = None
+    try:
+        async with Reader() as reader:
+            errors = {}
+            (first,) = await reader.scrape([kubelet_pod(ip=pod.ip)], (port,), timeout=0.5)
+            pod.server.close()  # the old connections stay open and silent; new SYNs go unanswered
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((pod.ip, port))
+            listener.listen(0)
+            parked = socket.create_connection((pod.ip, port))
+            (second,) = await reader.scrape([kubelet_pod(ip=pod.ip)], (port,), timeout=0.5, errors=errors)
+    finally:
+        pod.stop()
+        for s in (parked, listener):
+            if s is not None:
+                s.close()
+    assert first.scraped and not second.scraped and not second.timed_out
+    assert "no connection within 0.5 s" in errors["p"], errors
 
 
 async def test_a_pod_of_an_older_image_is_read_on_the_api_port_and_remembered():

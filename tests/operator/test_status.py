@@ -49,7 +49,7 @@ async def test_the_reconcile_and_the_autoscaler_racing_keep_each_others_conditio
         st = emulator.get(service_path(NS, NAME))["status"]
         conditions = {c["type"]: c["status"] for c in st["conditions"]}
         assert conditions == {"Ready": "False" if problems else "True", "Progressing": "False",
-                              "Degraded": "True" if problems else "False",
+                              "Degraded": "True" if problems else "False", "FieldNotPersisted": "False",
                               "ScalingLimited": "True" if limited else "False",
                               "MetricsUnavailable": "False"}, (round_, st["conditions"])
         assert st["desiredReplicas"] == 3 and st["serviceRateTokensPerSecond"] == 1200.0 and st["replicas"] == 3

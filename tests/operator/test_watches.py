@@ -23,7 +23,9 @@ OURS = "app.kubernetes.io/managed-by=embedop"
 def fleet(emulator, tmp_path_factory):
     others(emulator, 10)
     d = tmp_path_factory.mktemp("watches")
+    started = time.monotonic()
     op = OperatorProcess(emulator.kubeconfig(d / "kubeconfig"), d / "operator.log", env={"EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
+    op.started = started
     # Mode off, with an empty env value (stored without it) and no excludeTokens (once rendered
     # as EXCLUDE_TOKENS="": the drift check never matched, and every resync applied again).
     emulator.request("POST", service_path(NS), new_service("fixed", {
@@ -54,6 +56,16 @@ def test_the_operator_is_only_ever_sent_its_own_objects(emulator, fleet):
     assert all(c["params"].get("allowWatchBookmarks") == "true" for c in reads if c["verb"] == "watch")
     # Nor does it read another's object by name.
     assert not [c for c in em.calls if c["subject"] == "operator" and c["namespace"] == "others"]
+
+
+def test_claims_are_not_listed_while_no_service_mounts_one(emulator, fleet):
+    """PersistentVolumeClaims carry no label of ours: their informer lists and watches every claim
+    of the namespaces, so it starts at the first read of one (a service with modelCache.claimName;
+    tests/operator/test_model_cache_fill.py), not at start-up, where a list refused by an older
+    chart's RBAC also held the start up for 30 s."""
+    mark = len(fleet.log())
+    eventually(lambda: fleet.log()[mark:].count(f"{NS}/fixed: periodic check done") >= 2, timeout=30)
+    assert not [c for c in em.calls if c["t"] >= fleet.started and c["resource"] == "persistentvolumeclaims"]
 
 
 def test_a_settled_fleet_costs_no_api_request(emulator, fleet):

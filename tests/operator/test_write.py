@@ -2,7 +2,9 @@
 object someone else makes between our read and our write is refused (409) rather than taken over;
 the create's field ownership made our apply's; and a render the API server does not store as sent
 (a webhook rewrites it, a schema prunes it) held after a few applies instead of applied at every
-check, with the service Degraded, reason FieldNotPersisted, naming the JSON path. The decisions as
+check, with the service's condition FieldNotPersisted naming the JSON path (not Degraded: a
+digest-pinning policy, a webhook's default, is no fault of the fleet; a pinned digest is the image
+its tag named, and is not even held). The decisions as
 tables with a clock the test drives; the behaviour through the real operator process against the
 emulator (mutating webhooks: emulator.mutators; the race: emulator.races)."""
 
@@ -154,9 +156,11 @@ def test_a_field_a_webhook_rewrites_is_held_after_three_applies_and_named(emulat
     em.mutators.append(webhook)
     try:
         emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
-        c = eventually(lambda: (c := condition(emulator, ns, name, "Degraded")).get("reason") == write.FIELD_NOT_PERSISTED
+        c = eventually(lambda: (c := condition(emulator, ns, name, write.FIELD_NOT_PERSISTED)).get("status") == "True"
                        and c)
         assert f"PodDisruptionBudget/{name}: .spec.unhealthyPodEvictionPolicy" in c["message"]
+        degraded = condition(emulator, ns, name, "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("False", "AsExpected")  # Argo CD, Flux: healthy
         assert pdb_writes(ns, name) == drift.STUCK_APPLIES  # the create and two applies
         seen = periodic_checks(operator, ns, name)
         eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)  # 2 s apart here
@@ -169,7 +173,7 @@ def test_a_field_a_webhook_rewrites_is_held_after_three_applies_and_named(emulat
         emulator.merge_patch(service_path(ns, name), {"spec": {"rollout": {"maxSurge": 1, "maxUnavailable": 2}}})
         eventually(lambda: emulator.get(f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/{name}")["spec"]
                    ["maxUnavailable"] == 2)
-        eventually(lambda: condition(emulator, ns, name, "Degraded").get("reason") == "AsExpected")
+        eventually(lambda: condition(emulator, ns, name, write.FIELD_NOT_PERSISTED).get("status") == "False")
         assert pdb_writes(ns, name) == drift.STUCK_APPLIES + 1
     finally:
         if webhook in em.mutators:
@@ -224,3 +228,124 @@ def test_what_the_operator_creates_it_owns_by_apply(emulator, operator, namespac
         assert [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("Service", f"{name}-headless")] == [True]
     finally:
         emulator.request("DELETE", service_path(ns, name))
+
+
+def test_an_image_a_policy_pins_to_its_digest_is_the_same_image(emulator, operator, namespace):
+    """Kyverno's verifyImages (mutateDigest) stores `repo:tag` as `repo:tag@sha256:…`: the image
+    the tag named, pulled by its digest. Not a drift: applied once, never held, nothing said."""
+    ns, name = namespace, "pinned"
+    digest = "sha256:" + "ab" * 32
+
+    def pin(obj):
+        if obj.get("kind") == "Deployment" and (obj.get("metadata") or {}).get("name") == name:
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                if "@" not in c["image"]:
+                    c["image"] += f"@{digest}"
+
+    em.mutators.append(pin)
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, {**SPEC, "image": "registry.example/embedserve:1.2"}, ns))
+        deploy = f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"
+        d = eventually(lambda: emulator.get(deploy))
+        assert d["spec"]["template"]["spec"]["containers"][0]["image"] == f"registry.example/embedserve:1.2@{digest}"
+        seen = periodic_checks(operator, ns, name)
+        eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)
+        assert [a["create"] for a in em.applies if (a["kind"], a["name"]) == ("Deployment", name)] == [True]
+        assert condition(emulator, ns, name, write.FIELD_NOT_PERSISTED)["status"] == "False"
+        # A new tag is a new image: applied (and pinned again).
+        emulator.merge_patch(service_path(ns, name), {"spec": {"image": "registry.example/embedserve:1.3"}})
+        eventually(lambda: emulator.get(deploy)["spec"]["template"]["spec"]["containers"][0]["image"]
+                   == f"registry.example/embedserve:1.3@{digest}")
+    finally:
+        em.mutators.remove(pin)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+def test_only_a_digest_added_to_the_tag_sent_is_the_same_image():
+    containers = lambda image: {"spec": {"containers": [{"name": "c", "image": image}]}}  # noqa: E731
+    sent = containers("r/x:1")
+    assert drift.subset(sent, containers("r/x:1@sha256:" + "0" * 64))
+    assert not drift.subset(sent, containers("r/x:2@sha256:" + "0" * 64))
+    assert not drift.subset(containers("r/x:1@sha256:" + "1" * 64), containers("r/x:1@sha256:" + "0" * 64))
+    assert not drift.subset({"spec": {"env": [{"name": "image", "value": "a"}]}},
+                            {"spec": {"env": [{"name": "image", "value": "a@sha256:0"}]}})
+
+
+def frozen(name: str, status: int = 422):
+    """A ValidatingAdmissionPolicy refusing UPDATEs of the Service `name` (422, its default reason
+    Invalid: the status a failed JSON patch `test` answers with too)."""
+    def policy(obj):
+        meta = obj.get("metadata") or {}
+        if obj.get("kind") == "Service" and meta.get("name") == name and meta.get("resourceVersion"):
+            return status, f'ValidatingAdmissionPolicy "frozen" with binding "frozen" denied request: {name} is frozen'
+    return policy
+
+
+def test_an_adoption_admission_refuses_is_not_sent_again_at_every_check(emulator, operator, namespace):
+    """A policy that refuses UPDATEs of an object refuses the adoption's JSON patch: one attempt
+    and one read (did a `test` fail? the entry has not moved: no), then not again for an hour,
+    logged, where each check used to send three patches and three reads."""
+    ns, name = namespace, "unadoptable"
+    target = f"{name}-headless"
+    policy = frozen(target)
+    em.policies.append(policy)
+    try:
+        emulator.request("POST", service_path(ns), new_service(name, SPEC, ns))
+        eventually(lambda: emulator.get(f"/api/v1/namespaces/{ns}/services/{target}"))
+        seen = periodic_checks(operator, ns, name)
+        eventually(lambda: periodic_checks(operator, ns, name) >= seen + 3)
+        calls = [c["verb"] for c in em.calls if (c["resource"], c["namespace"], c.get("name")) == ("services", ns, target)]
+        assert calls == ["get", "patch", "get"], calls  # the read before its create, the adoption, its re-read
+        assert f"Service {ns}/{target}: the fields of its create could not be made embedop's apply" in operator.log()
+        assert "not tried again for 60 min" in operator.log()
+    finally:
+        em.policies.remove(policy)
+        emulator.request("DELETE", service_path(ns, name))
+
+
+def test_an_adoption_is_read_again_when_its_entry_moved_and_a_refusal_waits_out_its_backoff(tmp_path, monkeypatch):
+    """Against the emulator with a clock the test drives: a `test` that failed because the entry
+    changed since it was read (422) is read again and patched; a refusal is not tried again
+    before ADOPT_BACKOFF_S, and is after (for that object: its uid)."""
+    import asyncio
+
+    from embedop import cache
+    from embedop.kube import Kube
+    from tests.operator.emulator import Emulator
+
+    def service(name):
+        return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+                "spec": {"ports": [{"port": 80}]}}
+
+    def verbs(mark, name):
+        return [c["verb"] for c in em.calls[mark:] if c["subject"] == "adoption-probe" and c.get("name") == name]
+
+    with Emulator(subject="adoption-probe") as e:
+        monkeypatch.setenv("KUBECONFIG", str(e.kubeconfig(tmp_path / "kubeconfig")))
+
+        async def scenario():
+            now = [1000.0]
+            kube = Kube.connect()
+            cluster = cache.Cluster(kube, {}, clock=lambda: now[0])
+            try:
+                stored = await write.create(cluster, service("moved"), adopt=False)
+                stale = copy.deepcopy(stored)  # our entry as an older read had it
+                stale["metadata"]["managedFields"][0]["time"] = "2000-01-01T00:00:00Z"
+                mark = len(em.calls)
+                adopted = await write.adopted(cluster, "Service", stale)
+                assert [m["operation"] for m in adopted["metadata"]["managedFields"]] == ["Apply"]
+                assert verbs(mark, "moved") == ["patch", "get", "patch"]
+
+                em.policies.append(frozen("refused"))
+                stored = await write.create(cluster, service("refused"), adopt=False)
+                for t, expected in ((0, ["patch", "get"]), (60, []), (write.ADOPT_BACKOFF_S - 1, []),
+                                    (write.ADOPT_BACKOFF_S, ["patch", "get"])):
+                    now[0] = 1000.0 + t
+                    mark = len(em.calls)
+                    assert await write.adopted(cluster, "Service", stored) == stored
+                    assert verbs(mark, "refused") == expected, (t, verbs(mark, "refused"))
+            finally:
+                em.policies.clear()
+                await kube.close()
+
+        asyncio.run(scenario())
