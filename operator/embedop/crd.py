@@ -247,7 +247,8 @@ SPEC = obj(
 )
 
 CONDITION = obj("A condition of the service.", {
-    "type": string("Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable, TaskMismatch or ModelCacheShared."),
+    "type": string("Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable, TaskMismatch, ModelCacheShared "
+                   "or FieldNotPersisted."),
     "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": string("CamelCase reason."),
     "message": string("Human-readable detail."),
@@ -257,7 +258,7 @@ CONDITION = obj("A condition of the service.", {
 
 STATUS = obj("Observed state, written by the operator.", {
     "observedGeneration": integer("Last spec generation the operator reconciled."),
-    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held), TaskMismatch (mode operator: the pods serve another task than spec.task), ModelCacheShared (spec.modelCache.claimName: whether every pod can mount the claim on any node, by its access mode; False for ReadWriteOnce and ReadWriteOncePod, never a refusal).", "items": CONDITION,
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ScalingLimited, MetricsUnavailable (mode operator: no ready pod's /metrics could be scraped, so the count is held), TaskMismatch (mode operator: the pods serve another task than spec.task), ModelCacheShared (spec.modelCache.claimName: whether every pod can mount the claim on any node, by its access mode; False for ReadWriteOnce and ReadWriteOncePod, never a refusal), FieldNotPersisted (True, reason Held: an owned object's field is not stored as the operator sends it, a mutating webhook's rewrite or a field the installed CRD prunes, so it is no longer applied until the render changes or an hour has passed; the message names the JSON path).", "items": CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     "replicas": integer("Server pods that exist."),
     "readyReplicas": integer("Server pods ready to serve."),
