@@ -17,9 +17,9 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   client's calls there usually take (smoothed latency and deviation; at least 0.25 s) is sent
   once more to another pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and
   servers count it as no new demand) when the deadline leaves room; the first answer wins and the
-  other try is cancelled.
-  Hedges spend the retry budget (below): a fleet slow everywhere is not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
-  resolution: embedserve.client_pods.
+  other try is cancelled. Hedges spend the retry budget (below): a fleet slow everywhere is
+  not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls;
+  pods and resolution: embedserve.client_pods.
 - "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
   Client did before; servers' connection ages make it resolve again).
 
@@ -35,10 +35,15 @@ are retried likewise; least-drain's hedges move them sooner, and its picks leave
 (its calls there unanswered, then its connection not READY) while it is still in DNS.
 Retries after a refusal are marked so servers do not count them as new demand.
 
-Retries and hedges together are held to a tenth of successful calls (10 at once), by one budget
-per target shared by every Client of the process (client_routing.RetryBudget: gRPC's retry
-throttling): code that makes a Client per request is held as one that keeps one. A call whose
-retry the budget refuses ends with its last error.
+The retries that multiply load on a fleet slow or failing everywhere (those after a backoff, the
+one after negative pushback) and hedges are held to a tenth of successful calls (10 at once), by
+one budget per target shared by every Client of the process (client_routing.RetryBudget,
+modelled on gRPC's retry throttling): code that makes a Client per request is held as one that
+keeps one. A call whose retry the budget refuses ends with its last error. Two retries are never
+charged (`spends_budget`): the first one at once on another pod after UNAVAILABLE or CANCELLED
+(a pod draining or killed answers none of its calls: a pod killed with hundreds of calls in
+flight loses none), and one onto room the server booked (retry-after-ms), which the server schedules
+and bounds itself.
 
 Every call sends the caller's OpenTelemetry context (W3C `traceparent`, with the OpenTelemetry API
 installed and a span current: the server's span is its child), the Client's `metadata=` and the
@@ -126,6 +131,24 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
 def is_final(error: grpc.RpcError) -> bool:
     """The server said not to retry (gRPC's standard negative pushback): sustained overload."""
     return any(k == "grpc-retry-pushback-ms" and v.startswith("-") for k, v in error.trailing_metadata() or ())
+
+
+def spends_budget(error: grpc.RpcError, unavailable: int) -> bool:
+    """Whether retrying after `error` spends the retry budget; `unavailable`: this call's
+    UNAVAILABLE/CANCELLED answers so far, `error`'s included. Free: the first retry after a pod
+    said go elsewhere (draining, killed, shutting down: no answer came, so the retry is the one
+    try of the call that can answer; what a pod's drain or death turns back is bounded by the
+    calls it held, not multiplied, and gRPC's own throttling, gRFC A6, never throttles its
+    transparent retries of calls a server never processed), and a retry onto the room the
+    server booked for it (retry-after-ms: the server scheduled it and bounds those itself, by
+    its reservation horizon). Charged: a retry after negative pushback (sustained overload),
+    one after a backoff (every pod keeps saying go elsewhere), and hedges (client_calls): what
+    multiplies load on a fleet that is slow or failing everywhere. Pure."""
+    if error.code() in ELSEWHERE:
+        return unavailable > 1
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return is_final(error)
+    return True
 
 
 # A quantized encoding's numpy dtype, and whether it packs 8 dimensions to a byte (as
@@ -325,7 +348,8 @@ class Client:
                     final += is_final(e)
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
                 # The budget last: a retry that would not be sent anyway spends nothing.
-                if wait is None or out_of_time or attempt == self.max_attempts or not self.retry_budget.spend():
+                if wait is None or out_of_time or attempt == self.max_attempts or (
+                        spends_budget(e, unavailable) and not self.retry_budget.spend()):
                     raise e from None
                 last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)
