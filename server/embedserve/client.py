@@ -222,6 +222,14 @@ def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | N
                                    options=options + [("grpc.ssl_target_name_override", name)])
 
 
+def _parsed_or_none(target: str) -> Target | None:
+    """The target as parsed (a round-robin Client's budget key), None where gRPC alone reads it."""
+    try:
+        return parse_target(target)
+    except ValueError:
+        return None
+
+
 ROUTINGS = ("least-drain", "round-robin")
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
@@ -232,7 +240,8 @@ class Client:
     `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
     UNAUTHENTICATED, which is never retried. `metadata`: sent on every call (each call's own
     `metadata=` replaces it key by key). `retry_budget`: what retries and hedges spend; default
-    the process's one for `target` (client_routing.budget_for)."""
+    the process's one for `target` (client_routing.budget_for; `x:50051` and `dns:///x:50051`
+    are one target)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
@@ -246,7 +255,7 @@ class Client:
         parsed = parse_target(target) if routing == "least-drain" else None
         self.routing = routing if routing == "round-robin" or parsed is not None else "round-robin"
         creds = credentials(tls, ca_file, client_cert_file, client_key_file)
-        self.retry_budget = retry_budget or budget_for(target)
+        self.retry_budget = retry_budget or budget_for(parsed or _parsed_or_none(target) or target)
         self.pods: Pods | None = None
         self.stub = None
         self._router: Router | None = None
