@@ -12,11 +12,12 @@ it fills the cache; a pod that finds none computes it at start-up and saves it f
 (embedserve.calibrate).
 
 File: <MODEL_CACHE_DIR>/embedfleet-calibration/<sha256 of the key>.npz: `embeddings` (float32
-[len(CORPUS), model dimensions]) and `key` (its key as JSON), read with allow_pickle=False. A
-writer of the cache can change the ranges (make codes coarse or clipped: /health's digest says
-which a pod uses), not run code: a file that is not such an archive, holds another key, another
-shape, a value that is not finite, or a dimension with no spread, is ignored with a warning and
-computed again."""
+[len(CORPUS), model dimensions]) and `key` (its key as JSON), stored uncompressed. A writer of
+the cache can change the ranges (make codes coarse or clipped: /health's digest says which a pod
+uses), not run code nor make a pod allocate more than the file holds (`read` checks each
+member's header before loading it, with allow_pickle=False): a file that is not such an
+archive, holds another key, another shape or a value that is not finite, is ignored with a
+warning and computed again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -195,22 +197,65 @@ def check(embeddings: object, dim: int | None = None) -> np.ndarray:
     return embeddings
 
 
+MAX_KEY_CHARS = 4096  # the key as JSON: a few hundred characters
+MEMBERS = {"embeddings.npy", "key.npy"}  # what np.savez writes for `write`
+
+
+def _header(member) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npy member's shape and dtype, from its header alone (nothing of the data allocated);
+    only the header format `write` produces (1.0)."""
+    version = np.lib.format.read_magic(member)
+    if version != (1, 0):
+        raise Unusable(f"an .npy header of version {version}, expected (1, 0)")
+    shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+    if fortran:
+        raise Unusable("a Fortran-ordered array")
+    return shape, dtype
+
+
+def _load(archive: zipfile.ZipFile, name: str, shape_ok, what: str) -> np.ndarray:
+    """Member `name`, its header checked by `shape_ok(shape, dtype)` before anything is allocated,
+    and its size against the member's own (so what is read is what the header claims)."""
+    info = archive.getinfo(name)
+    with archive.open(info) as member:
+        shape, dtype = _header(member)
+        if not shape_ok(shape, dtype):
+            raise Unusable(f"{what}: {dtype} {shape}")
+        if member.tell() + math.prod(shape) * dtype.itemsize != info.file_size:
+            raise Unusable(f"{what}: {info.file_size} bytes for {dtype} {shape}")
+    with archive.open(info) as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
+
+
 def read(path: Path, key_: dict, dim: int | None = None) -> np.ndarray | None:
     """The calibration saved at `path` for `key_`; None when there is none (or it cannot be used:
-    a warning naming it and why)."""
+    a warning naming it and why). Nothing a forged file claims is allocated before it is checked:
+    the archive holds exactly `write`'s two members, stored (not compressed: a few bytes of
+    deflate may claim terabytes), within MAX_FILE_BYTES; the key is a string of at most
+    MAX_KEY_CHARS; the embeddings' header says float32 [len(CORPUS), d] (d = `dim` where known)
+    and their member holds exactly that many bytes."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise Unusable(f"over {MAX_FILE_BYTES} bytes")
-        with np.load(path, allow_pickle=False) as archive:
-            stored = json.loads(str(archive["key"]))
-            if stored != key_:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if sorted(m.filename for m in members) != sorted(MEMBERS):
+                raise Unusable(f"members {[m.filename for m in members][:4]}, expected {sorted(MEMBERS)}")
+            for m in members:
+                if m.compress_type != zipfile.ZIP_STORED or m.file_size > MAX_FILE_BYTES:
+                    raise Unusable(f"{m.filename}: compressed or over {MAX_FILE_BYTES} bytes (written stored)")
+            stored = _load(archive, "key.npy", lambda shape, dt: shape == () and dt.kind == "U"
+                           and dt.itemsize <= 4 * MAX_KEY_CHARS, "the key")
+            if json.loads(str(stored)) != key_:
                 raise Unusable("written for another model revision, serving or corpus")
-            return check(archive["embeddings"], dim)
+            embeddings = _load(archive, "embeddings.npy", lambda shape, dt: dt == np.dtype("<f4") and len(shape) == 2
+                               and shape[0] == len(CORPUS) and shape[1] == (dim or shape[1]) > 0, "the embeddings")
+            return check(embeddings, dim)
     except FileNotFoundError:
         return None
     except Unusable as e:
         log.warning("calibration: ignoring %s: %s; computing it again", path, e)
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, MemoryError) as e:
         log.warning("calibration: ignoring %s (%s: %s); computing it again", path, type(e).__name__, e)
     return None
 

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -57,8 +58,30 @@ def _save(path, key, embeddings, allow_pickle=False):
     path.write_bytes(buffer.getvalue())
 
 
+def _forged(path, claimed_shape, compress):
+    """An archive whose embeddings' header claims `claimed_shape` (float32) over a few KiB of
+    data, the key right: what a writer of the cache could leave for every pod to load."""
+    import io
+    import json
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": claimed_shape})
+    key = io.BytesIO()
+    np.save(key, np.array(json.dumps(KEY, sort_keys=True)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=compress) as archive:
+        archive.writestr("key.npy", key.getvalue())
+        archive.writestr("embeddings.npy", b"\x93NUMPY\x01\x00" + header.getvalue()[8:] + bytes(4096))
+
+
 N, D = len(calibration.CORPUS), 16
 BAD = {
+    # 1.86 TiB claimed in a few bytes of deflate: np.load allocated it (MemoryError, every pod).
+    "deflated, claiming 1.86 TiB": lambda p: _forged(p, (N, 10**9), zipfile.ZIP_DEFLATED),
+    "stored, claiming 1.86 TiB": lambda p: _forged(p, (N, 10**9), zipfile.ZIP_STORED),
+    "compressed": lambda p: (p.parent.mkdir(parents=True, exist_ok=True), np.savez_compressed(
+        p, embeddings=unit_rows(N, D), key=np.array(__import__("json").dumps(KEY, sort_keys=True)))),
     "another key": lambda p: _save(p, {**KEY, "model_revision": "forged"}, unit_rows(N, D)),
     "not finite": lambda p: _save(p, KEY, np.full((N, D), np.nan, dtype=np.float32)),
     "too few rows": lambda p: _save(p, KEY, unit_rows(N - 1, D)),
