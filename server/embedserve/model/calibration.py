@@ -21,6 +21,7 @@ warning and computed again."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -162,12 +163,15 @@ CORPUS = _corpus()
 CORPUS_DIGEST = hashlib.sha256("\n".join(CORPUS).encode()).hexdigest()[:16]
 
 
-def key(revision: str, served: dict) -> dict:
-    """The file's key: the model's revision (model.warm_key.revision) and how its vectors are
+def key(revision: str, served: dict, weights: str = "") -> dict:
+    """The file's key: the model's revision (model.warm_key.revision), the digest of the weights'
+    contents where the revision names them by size alone (`weights`: embedserve.calibrate's
+    contents_digest; "" for a hub snapshot, whose commit names them), and how its vectors are
     formed (`served`: pooling, normalization, Dense layers, max length, the default prompt's text,
     tokens left out of pooling), with the corpus and this schema. No device, dtype or library
     version: every pod of a revision reads the same file."""
-    return {"schema": SCHEMA, "corpus": CORPUS_DIGEST, "model_revision": revision, "served": served}
+    return {"schema": SCHEMA, "corpus": CORPUS_DIGEST, "model_revision": revision, "weights": weights,
+            "served": served}
 
 
 def file_for(cache_dir: str | os.PathLike, key_: dict) -> Path:
@@ -183,7 +187,9 @@ def digest(embeddings: np.ndarray) -> str:
 
 def check(embeddings: object, dim: int | None = None) -> np.ndarray:
     """Calibration embeddings a server can quantize by, or Unusable saying why: float32 [len(CORPUS),
-    d] (d = `dim` where known), finite, and every dimension spread (its max above its min)."""
+    d] (d = `dim` where known) and finite. A dimension with no spread (its max equals its min: a
+    dead dimension of the model, or a forged file) is a warning: quantization gives it one level
+    (as sentence-transformers does), which is what such a dimension carries."""
     if not isinstance(embeddings, np.ndarray) or embeddings.dtype != np.float32 or embeddings.ndim != 2:
         raise Unusable(f"not float32 rows ({getattr(embeddings, 'dtype', type(embeddings).__name__)}, "
                        f"{getattr(embeddings, 'shape', '?')})")
@@ -193,7 +199,8 @@ def check(embeddings: object, dim: int | None = None) -> np.ndarray:
         raise Unusable("values that are not finite")
     flat = np.flatnonzero(embeddings.max(axis=0) <= embeddings.min(axis=0))
     if flat.size:
-        raise Unusable(f"{flat.size} dimensions with no spread (the first: {int(flat[0])})")
+        log.warning("calibration: %d of %d dimensions have no spread over the corpus (the first: %d): int8/uint8 "
+                    "give each of them one level", flat.size, embeddings.shape[1], int(flat[0]))
     return embeddings
 
 
@@ -260,9 +267,13 @@ def read(path: Path, key_: dict, dim: int | None = None) -> np.ndarray | None:
     return None
 
 
-def write(path: Path, key_: dict, embeddings: np.ndarray) -> bool:
-    """Atomically (a reader sees no file or a whole one), readable by pods of another user; False,
-    with one line, when the cache cannot be written (INFO for a read-only one)."""
+def write(path: Path, key_: dict, embeddings: np.ndarray) -> np.ndarray | None:
+    """Save `embeddings` at `path` unless a usable calibration is there already: the first writer
+    wins, so pods that start together and each compute one all serve the same (the one saved
+    first: `os.link` of a whole temporary file, which fails where a file exists, unlike a rename,
+    which would let the last writer replace what earlier pods already serve). → the calibration
+    now at `path` (ours, or the one found there); None, with one line, when the cache cannot be
+    written (INFO for a read-only one): this pod keeps its own."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,12 +286,36 @@ def write(path: Path, key_: dict, embeddings: np.ndarray) -> bool:
             f.write(buffer.getvalue())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not _link(tmp, path):
+            found = read(path, key_, embeddings.shape[1])
+            if found is not None:
+                log.info("calibration: %s was saved by another pod first: serving it", path)
+                return found
+            os.replace(tmp, path)  # what is there is no usable calibration (read said why): replaced
+            tmp = None
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        read_only = e.errno in (30, 13, 1)  # EROFS, EACCES, EPERM: a pre-filled claim mounted readOnly
+        read_only = e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)  # a pre-filled claim mounted readOnly
         log.log(logging.INFO if read_only else logging.WARNING,
                 "calibration: cannot save %s (%s): the next pod computes it again", path, e)
+        return None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return embeddings
+
+
+def _link(tmp: str, path: Path) -> bool:
+    """Put `tmp` at `path` unless a file is there; False if one is. Where the file system has no
+    hard links, a rename after a look (a race between two pods there is the last writer's)."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
         return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+    if path.exists():
+        return False
+    os.replace(tmp, path)
     return True
