@@ -46,8 +46,9 @@ flight loses none), and one onto room the server booked (retry-after-ms), which 
 and bounds itself.
 
 Every call sends the caller's OpenTelemetry context (W3C `traceparent`, with the OpenTelemetry API
-installed and a span current: the server's span is its child), the Client's `metadata=` and the
-call's own `metadata=` (the call's replace the Client's of the same key).
+installed and a span current: the server's span is its child; `propagate_trace=False`: never), the
+Client's `metadata=` and the call's own `metadata=` (the call's replace the Client's of the same
+key; embedserve.client_metadata).
 
 A server with API keys takes `api_key=` (sent as `authorization: Bearer <key>` metadata on every
 call); one with TLS takes `ca_file=` (the PEM bundle its certificate is verified against; `tls=True`
@@ -69,7 +70,7 @@ import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve import client_metadata
+from embedserve import client_metadata, tracing
 from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
 from embedserve.client_routing import RetryBudget, budget_for
@@ -239,14 +240,16 @@ class Client:
     `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
     `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
     UNAUTHENTICATED, which is never retried. `metadata`: sent on every call (each call's own
-    `metadata=` replaces it key by key). `retry_budget`: what retries and hedges spend; default
+    `metadata=` replaces it key by key, an `authorization` there the api_key's). `propagate_trace`:
+    send the caller's OpenTelemetry context (False: never). `retry_budget`: what retries and hedges spend; default
     the process's one for `target` (client_routing.budget_for; `x:50051` and `dns:///x:50051`
     are one target)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
                  client_cert_file: str | None = None, client_key_file: str | None = None,
-                 routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None):
+                 routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None,
+                 propagate_trace: bool = True):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         if routing not in ROUTINGS:
@@ -268,6 +271,7 @@ class Client:
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._metadata = client_metadata.merged(auth, client_metadata.pairs(metadata, "Client(metadata=)"))
+        self._inject = tracing.injector() if propagate_trace else None  # here, not on a call's path
 
     @property
     def hedges(self) -> int:
@@ -327,7 +331,7 @@ class Client:
             raise f.error from None
 
     def _call_metadata(self, metadata) -> tuple:
-        return client_metadata.for_call(self._metadata, metadata)
+        return client_metadata.for_call(self._metadata, metadata, self._inject)
 
     async def _call(self, rpc: str, request, call_metadata=None):
         sent = self._call_metadata(call_metadata)

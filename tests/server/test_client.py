@@ -290,17 +290,3 @@ async def test_clients_made_per_call_share_one_retry_budget_per_target(routing):
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert fleet.calls == 30 * 2 + MAX_TOKENS / 2
         assert client.retry_budget is Client(fleet.target).retry_budget  # one per target
-
-
-def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
-    from embedserve.client_metadata import merged, pairs as metadata_pairs
-
-    assert merged((("authorization", "Bearer a"), ("x-team", "search")),
-                  metadata_pairs({"authorization": "Bearer b", "x-request-id": "7"}, "metadata=")) == (
-        ("x-team", "search"), ("authorization", "Bearer b"), ("x-request-id", "7"))
-    for bad, says in (({"X-Upper": "v"}, "is not gRPC metadata"), ({"embedfleet-attempt": "3"}, "set by the Client"),
-                      ({"x-bin": "text"}, "must be bytes"), ({"x": 1}, "must be str"), ([("x",)], "not a \\(key, value\\)")):
-        with pytest.raises(ValueError, match=says):
-            metadata_pairs(bad, "metadata=")
-    with pytest.raises(ValueError, match="Client\\(metadata=\\)"):
-        Client("127.0.0.1:1", metadata={"embedfleet-hedge": "1"})
