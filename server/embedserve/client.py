@@ -19,7 +19,7 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   servers count it as no new demand) when the deadline leaves room; the first answer wins and the
   other try is cancelled. Hedges spend the retry budget (below): a fleet slow everywhere is
   not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls;
-  pods and resolution: embedserve.client_pods.
+  pods and resolution: embedserve.client_pods; retry decisions: embedserve.client_retries.
 - "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
   Client did before; servers' connection ages make it resolve again).
 
@@ -61,9 +61,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
 import time
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -73,6 +73,7 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import client_metadata, tracing
 from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
+from embedserve.client_retries import ELSEWHERE, is_final, spends_budget, wait_before_retry
 from embedserve.client_routing import RetryBudget, budget_for
 
 # A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
@@ -110,48 +111,6 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 WAIT_FOR_BOOKED_ROOM = client_metadata.WAIT_FOR_BOOKED_ROOM  # embedfleet-queue: wait (client_metadata says why)
-UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
-# Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
-# cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
-# a caller's cancellation arrives as asyncio.CancelledError, never as a status).
-ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-def retry_after_s(error: grpc.RpcError) -> float | None:
-    """The server's retry-after-ms, in seconds; None when it sent none (the refusal is not
-    admission's, e.g. a message over the size limit: retrying cannot help)."""
-    for key, value in error.trailing_metadata() or ():
-        if key == "retry-after-ms":
-            try:
-                return max(0.0, float(value) / 1000)
-            except ValueError:
-                return None
-    return None
-
-
-def is_final(error: grpc.RpcError) -> bool:
-    """The server said not to retry (gRPC's standard negative pushback): sustained overload."""
-    return any(k == "grpc-retry-pushback-ms" and v.startswith("-") for k, v in error.trailing_metadata() or ())
-
-
-def spends_budget(error: grpc.RpcError, unavailable: int) -> bool:
-    """Whether retrying after `error` spends the retry budget; `unavailable`: this call's
-    UNAVAILABLE/CANCELLED answers so far, `error`'s included. Free: the first retry after a pod
-    said go elsewhere (draining, killed, shutting down: no answer came, so the retry is the one
-    try of the call that can answer; what a pod's drain or death turns back is bounded by the
-    calls it held, not multiplied, and gRPC's own throttling, gRFC A6, never throttles its
-    transparent retries of calls a server never processed), and a retry onto the room the
-    server booked for it (retry-after-ms: the server scheduled it and bounds those itself, by
-    its reservation horizon). Charged: a retry after negative pushback (sustained overload),
-    one after a backoff (every pod keeps saying go elsewhere), and hedges (client_calls): what
-    multiplies load on a fleet that is slow or failing everywhere. Pure."""
-    if error.code() in ELSEWHERE:
-        return unavailable > 1
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return is_final(error)
-    return True
-
-
 # A quantized encoding's numpy dtype, and whether it packs 8 dimensions to a byte (as
 # sentence-transformers' quantize_embeddings returns them).
 _QUANTIZED = {pb.INT8: (np.int8, False), pb.UINT8: (np.uint8, False), pb.BINARY: (np.int8, True),
@@ -229,6 +188,16 @@ def _parsed_or_none(target: str) -> Target | None:
         return parse_target(target)
     except ValueError:
         return None
+
+
+class QuantizationRanges(NamedTuple):
+    """What Client.quantization answers (rpc Quantization)."""
+
+    ranges: np.ndarray  # float32 [2, dimensions]: each dimension's start, then each one's end
+    calibration: str  # the calibration's digest (HealthCheck's quantize_calibration); "": a fixed range
+    quantize_range: float  # r of the fixed range [-r, r]; 0 when calibrated
+    dimensions: int
+    normalized: bool
 
 
 ROUTINGS = ("least-drain", "round-robin")
@@ -320,6 +289,17 @@ class Client:
         response = await self._call("Rerank", request, metadata)
         return np.asarray(response.scores, dtype=np.float32)
 
+    async def quantization(self, dimensions: int = 0, normalized: bool | None = None,
+                           metadata=None) -> "QuantizationRanges":
+        """The ranges a server's int8/uint8 codes of vectors `dimensions` wide use (0: the width it
+        serves by default; `normalized` None: as it serves them), so that `quantize_embeddings(
+        vectors, precision, ranges=q.ranges)` quantizes as it does and its codes can be
+        dequantized. One pod's (pods with equal `calibration` digests use equal ranges)."""
+        request = pb.QuantizationRequest(dimensions=dimensions, normalized=normalized)
+        r = await self._call("Quantization", request, metadata)
+        return QuantizationRanges(np.frombuffer(r.ranges, dtype="<f4").reshape(2, r.dimensions), r.calibration,
+                                  r.quantize_range, r.dimensions, r.normalized)
+
     async def health(self, metadata=None) -> pb.HealthCheckResponse:
         """One pod's health (least-drain: the pod a call would go to now)."""
         sent = self._call_metadata(metadata)
@@ -353,7 +333,7 @@ class Client:
                 return response
             except (grpc.aio.AioRpcError, Failed) as caught:
                 e, pod = (caught.error, caught.pod) if isinstance(caught, Failed) else (caught, None)
-                wait = self._wait_before_retry(e, unavailable, final)
+                wait = wait_before_retry(e, unavailable, final)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
                 elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -366,24 +346,6 @@ class Client:
                     raise e from None
                 last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)
-
-    @staticmethod
-    def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:
-        """Seconds to wait before the next try; None: do not retry."""
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(error):
-            # Sustained overload on that pod. Another pod may have room (one a scale-up just
-            # added; the same pod behind a single address): once, at once, no more.
-            return 0.0 if final == 0 else None
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            booked = retry_after_s(error)
-            # Back on time: the room is booked for a grace after the moment, not before it.
-            return None if booked is None else booked * random.uniform(1.0, 1.05)
-        if error.code() in ELSEWHERE:
-            # The next try goes to another pod: at once the first time; backing off only when
-            # every pod keeps saying no (all draining, warming up, or gone).
-            first, most = UNAVAILABLE_BACKOFF_S
-            return 0.0 if unavailable == 0 else min(most, first * 2 ** unavailable) * random.uniform(0.5, 1.0)
-        return None
 
 
 async def _cli(args) -> int:

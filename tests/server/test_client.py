@@ -10,7 +10,8 @@ import pytest
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client, is_final, retry_after_s, spends_budget
+from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client
+from embedserve.client_retries import is_final, retry_after_s, spends_budget
 from embedserve.transports.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
 

@@ -179,3 +179,12 @@ def test_a_fixed_range_is_as_before():
     assert Quantization(0.3).health() == {"quantize_range": 0.3, "quantize_calibration": ""}
     with pytest.raises(Exception, match="dimensions=17"):
         Quantization(calibration=unit_rows(N, 16)).ranges(17)
+
+
+def test_a_fixed_ranges_rows_are_made_once_per_width():
+    """Each int8/uint8 request asked the fixed range's [2, d] again, a 2 x d Python list each
+    time; kept per width (read-only: shared), equal to what it was."""
+    q = Quantization(0.3)
+    first = q.ranges(384)
+    assert q.ranges(384) is first and not first.flags.writeable
+    assert first.tobytes() == np.array([[-0.3] * 384, [0.3] * 384]).astype(np.float32).tobytes()
