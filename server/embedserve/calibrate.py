@@ -86,7 +86,8 @@ def contents_digest(model_dir: str | os.PathLike, cache_dir: str | os.PathLike) 
 
 def _file_digest(f: Path, stat: os.stat_result, cache_dir: str | os.PathLike) -> str:
     real = str(f.resolve())
-    record = Path(cache_dir) / calibration.DIRECTORY / CONTENTS / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
+    name = hashlib.sha256(real.encode()).hexdigest()[:32] + ".json"
+    record = Path(cache_dir) / calibration.DIRECTORY / CONTENTS / name
     known = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     try:
         with open(record, "rb") as fh:
@@ -155,7 +156,8 @@ def calibrated(settings: Settings, prepared, dim: int | None = None, sim_rate: f
     copy of the weights computing it may take (None: any; prefetch's); above it, TooLarge."""
     # The simulated device borrows the packaged model's files: its vectors are not that model's.
     revision = warm_key.revision(prepared.model_dir)
-    weights = "" if sim_rate or revision.startswith("hub:") else contents_digest(prepared.model_dir, settings.model_cache_dir)
+    hub = revision.startswith("hub:")  # a commit names its weights' contents
+    weights = "" if sim_rate or hub else contents_digest(prepared.model_dir, settings.model_cache_dir)
     key = calibration.key(revision, {**served(prepared), "simulated": bool(sim_rate)}, weights)
     path = calibration.file_for(settings.model_cache_dir, key)
     embeddings = calibration.read(path, key, dim)

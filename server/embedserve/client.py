@@ -40,10 +40,10 @@ one after negative pushback) and hedges are held to a tenth of successful calls 
 one budget per target shared by every Client of the process (client_routing.RetryBudget,
 modelled on gRPC's retry throttling): code that makes a Client per request is held as one that
 keeps one. A call whose retry the budget refuses ends with its last error. Two retries are never
-charged (`spends_budget`): the first one at once on another pod after UNAVAILABLE or CANCELLED
-(a pod draining or killed answers none of its calls: a pod killed with hundreds of calls in
-flight loses none), and one onto room the server booked (retry-after-ms), which the server schedules
-and bounds itself.
+charged (client_retries.spends_budget): the first one at once on another pod after UNAVAILABLE or
+CANCELLED (a pod draining or killed answers none of its calls: a pod killed with hundreds of
+calls in flight loses none), and one onto room the server booked (retry-after-ms), which the
+server schedules and bounds itself.
 
 Every call sends the caller's OpenTelemetry context (W3C `traceparent`, with the OpenTelemetry API
 installed and a span current: the server's span is its child; `propagate_trace=False`: never), the
@@ -209,10 +209,10 @@ class Client:
     `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
     `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
     UNAUTHENTICATED, which is never retried. `metadata`: sent on every call (each call's own
-    `metadata=` replaces it key by key, an `authorization` there the api_key's). `propagate_trace`:
-    send the caller's OpenTelemetry context (False: never). `retry_budget`: what retries and hedges spend; default
-    the process's one for `target` (client_routing.budget_for; `x:50051` and `dns:///x:50051`
-    are one target)."""
+    `metadata=` replaces it key by key, an `authorization` there the api_key's).
+    `propagate_trace`: send the caller's OpenTelemetry context (False: never). `retry_budget`:
+    what charged retries and hedges spend; default the process's one for `target`
+    (client_routing.budget_for; `x:50051` and `dns:///x:50051` are one target)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
@@ -290,7 +290,7 @@ class Client:
         return np.asarray(response.scores, dtype=np.float32)
 
     async def quantization(self, dimensions: int = 0, normalized: bool | None = None,
-                           metadata=None) -> "QuantizationRanges":
+                           metadata=None) -> QuantizationRanges:
         """The ranges a server's int8/uint8 codes of vectors `dimensions` wide use (0: the width it
         serves by default; `normalized` None: as it serves them), so that `quantize_embeddings(
         vectors, precision, ranges=q.ranges)` quantizes as it does and its codes can be

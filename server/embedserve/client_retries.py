@@ -1,6 +1,7 @@
 """The Client's retry decisions (embedserve.client), from a try's error and what the call saw
-before (no I/O; the waits' jitter is random): whether to retry and after how long (`wait_before_retry`), and whether the retry
-spends the process's retry budget (`spends_budget`; the budget: client_routing.RetryBudget)."""
+before (no I/O; the waits' jitter is random): whether to retry and after how long
+(`wait_before_retry`), and whether the retry spends the process's retry budget (`spends_budget`;
+the budget: client_routing.RetryBudget)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
 
 @pytest.mark.parametrize("bad, says", [
     # gRPC failed the call with its own internal error (ExecuteBatchError) on these values ...
-    ({"x-note": "v\nx"}, r"holds '\\n': printable ASCII"), ({"x-note": "é"}, "holds 'é'"), ({"x-note": "\x7f"}, "printable"),
+    ({"x-note": "v\nx"}, r"holds '\\n': printable ASCII"), ({"x-note": "é"}, "holds 'é'"),
+    ({"x-note": "\x7f"}, "printable"),
     # ... and dropped these keys without a word (or fails the call on HTTP/2's connection headers).
     ({"grpc-timeout": "1S"}, "set by gRPC"), ({"grpc-previous-rpc-attempts": "1"}, "set by gRPC"),
     ({"te": "trailers"}, "set by gRPC"), ({"content-type": "text/plain"}, "set by gRPC"),
@@ -144,7 +145,8 @@ def test_a_bad_otel_propagators_costs_a_warning_not_every_call():
     """A misspelled OTEL_PROPAGATORS makes importing OpenTelemetry's propagate raise ValueError:
     caught (ImportError only was), looked up once, said once, and calls go without a context."""
     out = subprocess.run([sys.executable, "-c", BAD_PROPAGATORS], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'server'}:{ROOT}", "OTEL_PROPAGATORS": "tracecontext,nope"})
+                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'server'}:{ROOT}",
+                              "OTEL_PROPAGATORS": "tracecontext,nope"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["3", "True"]
     assert out.stderr.count("trace context: not sent by embedserve.client") == 1, out.stderr[-2000:]
