@@ -204,6 +204,17 @@ def own_model_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_retry_budgets():
+    """Each test's Clients start with full retry budgets: the process keeps one per target
+    (embedserve.client_routing.budget_for), which one test's failures would otherwise spend for
+    the next test of the same target."""
+    routing = sys.modules.get("embedserve.client_routing")  # not imported for the operator's tests
+    if routing is not None:
+        routing.forget_budgets()
+    yield
+
+
 @pytest.fixture
 def dns():
     server = LoopbackDNS()

@@ -17,9 +17,9 @@ In a cluster, target the headless Service as `dns:///NAME:50051`. Routing (`rout
   client's calls there usually take (smoothed latency and deviation; at least 0.25 s) is sent
   once more to another pod (a hedge, marked embedfleet-hedge: the calls are idempotent, and
   servers count it as no new demand) when the deadline leaves room; the first answer wins and the
-  other try is cancelled.
-  Hedges spend the retry budget (below): a fleet slow everywhere is not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls; pods and
-  resolution: embedserve.client_pods.
+  other try is cancelled. Hedges spend the retry budget (below): a fleet slow everywhere is
+  not sent twice its load. Decisions: embedserve.client_routing; tries: embedserve.client_calls;
+  pods and resolution: embedserve.client_pods; retry decisions: embedserve.client_retries.
 - "round-robin": one gRPC channel, its round_robin policy over the resolved addresses (what the
   Client did before; servers' connection ages make it resolve again).
 
@@ -35,14 +35,20 @@ are retried likewise; least-drain's hedges move them sooner, and its picks leave
 (its calls there unanswered, then its connection not READY) while it is still in DNS.
 Retries after a refusal are marked so servers do not count them as new demand.
 
-Retries and hedges together are held to a tenth of successful calls (10 at once), by one budget
-per target shared by every Client of the process (client_routing.RetryBudget: gRPC's retry
-throttling): code that makes a Client per request is held as one that keeps one. A call whose
-retry the budget refuses ends with its last error.
+The retries that multiply load on a fleet slow or failing everywhere (those after a backoff, the
+one after negative pushback) and hedges are held to a tenth of successful calls (10 at once), by
+one budget per target shared by every Client of the process (client_routing.RetryBudget,
+modelled on gRPC's retry throttling): code that makes a Client per request is held as one that
+keeps one. A call whose retry the budget refuses ends with its last error. Two retries are never
+charged (client_retries.spends_budget): the first one at once on another pod after UNAVAILABLE or
+CANCELLED (a pod draining or killed answers none of its calls: a pod killed with hundreds of
+calls in flight loses none), and one onto room the server booked (retry-after-ms), which the
+server schedules and bounds itself.
 
 Every call sends the caller's OpenTelemetry context (W3C `traceparent`, with the OpenTelemetry API
-installed and a span current: the server's span is its child), the Client's `metadata=` and the
-call's own `metadata=` (the call's replace the Client's of the same key).
+installed and a span current: the server's span is its child; `propagate_trace=False`: never), the
+Client's `metadata=` and the call's own `metadata=` (the call's replace the Client's of the same
+key; embedserve.client_metadata).
 
 A server with API keys takes `api_key=` (sent as `authorization: Bearer <key>` metadata on every
 call); one with TLS takes `ca_file=` (the PEM bundle its certificate is verified against; `tls=True`
@@ -55,18 +61,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
 import time
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve import client_metadata
+from embedserve import client_metadata, tracing
 from embedserve.client_calls import Failed, Router
 from embedserve.client_pods import Pod, Pods, Target, channel_target, parse_target
+from embedserve.client_retries import ELSEWHERE, is_final, spends_budget, wait_before_retry
 from embedserve.client_routing import RetryBudget, budget_for
 
 # A dead pod costs a call at most about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s) before it
@@ -104,30 +111,6 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 WAIT_FOR_BOOKED_ROOM = client_metadata.WAIT_FOR_BOOKED_ROOM  # embedfleet-queue: wait (client_metadata says why)
-UNAVAILABLE_BACKOFF_S = (0.02, 1.0)  # first and largest wait when every pod is unavailable
-# Retried at once on the next pod: a pod draining or gone (UNAVAILABLE), and a call the server
-# cancelled as it shut down (a call that raced its GOAWAY; this client never cancels one itself:
-# a caller's cancellation arrives as asyncio.CancelledError, never as a status).
-ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-def retry_after_s(error: grpc.RpcError) -> float | None:
-    """The server's retry-after-ms, in seconds; None when it sent none (the refusal is not
-    admission's, e.g. a message over the size limit: retrying cannot help)."""
-    for key, value in error.trailing_metadata() or ():
-        if key == "retry-after-ms":
-            try:
-                return max(0.0, float(value) / 1000)
-            except ValueError:
-                return None
-    return None
-
-
-def is_final(error: grpc.RpcError) -> bool:
-    """The server said not to retry (gRPC's standard negative pushback): sustained overload."""
-    return any(k == "grpc-retry-pushback-ms" and v.startswith("-") for k, v in error.trailing_metadata() or ())
-
-
 # A quantized encoding's numpy dtype, and whether it packs 8 dimensions to a byte (as
 # sentence-transformers' quantize_embeddings returns them).
 _QUANTIZED = {pb.INT8: (np.int8, False), pb.UINT8: (np.uint8, False), pb.BINARY: (np.int8, True),
@@ -199,6 +182,24 @@ def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | N
                                    options=options + [("grpc.ssl_target_name_override", name)])
 
 
+def _parsed_or_none(target: str) -> Target | None:
+    """The target as parsed (a round-robin Client's budget key), None where gRPC alone reads it."""
+    try:
+        return parse_target(target)
+    except ValueError:
+        return None
+
+
+class QuantizationRanges(NamedTuple):
+    """What Client.quantization answers (rpc Quantization)."""
+
+    ranges: np.ndarray  # float32 [2, dimensions]: each dimension's start, then each one's end
+    calibration: str  # the calibration's digest (HealthCheck's quantize_calibration); "": a fixed range
+    quantize_range: float  # r of the fixed range [-r, r]; 0 when calibrated
+    dimensions: int
+    normalized: bool
+
+
 ROUTINGS = ("least-drain", "round-robin")
 class Client:
     """Async client. `timeout_s` is each call's deadline, retries (and hedges) included (None: no
@@ -208,13 +209,16 @@ class Client:
     `api_key`: sent on every call (servers with API_KEYS / API_KEYS_FILE); `tls`, `ca_file`,
     `client_cert_file`, `client_key_file`: see `credentials`. A wrong or missing key ends a call
     UNAUTHENTICATED, which is never retried. `metadata`: sent on every call (each call's own
-    `metadata=` replaces it key by key). `retry_budget`: what retries and hedges spend; default
-    the process's one for `target` (client_routing.budget_for)."""
+    `metadata=` replaces it key by key, an `authorization` there the api_key's).
+    `propagate_trace`: send the caller's OpenTelemetry context (False: never). `retry_budget`:
+    what charged retries and hedges spend; default the process's one for `target`
+    (client_routing.budget_for; `x:50051` and `dns:///x:50051` are one target)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
                  client_cert_file: str | None = None, client_key_file: str | None = None,
-                 routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None):
+                 routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None,
+                 propagate_trace: bool = True):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         if routing not in ROUTINGS:
@@ -223,7 +227,7 @@ class Client:
         parsed = parse_target(target) if routing == "least-drain" else None
         self.routing = routing if routing == "round-robin" or parsed is not None else "round-robin"
         creds = credentials(tls, ca_file, client_cert_file, client_key_file)
-        self.retry_budget = retry_budget or budget_for(target)
+        self.retry_budget = retry_budget or budget_for(parsed or _parsed_or_none(target) or target)
         self.pods: Pods | None = None
         self.stub = None
         self._router: Router | None = None
@@ -236,6 +240,7 @@ class Client:
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._metadata = client_metadata.merged(auth, client_metadata.pairs(metadata, "Client(metadata=)"))
+        self._inject = tracing.injector() if propagate_trace else None  # here, not on a call's path
 
     @property
     def hedges(self) -> int:
@@ -284,6 +289,17 @@ class Client:
         response = await self._call("Rerank", request, metadata)
         return np.asarray(response.scores, dtype=np.float32)
 
+    async def quantization(self, dimensions: int = 0, normalized: bool | None = None,
+                           metadata=None) -> QuantizationRanges:
+        """The ranges a server's int8/uint8 codes of vectors `dimensions` wide use (0: the width it
+        serves by default; `normalized` None: as it serves them), so that `quantize_embeddings(
+        vectors, precision, ranges=q.ranges)` quantizes as it does and its codes can be
+        dequantized. One pod's (pods with equal `calibration` digests use equal ranges)."""
+        request = pb.QuantizationRequest(dimensions=dimensions, normalized=normalized)
+        r = await self._call("Quantization", request, metadata)
+        return QuantizationRanges(np.frombuffer(r.ranges, dtype="<f4").reshape(2, r.dimensions), r.calibration,
+                                  r.quantize_range, r.dimensions, r.normalized)
+
     async def health(self, metadata=None) -> pb.HealthCheckResponse:
         """One pod's health (least-drain: the pod a call would go to now)."""
         sent = self._call_metadata(metadata)
@@ -295,7 +311,7 @@ class Client:
             raise f.error from None
 
     def _call_metadata(self, metadata) -> tuple:
-        return client_metadata.for_call(self._metadata, metadata)
+        return client_metadata.for_call(self._metadata, metadata, self._inject)
 
     async def _call(self, rpc: str, request, call_metadata=None):
         sent = self._call_metadata(call_metadata)
@@ -317,7 +333,7 @@ class Client:
                 return response
             except (grpc.aio.AioRpcError, Failed) as caught:
                 e, pod = (caught.error, caught.pod) if isinstance(caught, Failed) else (caught, None)
-                wait = self._wait_before_retry(e, unavailable, final)
+                wait = wait_before_retry(e, unavailable, final)
                 if e.code() in ELSEWHERE:
                     unavailable += 1
                 elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -325,28 +341,11 @@ class Client:
                     final += is_final(e)
                 out_of_time = deadline is not None and time.monotonic() + (wait or 0.0) >= deadline
                 # The budget last: a retry that would not be sent anyway spends nothing.
-                if wait is None or out_of_time or attempt == self.max_attempts or not self.retry_budget.spend():
+                if wait is None or out_of_time or attempt == self.max_attempts or (
+                        spends_budget(e, unavailable) and not self.retry_budget.spend()):
                     raise e from None
                 last = (e.code(), pod) if not is_final(e) else (grpc.StatusCode.UNAVAILABLE, pod)
                 await asyncio.sleep(wait)
-
-    @staticmethod
-    def _wait_before_retry(error: grpc.aio.AioRpcError, unavailable: int, final: int) -> float | None:
-        """Seconds to wait before the next try; None: do not retry."""
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and is_final(error):
-            # Sustained overload on that pod. Another pod may have room (one a scale-up just
-            # added; the same pod behind a single address): once, at once, no more.
-            return 0.0 if final == 0 else None
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            booked = retry_after_s(error)
-            # Back on time: the room is booked for a grace after the moment, not before it.
-            return None if booked is None else booked * random.uniform(1.0, 1.05)
-        if error.code() in ELSEWHERE:
-            # The next try goes to another pod: at once the first time; backing off only when
-            # every pod keeps saying no (all draining, warming up, or gone).
-            first, most = UNAVAILABLE_BACKOFF_S
-            return 0.0 if unavailable == 0 else min(most, first * 2 ** unavailable) * random.uniform(0.5, 1.0)
-        return None
 
 
 async def _cli(args) -> int:

@@ -17,17 +17,20 @@ how long this client's answered calls there took.
 - `hedge_delay_s`: when a try that has not answered is sent once more to another pod: after
   the pod's queue (its estimate) and what this client's calls there usually take (`latency`,
   smoothed as TCP smooths round trips), so that a request that is simply big is not "late".
-- `RetryBudget`, `budget_for`: retries and hedges stay a small share of successful calls, so
-  that a fleet that is slow or refusing everywhere is not sent twice its load: gRPC's retry
-  throttling (gRFC A6), one budget per target for every Client of the process.
+- `RetryBudget`, `budget_for`: the retries that multiply load (embedserve.client.spends_budget)
+  and hedges stay a small share of successful calls, so that a fleet that is slow or refusing
+  everywhere is not sent twice its load: modelled on gRPC's retry throttling (gRFC A6), one
+  budget per target for every Client of the process.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
-from typing import NamedTuple, Sequence
+import weakref
+from typing import Hashable, NamedTuple, Sequence
 
 AGE_HALF_LIFE_S = 1.0  # an estimate counts half after this long without news from its pod
 FORGET_S = 5.0  # and not at all after this: the pod is "unknown", as if new
@@ -39,11 +42,15 @@ HEDGE_FACTOR = 2.0  # a try is late when it outlives its pod's drain twice over 
 HEDGE_MARGIN_S = 0.25
 LATENCY_GAIN, DEVIATION_GAIN = 1 / 8, 1 / 4  # RFC 6298's smoothing of round trips
 HEDGE_MIN_LEFT_S = 0.1  # a hedge needs at least this much of the deadline left to be of use
-# Retry throttling, as gRPC's retryThrottling: every successful call earns TOKEN_RATIO, every
-# retry or hedge spends 1, and one is allowed while the tokens are above half of MAX_TOKENS. In
-# the long run retries and hedges are then at most a tenth of successful calls, with MAX_TOKENS / 2
-# (10) at once for a stall or a pod's drain; when calls stop succeeding (every pod refusing or
-# gone), they stop after those 10 rather than doubling the load.
+# Retry throttling, modelled on gRPC's retryThrottling: every successful call earns TOKEN_RATIO,
+# every charged retry or hedge spends 1, and one is allowed while the tokens are above half of
+# MAX_TOKENS. In the long run charged retries and hedges are then at most a tenth of successful
+# calls, with MAX_TOKENS / 2 (10) at once for a stall; when calls stop succeeding (every pod
+# refusing or gone), they stop after those 10 rather than doubling the load. Not A6 itself: A6
+# takes a token for every failed attempt with a retryable code (whether or not it is retried)
+# and charges a hedge by its outcome; here a token is taken for a retry or hedge as it is sent,
+# and the retries that multiply no load are not charged at all (a pod's drain or death, booked
+# room: embedserve.client.spends_budget).
 MAX_TOKENS = 20.0
 TOKEN_RATIO = 0.1
 UNKNOWN_MS = 1e9  # what a server sends when it has measured no service rate yet
@@ -137,13 +144,13 @@ def latency_after(latency: tuple[float, float] | None, sample_s: float) -> tuple
 
 
 class RetryBudget:
-    """gRPC's retry throttling (gRFC A6, the service config's retryThrottling): `max_tokens` in
-    (0, 1000], full at start, `token_ratio` in (0, 1] earned by each successful call
-    (`succeeded`), 1 spent by each retry or hedge (`spend`), which is allowed only while the
-    tokens are above max_tokens / 2. Shared by every Client of a process for one target
-    (`budget_for`): a Client made per request starts with nothing of its own, so code that makes
-    one per call cannot hedge every late call or retry every refusal. Thread-safe (Clients on
-    several event loops)."""
+    """Retry throttling modelled on gRPC's (gRFC A6, the service config's retryThrottling; how it
+    differs: MAX_TOKENS's comment): `max_tokens` in (0, 1000], full at start, `token_ratio` in
+    (0, 1] earned by each successful call (`succeeded`), 1 spent by each charged retry or hedge
+    (`spend`), which is allowed only while the tokens are above max_tokens / 2. Shared by every
+    Client of a process for one target (`budget_for`): a Client made per request starts with
+    nothing of its own, so code that makes one per call cannot hedge every late call or retry
+    every refusal. Thread-safe (Clients on several event loops)."""
 
     def __init__(self, max_tokens: float = MAX_TOKENS, token_ratio: float = TOKEN_RATIO):
         if not 0 < max_tokens <= 1000:
@@ -153,6 +160,7 @@ class RetryBudget:
         self.max_tokens, self.token_ratio = float(max_tokens), float(token_ratio)
         self.tokens = self.max_tokens
         self._lock = threading.Lock()
+        self._spent: set | None = None  # budget_for's: where a budget below max_tokens keeps itself alive
 
     def allows(self) -> bool:
         """Whether a retry or hedge may be sent now (without spending)."""
@@ -164,25 +172,51 @@ class RetryBudget:
             if self.tokens <= self.max_tokens / 2:
                 return False
             self.tokens -= 1.0
+            if self._spent is not None:
+                self._spent.add(self)
             return True
 
     def succeeded(self) -> None:
         """A call succeeded: earn token_ratio, up to max_tokens."""
         with self._lock:
             self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
+            if self._spent is not None and self.tokens == self.max_tokens:
+                self._spent.discard(self)
 
 
-_budgets: dict[str, RetryBudget] = {}
+# The process's budgets, by target. Held weakly: a target's budget lives while a Client uses it
+# or while it is below max_tokens (then `_spent` holds it: a Client made per call must find what
+# the last one spent). A full budget no Client uses is dropped, as it equals a new one: a process
+# that talks to ever new targets keeps only those with calls or debts.
+_budgets: "weakref.WeakValueDictionary[Hashable, RetryBudget]" = weakref.WeakValueDictionary()
+_spent: set[RetryBudget] = set()
 _budgets_lock = threading.Lock()
 
 
-def budget_for(target: str) -> RetryBudget:
-    """The process's one RetryBudget for `target` (as given to the Client), made at first use."""
+def budget_for(target: Hashable) -> RetryBudget:
+    """The process's one RetryBudget for `target`, made at first use. The Client passes the target
+    as parsed (client_pods.parse_target: `x:50051` and `dns:///x:50051` are one target), or the
+    string as given when it is of a scheme left to gRPC."""
     with _budgets_lock:
         budget = _budgets.get(target)
         if budget is None:
             budget = _budgets[target] = RetryBudget()
+            budget._spent = _spent
         return budget
+
+
+def forget_budgets() -> None:
+    """Every target's budget forgotten (the next Client of a target starts full), and a new lock:
+    in a child process after fork (a lock another thread of the parent held would stay held
+    there; the parent's Clients are not the child's), and between tests."""
+    global _budgets_lock
+    _budgets_lock = threading.Lock()
+    _budgets.clear()
+    _spent.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=forget_budgets)
 
 
 def drain_ms(metadata) -> float | None:

@@ -169,14 +169,22 @@ class Settings:
     """QUANTIZE_RANGE: r > 0, the fixed range [-r, r] of every dimension that int8 and uint8
     encodings map onto their 256 levels (sentence-transformers' quantize_embeddings with
     `ranges` [-r, r]); 1.0 covers every component of a unit vector. Fixed, not calibrated on the
-    request: the same vector quantizes the same in every request and on every pod. `calibrated`:
-    see quantize_calibrated (this field keeps its default then)."""
+    request: the same vector quantizes the same in every request and on every pod. Changing it
+    changes every int8/uint8 code: an index built before must be re-encoded. An index that ranks
+    by the codes' own dot product wants a fixed r tuned to the model (0.3 for the packaged MiniLM:
+    bench/RESULTS.md § 11). `calibrated`: see quantize_calibrated (this field keeps its default
+    then, and /health's quantize_range says 0)."""
     quantize_calibrated: bool = False
     """QUANTIZE_RANGE=calibrated: each dimension's own range, the min and max of the model's float32
     vectors of a fixed corpus (embedserve.model.calibration), the same on every pod of a model
-    revision: read from MODEL_CACHE_DIR (python -m embedserve.prefetch computes it there), else
-    computed at start-up on the CPU and saved. /health names it by a digest (quantize_calibration),
-    GET /quantization gives the ranges."""
+    revision and its weights: read from MODEL_CACHE_DIR (python -m embedserve.prefetch computes it
+    there), else computed at start-up on the CPU and saved (the first pod to save one is the one
+    every pod that can write the cache serves); a model whose float32 copy is over 4 GiB is not
+    computed at start-up: the start fails, saying to run prefetch. /health names it by a digest
+    (quantize_calibration), gRPC Quantization and GET /quantization give the ranges. For indexes
+    that dequantize (or rescore with float queries): ranking by the codes' own dot product with
+    per-dimension ranges drops recall@10 from 0.94 to 0.77 on the packaged model (bench/RESULTS.md
+    § 11); such an index wants a fixed QUANTIZE_RANGE."""
     max_message_bytes: int = 0
     """GRPC_MAX_MESSAGE_BYTES: the largest gRPC request accepted. Default: sized from what a request
     can usefully hold, MAX_TEXTS_PER_REQUEST texts of the largest bucket's tokens at 16 characters

@@ -12,9 +12,12 @@ the message the caller was answered with, and its trace id.
 A line is one record, whatever a caller sent. Paths, methods, metadata, model names and messages
 that echo input reach log lines, and a caller's line break would forge a record of its own. So in
 the text format a record's message has every character that breaks a line (C0 and C1 controls,
-U+2028, U+2029; what str.splitlines and terminals honour) escaped, `\\n` for a newline, and the
-lines a record needs beyond its first (a traceback) are indented: a line that starts at column 0
-is a record's own start. JSON escapes what json.dumps leaves raw of those (DEL, C1, U+2028, U+2029)."""
+U+2028, U+2029; what str.splitlines and terminals honour) escaped, `\\n` for a newline (a
+backslash doubled, so what a caller typed as `\\n` reads `\\\\n`), and the lines a record needs
+beyond its first (a traceback's frames; an exception's message stays one line, escaped) are
+indented: a line that starts at column 0 is a record's own start. JSON escapes what json.dumps
+leaves raw of those (DEL, C1, U+2028, U+2029), and is the format for a collector that parses
+lines: each record one object, its strings exact."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 
 REQUESTS = logging.getLogger("embedserve.requests")
 access = False  # ACCESS_LOG: a line per served request too
@@ -35,9 +39,11 @@ _REFUSED, _FAILED = logging.INFO, logging.WARNING
 
 
 # What breaks a line for some reader: C0 controls but tab, DEL, C1 controls (U+0085 is NEL), and
-# the Unicode line and paragraph separators (str.splitlines splits on \x0b, \x0c, \x1c-\x1e too).
-_BREAKING = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
-_NAMED = {"\n": "\\n", "\r": "\\r"}
+# the Unicode line and paragraph separators (str.splitlines splits on \x0b, \x0c, \x1c-\x1e too);
+# and the backslash, escaped too, so that an escaped newline (\n) is never what a caller typed.
+_BREAKING = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\\\\]")
+_BREAKS_ONLY = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\\": "\\\\"}
 _JSON_RAW = str.maketrans({c: f"\\u{c:04x}" for c in [*range(0x7f, 0xa0), 0x2028, 0x2029]})
 CONTINUATION = "    "  # before each further line of a record (a traceback's)
 
@@ -48,14 +54,21 @@ def _escaped(match: re.Match) -> str:
 
 
 def one_line(text: str) -> str:
-    """`text` with every character that could break a line escaped (a newline as \\n)."""
+    """`text` with every character that could break a line escaped (a newline as \\n), and each
+    backslash doubled: unescaping gives the text back."""
     return _BREAKING.sub(_escaped, text) if _BREAKING.search(text) else text
 
 
 class TextFormatter(logging.Formatter):
     """The text format: a record's message on its own line whatever it holds (`one_line`), and a
-    traceback's lines indented by CONTINUATION, their line breaks but the newline escaped too, so
-    an exception message that echoes input cannot start a line either."""
+    traceback's lines indented by CONTINUATION. Within a traceback, the lines of an exception's
+    message (and of its notes) are escaped as a message is: a caller's text echoed there stays on
+    the exception's line instead of adding indented lines of its own to the traceback."""
+
+    def formatException(self, ei) -> str:
+        chunks = traceback.TracebackException(*ei[:3], compact=True).format()
+        return "".join(c if _structural(c) else one_line(c[:-1] if c.endswith("\n") else c) + "\n"
+                       for c in chunks).rstrip("\n")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         message = record.message
@@ -70,7 +83,16 @@ class TextFormatter(logging.Formatter):
         if "\n" not in text:
             return text
         first, *rest = text.split("\n")
-        return "\n".join([first, *(CONTINUATION + one_line(line) for line in rest)])
+        # The further lines' breaks but the newline (a traceback's own lines, a stack's): escaped,
+        # their backslashes kept (file paths; what a caller wrote formatException escaped already).
+        return "\n".join([first, *(CONTINUATION + _BREAKS_ONLY.sub(_escaped, line) for line in rest)])
+
+
+def _structural(chunk: str) -> bool:
+    """A chunk of traceback.TracebackException.format() that Python writes itself (its header, a
+    frame with its source line, a chain's "The above exception ..."), as against an exception's
+    message or note, which a caller's input may fill."""
+    return chunk.startswith(("Traceback (", "  File ", "  [Previous line repeated", "\n", "    "))
 
 
 class JsonFormatter(logging.Formatter):

@@ -19,8 +19,8 @@ OpenTelemetry, no Recorder is made, and what a request pays is a check of `calle
 Trace ids for log lines: `trace_id` (a traced request's span), else `traceparent_trace_id` (the
 caller's header, read only on a refused or failed request).
 
-The caller's side: `inject_current` (embedserve.client) writes the caller's current context into
-a call's metadata, with the OpenTelemetry API alone."""
+The caller's side: `injector` (embedserve.client) is what writes the caller's current context
+into a call's metadata, with the OpenTelemetry API alone."""
 
 from __future__ import annotations
 
@@ -274,21 +274,26 @@ def traceparent_trace_id(header: str | None) -> str:
     return m.group(1)
 
 
-_inject = None  # opentelemetry.propagate.inject once looked up; False: the API is not installed
+_inject = None  # opentelemetry.propagate.inject once looked up; False: not to be used (not installed, or broken)
 
 
-def inject_current(carrier: dict) -> None:
-    """A caller's side (embedserve.client): the current OpenTelemetry context, the caller's span,
-    into `carrier` as its propagators write it (W3C `traceparent`, `tracestate`, `baggage` by
-    default; OTEL_PROPAGATORS), so the server's span continues the caller's trace. The API only
-    (opentelemetry-api; no SDK, no exporter): without it installed, or with no span current,
-    nothing is written."""
+def injector():
+    """The caller's side (embedserve.client): OpenTelemetry's `propagate.inject`, which writes the
+    current context (the caller's span) into a carrier as its propagators do (W3C `traceparent`,
+    `tracestate`, `baggage` by default; OTEL_PROPAGATORS), so the server's span continues the
+    caller's trace. The API only (opentelemetry-api; no SDK, no exporter). Looked up once per
+    process, by the first Client made (importing it loads the propagators: not on a call's
+    path). None: not installed, or its propagators fail to load (a bad OTEL_PROPAGATORS raises
+    at import): one warning, and no Client sends a trace context."""
     global _inject
     if _inject is None:
         try:
             from opentelemetry.propagate import inject
         except ImportError:
             inject = False
+        except Exception as e:  # noqa: BLE001 - a misconfigured OTEL_PROPAGATORS must not fail every call
+            log.warning("trace context: not sent by embedserve.client: the OpenTelemetry API's propagators do not "
+                        "load (%s: %s); check OTEL_PROPAGATORS", type(e).__name__, e)
+            inject = False
         _inject = inject
-    if _inject:
-        _inject(carrier)
+    return _inject or None

@@ -104,6 +104,23 @@ def test_quantized_bytes_are_quantize_embeddings_with_the_stated_ranges(servers,
     assert len(set(answers)) == 1  # every pod of the revision quantizes alike
 
 
+def test_grpc_gives_the_calibrated_ranges_http_does(servers):
+    """rpc Quantization (Client.quantization): the ranges and the digest GET /quantization gives,
+    for every width asked, in one process and with front ends."""
+    pods, _ = servers
+
+    async def over_grpc(server, dims):
+        async with Client(server.target) as client:
+            return await client.quantization(dimensions=dims)
+
+    for name, server in pods.items():
+        for dims in (0, 128):
+            http, got = ranges(server, dims or None), asyncio.run(over_grpc(server, dims))
+            assert (got.calibration, got.quantize_range, got.dimensions, got.normalized) == (
+                http["calibration"], 0.0, http["dimensions"], http["normalized"]), name
+            assert got.ranges.tobytes() == np.array(http["ranges"], dtype=np.float32).tobytes(), name
+
+
 @pytest.mark.parametrize("dims", [None, 128])
 def test_the_ranges_are_the_models_own_vectors_of_the_corpus(servers, reference, dims):
     """sentence-transformers' calibration ranges (quantize_embeddings' min and max per dimension)

@@ -10,7 +10,8 @@ import pytest
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client, is_final, retry_after_s
+from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client
+from embedserve.client_retries import is_final, retry_after_s, spends_budget
 from embedserve.transports.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
 
@@ -233,6 +234,22 @@ async def test_an_idle_clients_keepalive_is_accepted_and_notices_a_frozen_server
         server.stop()
 
 
+def refusal(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), "")
+
+
+def test_only_retries_that_multiply_load_spend_the_budget():
+    """Free: the first retry after a pod said go elsewhere, and a retry onto booked room. Charged:
+    a backed-off retry, the one after negative pushback."""
+    unavailable, cancelled = refusal(grpc.StatusCode.UNAVAILABLE), refusal(grpc.StatusCode.CANCELLED)
+    assert not spends_budget(unavailable, 1) and not spends_budget(cancelled, 1)
+    assert spends_budget(unavailable, 2) and spends_budget(cancelled, 3)
+    booked = refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, ("retry-after-ms", "120"), ("grpc-retry-pushback-ms", "120"))
+    assert not spends_budget(booked, 0)
+    final = refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, ("retry-after-ms", "10000"), ("grpc-retry-pushback-ms", "-1"))
+    assert spends_budget(final, 0)
+
+
 class Unavailable:
     """What a fleet with no pod left looks like from the Client: a proxy (Envoy, a mesh) with no
     healthy upstream answers every call UNAVAILABLE. Counts the calls it was sent."""
@@ -261,8 +278,9 @@ class Unavailable:
 async def test_clients_made_per_call_share_one_retry_budget_per_target(routing):
     """Code that makes a Client per call: each one started with a full budget of its own and
     retried every failure (here each call until its deadline). One budget per target for the
-    process: the first calls spend half of it (10 retries), later ones fail at their first
-    answer, and no retry is earned back by failing."""
+    process: each call's first retry at once is free (a pod that said go elsewhere answered
+    nothing), its backed-off retries spend the budget: the first calls spend half of it (10
+    retries), later ones fail at their second answer, and no retry is earned back by failing."""
     from embedserve.client_routing import MAX_TOKENS
 
     async with Unavailable() as fleet:
@@ -271,19 +289,5 @@ async def test_clients_made_per_call_share_one_retry_budget_per_target(routing):
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await client.embed(["a text"])
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert fleet.calls == 30 + MAX_TOKENS / 2
+        assert fleet.calls == 30 * 2 + MAX_TOKENS / 2
         assert client.retry_budget is Client(fleet.target).retry_budget  # one per target
-
-
-def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
-    from embedserve.client_metadata import merged, pairs as metadata_pairs
-
-    assert merged((("authorization", "Bearer a"), ("x-team", "search")),
-                  metadata_pairs({"authorization": "Bearer b", "x-request-id": "7"}, "metadata=")) == (
-        ("x-team", "search"), ("authorization", "Bearer b"), ("x-request-id", "7"))
-    for bad, says in (({"X-Upper": "v"}, "is not gRPC metadata"), ({"embedfleet-attempt": "3"}, "set by the Client"),
-                      ({"x-bin": "text"}, "must be bytes"), ({"x": 1}, "must be str"), ([("x",)], "not a \\(key, value\\)")):
-        with pytest.raises(ValueError, match=says):
-            metadata_pairs(bad, "metadata=")
-    with pytest.raises(ValueError, match="Client\\(metadata=\\)"):
-        Client("127.0.0.1:1", metadata={"embedfleet-hedge": "1"})

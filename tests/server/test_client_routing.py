@@ -1,11 +1,17 @@
 """The Client's routing decisions (embedserve.client_routing) and how it reads targets
 (embedserve.client_pods.parse_target): pure functions, checked on their own."""
 
+import gc
+import os
 import random
+import signal
+import threading
+import time
 from collections import Counter
 
 import pytest
 
+from embedserve import client_routing
 from embedserve.client_pods import Target, parse_target
 from embedserve.client_routing import (
     AGE_HALF_LIFE_S, FORGET_S, HEDGE_MARGIN_S, MAX_TOKENS, PodView, RetryBudget, aged_drain_ms, better,
@@ -117,6 +123,72 @@ def test_failures_alone_earn_nothing():
 def test_the_budget_is_one_per_target_for_the_whole_process():
     assert budget_for("dns:///a.test:50051") is budget_for("dns:///a.test:50051")
     assert budget_for("dns:///a.test:50051") is not budget_for("dns:///b.test:50051")
+
+
+async def test_one_target_spelled_two_ways_is_one_budget():
+    from embedserve.client import Client
+
+    clients = [Client(t) for t in ("pods.test:50051", "dns:///pods.test:50051")]
+    clients += [Client(t, routing="round-robin") for t in ("127.0.0.1:50051", "ipv4:127.0.0.1:50051")]
+    try:
+        assert clients[0].retry_budget is clients[1].retry_budget
+        assert clients[2].retry_budget is clients[3].retry_budget is not clients[0].retry_budget
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def test_budgets_of_targets_no_client_uses_are_kept_only_while_spent():
+    """A process that talks to ever new targets does not keep a budget per target it ever saw:
+    a full budget no Client holds equals a new one and is dropped; a spent one is kept (the next
+    Client of that target must find it spent) until successes have refilled it."""
+    for i in range(1000):
+        budget_for(f"dns:///pod-{i}.test:50051")
+    gc.collect()
+    assert len(client_routing._budgets) == 0
+    spent = budget_for("dns:///spent.test:50051")
+    assert spent.spend()
+    spent_id = id(spent)
+    del spent
+    gc.collect()
+    again = budget_for("dns:///spent.test:50051")
+    assert id(again) == spent_id and again.tokens == MAX_TOKENS - 1
+    for _ in range(10):
+        again.succeeded()
+    del again
+    gc.collect()
+    assert len(client_routing._budgets) == 0
+
+
+def test_a_child_process_after_fork_gets_budgets_of_its_own_even_with_the_lock_held():
+    """A thread of the parent holding the registry's lock at the fork: the child's copy of the
+    lock stays held forever, and its first Client hung making its budget."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with client_routing._budgets_lock:
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        holding.wait()
+        pid = os.fork()
+        if pid == 0:  # the child: its budget, or SIGALRM's default action ends it
+            signal.alarm(5)
+            budget_for("dns:///child.test:50051")
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if status[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert status[0] == pid and os.waitstatus_to_exitcode(status[1]) == 0, status
+    finally:
+        release.set()
+        holder.join()
 
 
 @pytest.mark.parametrize("max_tokens, ratio", [(0, 0.1), (1001, 0.1), (10, 0), (10, 1.5)])

@@ -180,6 +180,39 @@ async def test_a_pod_that_freezes_or_dies_under_load_stalls_no_caller(dns, port,
             p.stop()
 
 
+async def test_a_pod_killed_with_64_calls_in_flight_fails_none_of_them(dns, port):
+    """A pod SIGKILLed (OOM, a node lost) while it holds 64 of this process's calls: each one ends
+    UNAVAILABLE and is retried at once on the other pod, the retry budget untouched (it holds 10
+    retries at once: charging these failed all but 10 of them). Every call answers."""
+    # Slow pods (2,000 tokens/s), so that calls of ~100 tokens queue there: 80 of them are 4 s of
+    # a pod's compute, all 160 on the survivor 8 s, within the 30 s deadline.
+    victim, healthy = pods = [pod(host, port, MODEL_PATH="sim:2000", MAX_DRAIN_TIME_MS="600000")
+                              for host in ("127.0.0.2", "127.0.0.3")]
+    text = "word " * 100
+    try:
+        for p in pods:
+            p.wait_ready()
+        dns.records[NAME] = ["127.0.0.2", "127.0.0.3"]
+        async with Client(dns.target(NAME, port)) as client:
+            while len(client.pods.pods) < 2 or any(p.latency is None for p in client.pods.pods.values()):
+                await client.embed(["both pods connected and answering"])
+            calls = [asyncio.ensure_future(client.embed([f"call {i}: {text}"])) for i in range(160)]
+
+            def held_by_victim() -> float:
+                return sum(counter(victim.http, f"embedfleet_{kind}_requests") for kind in ("queued", "running"))
+
+            while await asyncio.to_thread(held_by_victim) < 64:  # on the victim, not merely sent
+                assert not all(c.done() for c in calls), "the calls ended before the victim held 64"
+            victim.proc.send_signal(signal.SIGKILL)
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        failures = [repr(o) for o in outcomes if isinstance(o, BaseException)]
+        assert failures == [], (len(failures), failures[:3])
+        assert counter(healthy.http, "embedfleet_requests_total", code="OK", rpc="Embed") >= 64
+    finally:
+        for p in pods:
+            p.stop()
+
+
 async def test_a_burst_across_two_pods_is_held_where_it_lands(dns, port):
     """A round-robin client's retry lands on another pod, where nothing is booked for it: the
     Client waits where its call landed instead, so a burst over a fleet completes in about the

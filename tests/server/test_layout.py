@@ -24,7 +24,7 @@ LAYERS = [
     {"embedserve", "embedserve.errors", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
      "embedserve.client_routing", "embedserve.tracing", "embedserve.logs"},
     # The Client is no stage of the server: its decisions, its pods, and the façade over both.
-    {"embedserve.client_pods"},
+    {"embedserve.client_pods", "embedserve.client_retries"},
     {"embedserve.client_calls"},
     {"embedserve.client_metadata"},
     {"embedserve.client"},

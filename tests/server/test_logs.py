@@ -182,7 +182,7 @@ def test_no_caller_string_breaks_a_text_or_json_line_apart():
         assert not [line for line in out.stderr.splitlines() if line.startswith(FORGED)]
         assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (WARNING|ERROR) embedserve", s) for s in starts)
         assert f"GET /x\\n{FORGED} 404 in" in starts[0]  # escaped, readable
-        assert f"'m\\u2028{FORGED}'" in out.stderr  # repr escapes it; the formatter the rest
+        assert f"'m\\\\u2028{FORGED}'" in out.stderr  # repr escapes it (its backslash doubled); the formatter the rest
 
 
 def test_a_request_line_bounds_the_callers_path_and_method(caplog):
@@ -226,3 +226,30 @@ def test_a_path_with_a_line_break_is_one_line_in_a_real_servers_log(frontends):
     # lost its newline to urllib's parsing; the 401's is the path as uvicorn decoded it).
     assert all(f"{FORGED}\\u2028{FORGED} 40" in line for line in lines), lines
     assert any(f"/nowhere\\n{FORGED}" in line for line in lines), lines
+
+
+def test_an_exception_message_stays_one_line_and_a_typed_backslash_is_not_an_escape():
+    """The text format: an exception's message that echoes input (a line break and a fake frame
+    in it) stays the exception's one line of the traceback, escaped, instead of adding indented
+    lines a reader takes for the traceback's; and a backslash a caller typed is doubled, so
+    `\\n` in the log is always an escaped newline, never the two characters typed."""
+    import io
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.TextFormatter(logs.TEXT_FORMAT.format(process="")))
+    logger = logging.getLogger("embedserve.test-one-line")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        try:
+            raise ValueError('bad input\n  File "forged.py", line 1, in <module>\\n')
+        except ValueError:
+            logger.exception("typed %s, broken %s", "a\\nb", "a\nb")
+    finally:
+        logger.removeHandler(handler)
+    first, *rest = out.getvalue().splitlines()
+    assert first.endswith("typed a\\\\nb, broken a\\nb")
+    assert rest[0] == logs.CONTINUATION + "Traceback (most recent call last):"
+    assert rest[-1] == logs.CONTINUATION + 'ValueError: bad input\\n  File "forged.py", line 1, in <module>\\\\n'
+    assert not [line for line in rest if line.lstrip().startswith('File "forged.py"')]  # no frame of its own

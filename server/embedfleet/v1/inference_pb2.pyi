@@ -141,3 +141,25 @@ class HealthCheckResponse(_message.Message):
     quantize_range: float
     quantize_calibration: str
     def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ..., quantize_calibration: _Optional[str] = ...) -> None: ...
+
+class QuantizationRequest(_message.Message):
+    __slots__ = ("dimensions", "normalized")
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    dimensions: int
+    normalized: bool
+    def __init__(self, dimensions: _Optional[int] = ..., normalized: _Optional[bool] = ...) -> None: ...
+
+class QuantizationResponse(_message.Message):
+    __slots__ = ("quantize_range", "calibration", "dimensions", "normalized", "ranges")
+    QUANTIZE_RANGE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    quantize_range: float
+    calibration: str
+    dimensions: int
+    normalized: bool
+    ranges: bytes
+    def __init__(self, quantize_range: _Optional[float] = ..., calibration: _Optional[str] = ..., dimensions: _Optional[int] = ..., normalized: _Optional[bool] = ..., ranges: _Optional[bytes] = ...) -> None: ...

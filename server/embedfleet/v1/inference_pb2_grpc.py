@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.FromString,
                 _registered_method=True)
+        self.Quantization = channel.unary_unary(
+                '/embedfleet.v1.Inference/Quantization',
+                request_serializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.SerializeToString,
+                response_deserializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -101,6 +106,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quantization(self, request, context):
+        """The ranges INT8/UINT8 map onto their 256 levels, per dimension, for vectors of a width (an
+        embedding server's; HTTP GET /quantization): quantize_embeddings(vectors, precision,
+        ranges=those) gives the server's bytes, and dequantizes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +142,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.EmbedSparse,
                     request_deserializer=embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
                     response_serializer=embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.SerializeToString,
+            ),
+            'Quantization': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quantization,
+                    request_deserializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.FromString,
+                    response_serializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +284,33 @@ class Inference:
             '/embedfleet.v1.Inference/EmbedSparse',
             embedfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
             embedfleet_dot_v1_dot_inference__pb2.EmbedSparseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quantization(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedfleet.v1.Inference/Quantization',
+            embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.SerializeToString,
+            embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,18 +12,21 @@ it fills the cache; a pod that finds none computes it at start-up and saves it f
 (embedserve.calibrate).
 
 File: <MODEL_CACHE_DIR>/embedfleet-calibration/<sha256 of the key>.npz: `embeddings` (float32
-[len(CORPUS), model dimensions]) and `key` (its key as JSON), read with allow_pickle=False. A
-writer of the cache can change the ranges (make codes coarse or clipped: /health's digest says
-which a pod uses), not run code: a file that is not such an archive, holds another key, another
-shape, a value that is not finite, or a dimension with no spread, is ignored with a warning and
-computed again."""
+[len(CORPUS), model dimensions]) and `key` (its key as JSON), stored uncompressed. A writer of
+the cache can change the ranges (make codes coarse or clipped: /health's digest says which a pod
+uses), not run code nor make a pod allocate more than the file holds (`read` checks each
+member's header before loading it, with allow_pickle=False): a file that is not such an
+archive, holds another key, another shape or a value that is not finite, is ignored with a
+warning and computed again."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -160,12 +163,15 @@ CORPUS = _corpus()
 CORPUS_DIGEST = hashlib.sha256("\n".join(CORPUS).encode()).hexdigest()[:16]
 
 
-def key(revision: str, served: dict) -> dict:
-    """The file's key: the model's revision (model.warm_key.revision) and how its vectors are
+def key(revision: str, served: dict, weights: str = "") -> dict:
+    """The file's key: the model's revision (model.warm_key.revision), the digest of the weights'
+    contents where the revision names them by size alone (`weights`: embedserve.calibrate's
+    contents_digest; "" for a hub snapshot, whose commit names them), and how its vectors are
     formed (`served`: pooling, normalization, Dense layers, max length, the default prompt's text,
     tokens left out of pooling), with the corpus and this schema. No device, dtype or library
     version: every pod of a revision reads the same file."""
-    return {"schema": SCHEMA, "corpus": CORPUS_DIGEST, "model_revision": revision, "served": served}
+    return {"schema": SCHEMA, "corpus": CORPUS_DIGEST, "model_revision": revision, "weights": weights,
+            "served": served}
 
 
 def file_for(cache_dir: str | os.PathLike, key_: dict) -> Path:
@@ -181,7 +187,9 @@ def digest(embeddings: np.ndarray) -> str:
 
 def check(embeddings: object, dim: int | None = None) -> np.ndarray:
     """Calibration embeddings a server can quantize by, or Unusable saying why: float32 [len(CORPUS),
-    d] (d = `dim` where known), finite, and every dimension spread (its max above its min)."""
+    d] (d = `dim` where known) and finite. A dimension with no spread (its max equals its min: a
+    dead dimension of the model, or a forged file) is a warning: quantization gives it one level
+    (as sentence-transformers does), which is what such a dimension carries."""
     if not isinstance(embeddings, np.ndarray) or embeddings.dtype != np.float32 or embeddings.ndim != 2:
         raise Unusable(f"not float32 rows ({getattr(embeddings, 'dtype', type(embeddings).__name__)}, "
                        f"{getattr(embeddings, 'shape', '?')})")
@@ -191,33 +199,81 @@ def check(embeddings: object, dim: int | None = None) -> np.ndarray:
         raise Unusable("values that are not finite")
     flat = np.flatnonzero(embeddings.max(axis=0) <= embeddings.min(axis=0))
     if flat.size:
-        raise Unusable(f"{flat.size} dimensions with no spread (the first: {int(flat[0])})")
+        log.warning("calibration: %d of %d dimensions have no spread over the corpus (the first: %d): int8/uint8 "
+                    "give each of them one level", flat.size, embeddings.shape[1], int(flat[0]))
     return embeddings
+
+
+MAX_KEY_CHARS = 4096  # the key as JSON: a few hundred characters
+MEMBERS = {"embeddings.npy", "key.npy"}  # what np.savez writes for `write`
+
+
+def _header(member) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npy member's shape and dtype, from its header alone (nothing of the data allocated);
+    only the header format `write` produces (1.0)."""
+    version = np.lib.format.read_magic(member)
+    if version != (1, 0):
+        raise Unusable(f"an .npy header of version {version}, expected (1, 0)")
+    shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+    if fortran:
+        raise Unusable("a Fortran-ordered array")
+    return shape, dtype
+
+
+def _load(archive: zipfile.ZipFile, name: str, shape_ok, what: str) -> np.ndarray:
+    """Member `name`, its header checked by `shape_ok(shape, dtype)` before anything is allocated,
+    and its size against the member's own (so what is read is what the header claims)."""
+    info = archive.getinfo(name)
+    with archive.open(info) as member:
+        shape, dtype = _header(member)
+        if not shape_ok(shape, dtype):
+            raise Unusable(f"{what}: {dtype} {shape}")
+        if member.tell() + math.prod(shape) * dtype.itemsize != info.file_size:
+            raise Unusable(f"{what}: {info.file_size} bytes for {dtype} {shape}")
+    with archive.open(info) as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
 
 
 def read(path: Path, key_: dict, dim: int | None = None) -> np.ndarray | None:
     """The calibration saved at `path` for `key_`; None when there is none (or it cannot be used:
-    a warning naming it and why)."""
+    a warning naming it and why). Nothing a forged file claims is allocated before it is checked:
+    the archive holds exactly `write`'s two members, stored (not compressed: a few bytes of
+    deflate may claim terabytes), within MAX_FILE_BYTES; the key is a string of at most
+    MAX_KEY_CHARS; the embeddings' header says float32 [len(CORPUS), d] (d = `dim` where known)
+    and their member holds exactly that many bytes."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise Unusable(f"over {MAX_FILE_BYTES} bytes")
-        with np.load(path, allow_pickle=False) as archive:
-            stored = json.loads(str(archive["key"]))
-            if stored != key_:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if sorted(m.filename for m in members) != sorted(MEMBERS):
+                raise Unusable(f"members {[m.filename for m in members][:4]}, expected {sorted(MEMBERS)}")
+            for m in members:
+                if m.compress_type != zipfile.ZIP_STORED or m.file_size > MAX_FILE_BYTES:
+                    raise Unusable(f"{m.filename}: compressed or over {MAX_FILE_BYTES} bytes (written stored)")
+            stored = _load(archive, "key.npy", lambda shape, dt: shape == () and dt.kind == "U"
+                           and dt.itemsize <= 4 * MAX_KEY_CHARS, "the key")
+            if json.loads(str(stored)) != key_:
                 raise Unusable("written for another model revision, serving or corpus")
-            return check(archive["embeddings"], dim)
+            embeddings = _load(archive, "embeddings.npy", lambda shape, dt: dt == np.dtype("<f4") and len(shape) == 2
+                               and shape[0] == len(CORPUS) and shape[1] == (dim or shape[1]) > 0, "the embeddings")
+            return check(embeddings, dim)
     except FileNotFoundError:
         return None
     except Unusable as e:
         log.warning("calibration: ignoring %s: %s; computing it again", path, e)
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, MemoryError) as e:
         log.warning("calibration: ignoring %s (%s: %s); computing it again", path, type(e).__name__, e)
     return None
 
 
-def write(path: Path, key_: dict, embeddings: np.ndarray) -> bool:
-    """Atomically (a reader sees no file or a whole one), readable by pods of another user; False,
-    with one line, when the cache cannot be written (INFO for a read-only one)."""
+def write(path: Path, key_: dict, embeddings: np.ndarray) -> np.ndarray | None:
+    """Save `embeddings` at `path` unless a usable calibration is there already: the first writer
+    wins, so pods that start together and each compute one all serve the same (the one saved
+    first: `os.link` of a whole temporary file, which fails where a file exists, unlike a rename,
+    which would let the last writer replace what earlier pods already serve). → the calibration
+    now at `path` (ours, or the one found there); None, with one line, when the cache cannot be
+    written (INFO for a read-only one): this pod keeps its own."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,12 +286,36 @@ def write(path: Path, key_: dict, embeddings: np.ndarray) -> bool:
             f.write(buffer.getvalue())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not _link(tmp, path):
+            found = read(path, key_, embeddings.shape[1])
+            if found is not None:
+                log.info("calibration: %s was saved by another pod first: serving it", path)
+                return found
+            os.replace(tmp, path)  # what is there is no usable calibration (read said why): replaced
+            tmp = None
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        read_only = e.errno in (30, 13, 1)  # EROFS, EACCES, EPERM: a pre-filled claim mounted readOnly
+        read_only = e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)  # a pre-filled claim mounted readOnly
         log.log(logging.INFO if read_only else logging.WARNING,
                 "calibration: cannot save %s (%s): the next pod computes it again", path, e)
+        return None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return embeddings
+
+
+def _link(tmp: str, path: Path) -> bool:
+    """Put `tmp` at `path` unless a file is there; False if one is. Where the file system has no
+    hard links, a rename after a look (a race between two pods there is the last writer's)."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
         return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+    if path.exists():
+        return False
+    os.replace(tmp, path)
     return True

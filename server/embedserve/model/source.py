@@ -101,13 +101,20 @@ SELECTION_RULES = 1
 SELECTION = hashlib.sha256(json.dumps([SELECTION_RULES, WANTED, EXPORTS]).encode()).hexdigest()[:16]
 
 
+# A record's bounds: a repository's needed files are tens (a sharded 70B model's a few hundred);
+# a record is read and its files checked at every start, so a forged one must stay cheap.
+MAX_RECORD_BYTES = 1 << 20
+MAX_RECORD_FILES = 10_000
+
+
 def _fetched_file(cache_dir: str, repo_id: str, revision: str, trust_remote_code: bool) -> Path:
     key = json.dumps([repo_id, revision or "main", trust_remote_code, SELECTION])
     return Path(cache_dir) / FETCHED / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 class OutsideCache(ValueError):
-    """A fetch record naming a path outside the directory it must stay in."""
+    """A fetch record that cannot be followed: a path outside the directory it must stay in (or
+    that does not resolve: a loop of links), or a record past its bounds."""
 
 
 def confined(root: str | os.PathLike, name: object, within: str | os.PathLike | None = None) -> Path:
@@ -123,9 +130,13 @@ def confined(root: str | os.PathLike, name: object, within: str | os.PathLike | 
         raise OutsideCache(f"{name!r} is not a path inside {root}")
     path = Path(root) / relative
     base = Path(root if within is None else within)
-    if not path.resolve().is_relative_to(base.resolve()):
-        raise OutsideCache(f"{name!r} leads outside {base} (to {path.resolve()})")
-    return path
+    try:
+        resolved, base_resolved = path.resolve(), base.resolve()
+    except (RuntimeError, OSError) as e:  # a loop of links: RuntimeError up to Python 3.12, OSError (ELOOP) after
+        raise OutsideCache(f"{name!r} does not resolve ({e})") from None
+    if not resolved.is_relative_to(base_resolved):
+        raise OutsideCache(f"{name!r} leads outside {base} (to {resolved})")
+    return resolved  # what was checked: a link changed after this check is not followed to elsewhere
 
 
 def fetched(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revision: str = "") -> Path | None:
@@ -135,7 +146,13 @@ def fetched(repo_id: str, cache_dir: str, trust_remote_code: bool = False, revis
     move a fleet to another one."""
     path = _fetched_file(cache_dir, repo_id, revision, trust_remote_code)
     try:
-        record = json.loads(path.read_text())
+        with open(path, "rb") as f:
+            text = f.read(MAX_RECORD_BYTES + 1)
+        if len(text) > MAX_RECORD_BYTES:
+            raise OutsideCache(f"over {MAX_RECORD_BYTES} bytes")
+        record = json.loads(text)
+        if not isinstance(record["files"], list) or len(record["files"]) > MAX_RECORD_FILES:
+            raise OutsideCache(f"not a list of at most {MAX_RECORD_FILES} files")
         snapshot = confined(cache_dir, record["snapshot"])
         files = [confined(snapshot, f, within=cache_dir) for f in record["files"]]
         if record["selection"] != SELECTION or not all(f.is_file() for f in files):

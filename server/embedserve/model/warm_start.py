@@ -17,8 +17,9 @@ File: <MODEL_CACHE_DIR>/embedfleet-warmup/<sha256 of the key>.json, written atom
 
 A writer of a shared cache controls these files: JSON (json.loads, at most MAX_FILE_BYTES) under
 its key's digest, so no code and no other path; caps held to what this pod's settings let the
-batcher form, each shape run before serving; a service-rate prior of at most MAX_RATE, which
-served batches replace within about half a minute of busy time. It can make batches smaller or
+batcher form, each shape run before serving; a service-rate prior of at most MAX_RATE and of
+what the device shows it runs (the probe batch timed: rates_problem), which served batches
+replace within about half a minute of busy time. It can make batches smaller or
 the first seconds of admission wrong, not more (docs/configuration.md, the shared cache's trust
 boundary)."""
 
@@ -58,6 +59,10 @@ STALE_TMP_S = 3600  # a .tmp file this old is a writer that died before its rena
 # No device computes a billion real tokens a second (an H200 runs a MiniLM at ~2 million): a rate
 # above is no measurement, and as the service-rate prior it would take minutes of busy time to fade.
 MAX_RATE = 1e9
+# And a file's rates are checked against the device itself (rates_problem): the probe batch run
+# again RATE_PROBES times (its fastest run) bounds what any batch of the file can run at, with
+# RATE_MARGIN for a device's noise. A rate past it is no measurement of this device.
+RATE_PROBES, RATE_MARGIN = 3, 10.0
 PROBE_SEED = 20261202
 PROBE_VALUES = 8
 # The probe must survive the same model on the same device giving slightly different numbers
@@ -264,16 +269,35 @@ def output_problem(out: object, batch: Batch | PackedBatch, dim: int) -> str | N
     return None
 
 
-def verify(runner: Runner, plan: WarmupPlan, result: WarmupResult, probe: dict) -> str | None:
-    """Run every checked shape; → what is wrong, or None."""
+def verify(runner: Runner, plan: WarmupPlan, result: WarmupResult, probe: dict,
+           clock: Callable[[], float] = time.perf_counter) -> str | None:
+    """Run every checked shape, then the probe batch again, timed; → what is wrong, or None."""
     if bool(result.packing) != (getattr(runner, "attention", "padded") == "packed"):
         return "measured for another attention layout than this runner's"
+    first, most = None, 0
     for i, batch in enumerate(check_batches(plan, result)):
         out = runner.run(batch)
         if (problem := output_problem(out, batch, runner.dim)) is not None:
             return problem
         if i == 0 and (problem := probe_differs(probe_of(out), probe)) is not None:
             return problem
+        first, most = first or batch, max(most, batch.real_tokens)
+    took = math.inf
+    for _ in range(RATE_PROBES):  # warm now (compiled, captured): the best of a few, as a spike is no rate
+        t0 = clock()
+        runner.run(first)
+        took = min(took, clock() - t0)
+    return rates_problem(result.rates, first.real_tokens / max(took, 1e-9), most / first.real_tokens)
+
+
+def rates_problem(rates: Mapping[int, float], probe_rate: float, scale: float) -> str | None:
+    """Why the file's service rates cannot be this device's, or None. A batch `scale` times the
+    probe batch's tokens takes at least the probe's time, so no rate of the file can be past
+    `scale` times the rate the probe batch just ran at (`probe_rate`); RATE_MARGIN for noise. Pure."""
+    bound = RATE_MARGIN * probe_rate * scale
+    if max(rates.values(), default=0.0) > bound:
+        return (f"its service rates (up to {max(rates.values()):.4g} tokens/s) are past what this device runs: "
+                f"the probe batch ran at {probe_rate:.4g} tokens/s, so none above {bound:.4g}")
     return None
 
 

@@ -68,7 +68,7 @@ class Quantization:
     server's vectors are unit-length), cut and normalized as the quantized rows were. `digest`
     names a calibration (model.calibration.digest); "" for a fixed range."""
 
-    CACHED = 64  # widths (and normalizations) whose ranges are kept: each is one pass over the corpus
+    CACHED = 64  # widths (and normalizations) whose ranges are kept: each is one pass over the corpus, or 2 x d values
 
     def __init__(self, r: float = 1.0, calibration: np.ndarray | None = None, normalized: bool = True,
                  digest: str = ""):
@@ -88,22 +88,27 @@ class Quantization:
     def ranges(self, dimensions: int, normalized: bool = True) -> np.ndarray:
         """float32 [2, dimensions]: each dimension's start and end, for rows of that width
         (`normalized`: the rows were L2-normalized, and again after a cut, as encodings.truncated)."""
-        if self.calibration is None:
-            return np.array([[-self.r] * dimensions, [self.r] * dimensions]).astype(np.float32)
-        if not 0 < dimensions <= self.calibration.shape[1]:
+        if self.calibration is not None and not 0 < dimensions <= self.calibration.shape[1]:
             raise InvalidInput(f"dimensions={dimensions}: the calibration has {self.calibration.shape[1]}")
-        key = (dimensions, normalized)
+        key = (dimensions, normalized if self.calibration is not None else None)  # a fixed range: one per width
         with self._lock:
             found = self._ranges.get(key)
             if found is not None:
                 self._ranges.move_to_end(key)
                 return found
+        if self.calibration is None:
+            found = np.full((2, dimensions), self.r, dtype=np.float32)
+            found[0] = -found[0]
+            return self._keep(key, found)
         vectors = self.calibration
         if normalized and not self.normalized:  # a request that asks normalized vectors of a model that gives raw ones
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = (vectors / np.where(norms == 0, 1, norms)).astype(np.float32)
         vectors = truncated(vectors, dimensions, normalized)
-        found = np.vstack((vectors.min(axis=0), vectors.max(axis=0))).astype(np.float32)
+        return self._keep(key, np.vstack((vectors.min(axis=0), vectors.max(axis=0))).astype(np.float32))
+
+    def _keep(self, key: tuple, found: np.ndarray) -> np.ndarray:
+        found.flags.writeable = False  # shared by every request of that width
         with self._lock:
             self._ranges[key] = found
             while len(self._ranges) > self.CACHED:

@@ -92,6 +92,32 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             lambda s: lambda out: pb.RerankResponse(scores=out.tolist()), task="rerank",
         )
 
+    async def Quantization(self, request, context):
+        """The int8/uint8 ranges for vectors of `dimensions` (HTTP GET /quantization's): no model
+        time, no admission."""
+        t0, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            service = self._service()
+            if service is None:
+                raise NotReady("server is warming up")
+            service.require_task("embed")
+            head, model_dim = service.head, self._model_dimension()
+            encodings.check_dimensions(request.dimensions, model_dim)
+            dims = encodings.output_dimensions(request.dimensions, head.truncate_dim if head else None, model_dim)
+            normalized = request.normalized if request.HasField("normalized") else bool(head.normalize if head else True)
+            q = self._quantization()
+            ranges = q.ranges(dims, normalized)
+        except (InvalidInput, NotReady, WrongTask) as e:
+            code = next(c for t, c in _STATUS if isinstance(e, t))
+            context.set_trailing_metadata(self._drain())
+            await context.abort(code, str(e))
+        finally:
+            self._observe("Quantization", code.name, time.perf_counter() - t0)
+        context.set_trailing_metadata(self._drain())
+        return pb.QuantizationResponse(quantize_range=q.health()["quantize_range"], calibration=q.digest,
+                                       dimensions=dims, normalized=normalized,
+                                       ranges=ranges.astype("<f4", copy=False).tobytes())
+
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
         context.set_trailing_metadata(self._drain())

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_the_corpus_is_the_same_in_every_process():
 def test_a_saved_calibration_is_read_back_as_it_was(tmp_path):
     rows = unit_rows(len(calibration.CORPUS), 16)
     path = calibration.file_for(tmp_path, KEY)
-    assert calibration.write(path, KEY, rows)
+    assert calibration.write(path, KEY, rows) is rows
     assert oct(path.stat().st_mode & 0o777) == "0o644"  # pods of another user read it too
     back = calibration.read(path, KEY, 16)
     assert back.dtype == np.float32 and back.tobytes() == rows.tobytes()
@@ -57,14 +58,35 @@ def _save(path, key, embeddings, allow_pickle=False):
     path.write_bytes(buffer.getvalue())
 
 
+def _forged(path, claimed_shape, compress):
+    """An archive whose embeddings' header claims `claimed_shape` (float32) over a few KiB of
+    data, the key right: what a writer of the cache could leave for every pod to load."""
+    import io
+    import json
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": claimed_shape})
+    key = io.BytesIO()
+    np.save(key, np.array(json.dumps(KEY, sort_keys=True)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=compress) as archive:
+        archive.writestr("key.npy", key.getvalue())
+        archive.writestr("embeddings.npy", b"\x93NUMPY\x01\x00" + header.getvalue()[8:] + bytes(4096))
+
+
 N, D = len(calibration.CORPUS), 16
 BAD = {
+    # 1.86 TiB claimed in a few bytes of deflate: np.load allocated it (MemoryError, every pod).
+    "deflated, claiming 1.86 TiB": lambda p: _forged(p, (N, 10**9), zipfile.ZIP_DEFLATED),
+    "stored, claiming 1.86 TiB": lambda p: _forged(p, (N, 10**9), zipfile.ZIP_STORED),
+    "compressed": lambda p: (p.parent.mkdir(parents=True, exist_ok=True), np.savez_compressed(
+        p, embeddings=unit_rows(N, D), key=np.array(__import__("json").dumps(KEY, sort_keys=True)))),
     "another key": lambda p: _save(p, {**KEY, "model_revision": "forged"}, unit_rows(N, D)),
     "not finite": lambda p: _save(p, KEY, np.full((N, D), np.nan, dtype=np.float32)),
     "too few rows": lambda p: _save(p, KEY, unit_rows(N - 1, D)),
     "another width": lambda p: _save(p, KEY, unit_rows(N, D + 1)),
     "float64": lambda p: _save(p, KEY, unit_rows(N, D).astype(np.float64)),
-    "a flat dimension": lambda p: _save(p, KEY, np.hstack([unit_rows(N, D - 1), np.zeros((N, 1), np.float32)])),
     # A pickled object array: np.load(allow_pickle=False) refuses to unpickle it, so no code runs.
     "pickled objects": lambda p: _save(p, KEY, np.array([object()] * 3, dtype=object), allow_pickle=True),
     "not an archive": lambda p: (p.parent.mkdir(parents=True, exist_ok=True), p.write_bytes(os.urandom(500))),
@@ -80,6 +102,36 @@ def test_a_file_that_is_not_a_usable_calibration_is_warned_of_and_not_used(tmp_p
     assert [r for r in caplog.records if str(path) in r.getMessage()], caplog.text
 
 
+def test_pods_that_compute_together_all_serve_the_one_saved_first(tmp_path, caplog):
+    """Pods that start together without a prefetched file each compute one; a rename let the last
+    writer replace the file while earlier pods kept serving theirs (on CPUs of another kind,
+    other last bits: another digest). The first saved is the one every pod serves."""
+    path = calibration.file_for(tmp_path, KEY)
+    first, second = unit_rows(N, D, seed=1), unit_rows(N, D, seed=2)
+    assert calibration.write(path, KEY, first) is first
+    caplog.set_level(logging.INFO)
+    served = calibration.write(path, KEY, second)
+    assert served.tobytes() == first.tobytes() and "saved by another pod first" in caplog.text
+    assert calibration.read(path, KEY, D).tobytes() == first.tobytes()
+    assert not [f for f in path.parent.iterdir() if f != path]  # no temporary file left
+    _save(path, {**KEY, "model_revision": "forged"}, first)  # what is there is no usable calibration: replaced
+    assert calibration.write(path, KEY, second) is second and calibration.read(path, KEY, D).tobytes() == second.tobytes()
+
+
+def test_a_dimension_with_no_spread_is_a_warning_not_a_failed_start(tmp_path, caplog):
+    """A model with a dead dimension (constant over every text): quantization gives it one level,
+    as sentence-transformers does. Refusing it failed every start of such a model (check raised in
+    the computing pod too)."""
+    flat = np.hstack([unit_rows(N, D - 1), np.zeros((N, 1), np.float32)])
+    caplog.set_level(logging.WARNING)
+    assert calibration.check(flat, D) is flat and "1 of 16 dimensions have no spread" in caplog.text
+    path = calibration.file_for(tmp_path, KEY)
+    assert calibration.write(path, KEY, flat) is flat and calibration.read(path, KEY, D).tobytes() == flat.tobytes()
+    q = Quantization(calibration=flat, normalized=False)
+    codes = encodings.quantize(unit_rows(4, D), "int8", q, normalized=False)
+    assert codes.shape == (4, D) and len(set(codes[:, -1].tolist())) == 1
+
+
 def test_a_read_only_cache_is_said_at_info(tmp_path, caplog):
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro").chmod(0o555)
@@ -88,7 +140,7 @@ def test_a_read_only_cache_is_said_at_info(tmp_path, caplog):
     if os.geteuid() == 0:  # root writes anywhere: a directory under a regular file cannot be made
         (tmp_path / "file").write_text("")
         path = calibration.file_for(tmp_path / "file", KEY)
-    assert not calibration.write(path, KEY, unit_rows(N, D))
+    assert calibration.write(path, KEY, unit_rows(N, D)) is None
     assert any("cannot save" in r.getMessage() for r in caplog.records)
 
 
@@ -127,3 +179,12 @@ def test_a_fixed_range_is_as_before():
     assert Quantization(0.3).health() == {"quantize_range": 0.3, "quantize_calibration": ""}
     with pytest.raises(Exception, match="dimensions=17"):
         Quantization(calibration=unit_rows(N, 16)).ranges(17)
+
+
+def test_a_fixed_ranges_rows_are_made_once_per_width():
+    """Each int8/uint8 request asked the fixed range's [2, d] again, a 2 x d Python list each
+    time; kept per width (read-only: shared), equal to what it was."""
+    q = Quantization(0.3)
+    first = q.ranges(384)
+    assert q.ranges(384) is first and not first.flags.writeable
+    assert first.tobytes() == np.array([[-0.3] * 384, [0.3] * 384]).astype(np.float32).tobytes()

@@ -145,6 +145,37 @@ def test_a_record_naming_a_snapshot_outside_the_cache_is_not_followed(filled, tm
     assert source.fetched(REPO, str(copy), revision="v1") == copy / snapshot.relative_to(cache)
 
 
+def test_a_record_through_a_loop_of_links_or_past_its_bounds_is_ignored(filled, tmp_path, caplog):
+    """A loop of links made Path.resolve raise RuntimeError (Python 3.11), which nothing caught:
+    every pod sharing the cache crashed at start-up. A record is also read within bounds (its
+    size, its count of files), and what is returned is the path that was checked, resolved."""
+    import logging
+
+    cache, snapshot = filled
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy, symlinks=True)
+    record_file = next((copy / source.FETCHED).iterdir())
+    record_file.chmod(0o644)
+    record = json.loads(record_file.read_text())
+    (copy / "models--org--minilm").chmod(0o755)
+    (copy / "models--org--minilm" / "a").symlink_to("b")
+    (copy / "models--org--minilm" / "b").symlink_to("a")
+    copied = copy / snapshot.relative_to(cache)
+    copied.chmod(0o755)
+    (copied / "x").symlink_to("y")
+    (copied / "y").symlink_to("x")
+    caplog.set_level(logging.WARNING)
+    for forged in ({"snapshot": "models--org--minilm/a"}, {"files": [*record["files"], "x/config.json"]},
+                   {"files": ["config.json"] * (source.MAX_RECORD_FILES + 1)},
+                   {"padding": "x" * source.MAX_RECORD_BYTES}):
+        record_file.write_text(json.dumps({**record, **forged}))
+        caplog.clear()
+        assert source.fetched(REPO, str(copy), revision="v1") is None, list(forged)
+        assert [r for r in caplog.records if str(record_file) in r.getMessage()], list(forged)
+    record_file.write_text(json.dumps(record))
+    assert source.fetched(REPO, str(copy), revision="v1") == copied.resolve()
+
+
 def test_offline_reads_the_snapshot_of_the_revision(filled):
     cache, snapshot = filled
     out = run(["-c", RESOLVE], {"HF_HUB_OFFLINE": "1", "MODEL_PATH": REPO, "MODEL_REVISION": "v1",

@@ -80,8 +80,9 @@ def test_a_second_start_with_the_same_key_reuses_without_a_sweep(warmed, caplog)
     assert ws.state == "reused" and ws.path == path
     assert (result.caps, result.rates) == (first.caps, first.rates)
     assert result.service_rate == first.service_rate and result.largest_batch_s == first.largest_batch_s
-    # One batch per bucket at its cap: the check, not the sweep the first start ran.
-    assert runner.shapes == [(16, first.caps[16]), (32, first.caps[32])]
+    # One batch per bucket at its cap, then the first timed again: the check, not the sweep the
+    # first start ran.
+    assert runner.shapes == [(16, first.caps[16]), (32, first.caps[32])] + [(16, first.caps[16])] * warm_start.RATE_PROBES
     assert len(first_runner.shapes) > 4 * len(runner.shapes)
     assert any("reused" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
 
@@ -91,7 +92,8 @@ def test_with_static_shapes_every_captured_shape_is_run_again(tmp_path):
     first, _, _ = start(tmp_path, plan=plan)
     result, ws, runner = start(tmp_path, plan=plan)
     assert ws.state == "reused" and result.caps == first.caps
-    assert runner.shapes == served_shapes(plan.buckets, first.caps, True)
+    shapes = served_shapes(plan.buckets, first.caps, True)
+    assert runner.shapes == shapes + [shapes[0]] * warm_start.RATE_PROBES  # then the first, timed
     assert {length for length, _ in runner.shapes} == {8, 16, 24, 32}  # the midpoints too
 
 
@@ -143,6 +145,9 @@ DAMAGE = {
     "NaN rate": lambda p: _edit(p, lambda d: d["result"]["rates"].update({"16": float("nan")})),  # json reads NaN
     # A writer of a shared cache setting the service-rate prior past any device: minutes to fade.
     "rate past any device": lambda p: _edit(p, lambda d: d["result"]["rates"].update({"16": 1e300})),
+    # ... or past this device, under MAX_RATE: the timed probe batch bounds it (rates_problem).
+    "rate 200 times this device's": lambda p: _edit(p, lambda d: d["result"]["rates"].update(
+        {"32": 200 * d["result"]["rates"]["32"]})),
     "infinite probe": lambda p: _edit(p, lambda d: d["probe"].update(norm=float("inf"))),
     "no probe": lambda p: _edit(p, lambda d: d.pop("probe")),
 }
@@ -462,7 +467,8 @@ def test_packed_rows_are_reused_after_one_batch_per_stream_size_and_a_changed_mo
     assert ws.state == "measured" and first.packing and first.token_budget
     again, ws, runner2 = start(tmp_path, runner=PackedRows(), plan=plan)
     assert ws.state == "reused" and again == first
-    assert runner2.tokens == [t for t in first.packing.ladder if t <= first.token_budget]
+    sizes = [t for t in first.packing.ladder if t <= first.token_budget]
+    assert runner2.tokens == sizes + [sizes[0]] * warm_start.RATE_PROBES
     assert len(runner.tokens) > len(runner2.tokens)
     _, ws, _ = start(tmp_path, runner=PackedRows(shift=0.5), plan=plan)
     assert ws.state == "measured"

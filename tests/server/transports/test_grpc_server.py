@@ -115,3 +115,24 @@ def test_cli_client_prints_dimension_and_values(default_server):
     assert out.returncode == 0, out.stderr
     assert "2 embeddings, dimension 384" in out.stdout
     assert "'hello world'" in out.stdout
+
+
+async def test_quantization_gives_the_ranges_int8_codes_use(default_server):
+    """rpc Quantization (Client.quantization): what HTTP GET /quantization gives, over gRPC. With
+    the fixed default range, [-1, 1] at every dimension; quantize_embeddings with them is the
+    server's own bytes. Calibrated ranges: tests/server/test_calibrated_quantization.py."""
+    from sentence_transformers.util import quantize_embeddings
+
+    texts = ["ranges over gRPC", "a second text, a little longer than the first"]
+    async with Client(default_server.target) as client:
+        q = await client.quantization(dimensions=128)
+        floats = await client.embed(texts, dimensions=128)
+        codes = await client.embed(texts, dimensions=128, encoding="int8")
+        whole = await client.quantization()
+        with pytest.raises(grpc.aio.AioRpcError) as too_wide:
+            await client.quantization(dimensions=385)
+    assert (q.calibration, q.quantize_range, q.dimensions, q.normalized) == ("", 1.0, 128, True)
+    assert q.ranges.tobytes() == np.array([[-1.0] * 128, [1.0] * 128], dtype=np.float32).tobytes()
+    assert quantize_embeddings(floats, "int8", ranges=q.ranges).tobytes() == codes.tobytes()
+    assert whole.dimensions == 384 and whole.ranges.shape == (2, 384)
+    assert too_wide.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "385" in too_wide.value.details()
