@@ -16,7 +16,6 @@ Usage: python -m bench.host_path [--seconds 8] [--concurrency 64] [--rounds 2] [
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys

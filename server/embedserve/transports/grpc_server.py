@@ -220,7 +220,6 @@ def sparse_response(rows) -> pb.EmbedSparseResponse:
 # no gRPC client's keepalive (ours: every 5 s on a silent connection) is refused; a faster flood
 # still earns GOAWAY after gRPC's default 2 strikes.
 MIN_PING_INTERVAL_MS = 1000
-MAX_STREAMS_PER_CONNECTION = 256
 
 
 def build_server(servicer: InferenceServicer, host: str, port: int, max_message_bytes: int,
@@ -236,9 +235,11 @@ def build_server(servicer: InferenceServicer, host: str, port: int, max_message_
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_reply_bytes),  # MAX_REPLY_BYTES: checked before the work
-        # One connection's calls at once (past them its client waits for a stream): well below the
-        # process's, so one connection cannot take them all.
-        ("grpc.max_concurrent_streams", min(max_concurrent, MAX_STREAMS_PER_CONNECTION)),
+        # One connection's calls at once: as many as the process's. Fewer refused a client's
+        # streams past them (RST_STREAM REFUSED_STREAM: UNAVAILABLE, not queued) while it had not
+        # yet read the server's settings: 500 concurrent calls on our Client's one connection had
+        # failed. The streams that hold a call open without a key are bounded apart (grpc_budget).
+        ("grpc.max_concurrent_streams", max_concurrent),
         ("grpc.so_reuseport", int(reuse_port)),
         # Our Client pings connections silent for 5 s, calls or none, to notice a frozen pod.
         # gRPC servers by default accept no ping on a connection without calls and one per
