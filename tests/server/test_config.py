@@ -15,7 +15,8 @@ def test_defaults_match_the_design_contract():
     assert s.backpressure_throughput and not s.backpressure_latency
     assert (s.pooling, s.normalize, s.exclude_tokens) == ("", None, ())  # as the model declares
     assert (s.max_connection_age_s, s.reservation_horizon_ms) == (30, 10_000)
-    assert s.max_message_bytes == 512 * 512 * 16 * 4 + 2**20 and s.http_max_body_bytes == 2 * s.max_message_bytes
+    # Texts of the largest bucket at 16 characters of 4 bytes, +1 MiB; HTTP twice that, at most 32 MiB
+    assert s.max_message_bytes == 512 * 512 * 16 * 4 + 2**20 and s.http_max_body_bytes == 32 * 2**20
     assert (s.truncate, s.max_texts_per_request) == (True, 512)
     assert (s.compile, s.dtype, s.task, s.trust_remote_code) == ("auto", "auto", "auto", False)
 

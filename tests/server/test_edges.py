@@ -135,6 +135,36 @@ def test_an_oversized_http_body_is_413_and_the_server_keeps_serving(small_body_s
     assert status == 200 and len(vectors[0]) == 384
 
 
+def sent_whole_then_answered(host: str, port: int, path: str, body: bytes, chunked: bool = False) -> int:
+    """The status of a POST whose body was all sent before its answer is read: as a client that
+    writes its request and only then reads (most do). A server that answers early and closes with
+    the body unread has the kernel reset the connection: the send fails, or the answer is lost."""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        length = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\n%s\r\nConnection: close\r\n\r\n" % (path.encode(), length))
+        if chunked:
+            for i in range(0, len(body), 1 << 16):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(body[i:i + (1 << 16)]), body[i:i + (1 << 16)]))
+            sock.sendall(b"0\r\n\r\n")
+        else:
+            sock.sendall(body)
+        response = http.client.HTTPResponse(sock, method="POST")
+        response.begin()
+        response.read()
+        return response.status
+
+
+def test_a_refused_body_is_read_and_dropped_so_its_answer_arrives(small_body_server):
+    # 12 MiB: more than loopback's socket buffers hold, so an unread remainder is certain at close
+    body = json.dumps({"inputs": "word " * (12 * 2**20 // 5)}).encode()
+    host, api, metrics = small_body_server.host, small_body_server.http_port, small_body_server.metrics_port
+    assert sent_whole_then_answered(host, api, "/embed", body) == 413
+    assert sent_whole_then_answered(host, api, "/embed", body, chunked=True) == 413
+    assert sent_whole_then_answered(host, metrics, "/health", body) == 404  # the metrics port reads no body
+    status, _, vectors = post(small_body_server.http + "/embed", b'{"inputs": "still serving"}')
+    assert status == 200 and len(vectors[0]) == 384
+
+
 def test_token_ids_outside_int32_are_a_400(small_body_server):
     body = json.dumps({"model": "sim:50000", "input": [[101, 2**31, 102]]}).encode()
     status, _, reply = post(small_body_server.http + "/v1/embeddings", body)

@@ -43,6 +43,13 @@ OVERHEAD_BYTES = 64 * 1024  # the other fields of a body, and room for whitespac
 # Token ids a request may send, whatever the model's max length (a long-context model's 512 × 8,192
 # would be 4.2 M: ~0.9 s of the loop in json.loads): as many as 512 rows of 512.
 MAX_IDS = 512 * 512
+# A refused body's remainder read and dropped before the answer, at most this much and this long: a
+# server that answers and closes with the body unread has its kernel send a reset, which can reach
+# the caller before the answer does, and the caller sees "connection reset", not the 413 or 404
+# (nginx's lingering close, Go's net/http read the remainder for the same reason). Past either, the
+# connection is closed all the same.
+DISCARD_BYTES = 32 * 2**20
+DISCARD_S = 10.0
 THREAD_BYTES = 1 << 20  # an exact count of a longer body runs on a thread (numpy drops the GIL)
 _CHUNK = 1 << 22  # the exact count's numpy pass, this much at a time (memory: ~4 bytes per byte of it)
 
@@ -104,6 +111,27 @@ def _too_large(message: str, status: int) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
 
 
+def has_body(scope) -> bool:
+    """Whether a request sends a body: a nonzero Content-Length, or chunks."""
+    headers = dict(scope["headers"])
+    return headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
+
+
+async def discard_body(receive, most: int = DISCARD_BYTES, within_s: float = DISCARD_S) -> None:
+    """Read the rest of a request's body and drop it, `most` bytes and `within_s` seconds at most
+    (DISCARD_BYTES: why); memory: one chunk at a time."""
+    read = 0
+    try:
+        async with asyncio.timeout(within_s):
+            while read <= most:
+                message = await receive()
+                read += len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
+
+
 class BodyBudget:
     """ASGI middleware: a request's body against its route's Budget (`budgets()`: path → Budget,
     filled as the model's routes are installed; DEFAULT for any other path), read whole and
@@ -111,16 +139,21 @@ class BodyBudget:
     API's error shape; `refused(scope, message)` notes why (its log line and span)."""
 
     def __init__(self, app, budgets: Callable[[], dict[str, Budget]], refused: Callable[[dict, str], None],
-                 read_s: float = 60.0):
-        """`read_s` (HTTP_BODY_TIMEOUT_S): a body not read whole by then is refused (408)."""
+                 read_s: float = 60.0, body_cap: int = DISCARD_BYTES):
+        """`read_s` (HTTP_BODY_TIMEOUT_S): a body not read whole by then is refused (408).
+        `body_cap` (HTTP_MAX_BODY_BYTES): the most any path reads, DEFAULT's included (the route
+        budgets are cut to it already). Starlette's own limit is not used: it answers on the
+        Content-Length and closes with the body unread (DISCARD_BYTES: why that loses the answer)."""
         self.app, self.budgets, self.refused, self.read_s = app, budgets, refused, read_s
+        self.default = Budget(min(DEFAULT.body_bytes, body_cap), DEFAULT.items)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)  # our GET routes read no body
-        budget = self.budgets().get(scope["path"], DEFAULT)
+        budget = self.budgets().get(scope["path"], self.default)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > budget.body_bytes:
+            await discard_body(receive)
             return await self._refuse(scope, send, f"the body has {int(length)} bytes, more than this route "
                                       f"reads ({budget.body_bytes}: docs/api.md, Limits)")
         # One growing buffer, not a list of the chunks as they came: 2-byte chunks had been an object
@@ -137,6 +170,9 @@ class BodyBudget:
                 return  # gone before its body was read: nothing to answer
             data += message.get("body", b"")
             if len(data) > budget.body_bytes:
+                del data
+                if message.get("more_body", False):
+                    await discard_body(receive)
                 return await self._refuse(scope, send, f"the body has more than {budget.body_bytes} bytes, "
                                           "the most this route reads (docs/api.md, Limits)")
             if not message.get("more_body", False):
@@ -169,5 +205,5 @@ class BodyBudget:
         body = _too_large(message, status)
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})  # the rest of a large body is not read
+            (b"connection", b"close")]})  # a body past DISCARD_BYTES is not read whole
         await send({"type": "http.response.body", "body": body})

@@ -26,12 +26,12 @@ from embedserve.transports.request_cycle import RequestCycle
 
 
 def build_app(server: Hub) -> FastAPI:
-    # A body over HTTP_MAX_BODY_BYTES is refused with 413 before it is read whole (Starlette's
-    # limit: at once on its Content-Length, else as the bytes arrive).
+    # A body over HTTP_MAX_BODY_BYTES, or its route's budget, is refused with 413 before it is
+    # parsed, by budget.BodyBudget (at once on its Content-Length, else as the bytes arrive).
     # FastAPI's own OpenTelemetry off: a request's span is embedserve.tracing's (with its stages);
     # FastAPI's would be a second server span per request wherever a global provider is set
     # (opentelemetry-instrument), and off it does not look for one on every request.
-    app = FastAPI(title="embedfleet server", version=__version__, max_body_size=server.settings.http_max_body_bytes,
+    app = FastAPI(title="embedfleet server", version=__version__,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
 
     @app.get("/health")
@@ -49,7 +49,7 @@ def build_app(server: Hub) -> FastAPI:
     # leaves) is around that, so a 413 is counted and logged as any refusal.
     app.state.budgets = {}  # path → budget.Budget, set as the model's routes are installed
     app.add_middleware(budget.BodyBudget, budgets=lambda: app.state.budgets, refused=_noted,
-                       read_s=server.settings.http_body_timeout_s)
+                       read_s=server.settings.http_body_timeout_s, body_cap=server.settings.http_max_body_bytes)
     app.add_middleware(RequestCycle, starting=lambda request: http_api.starting(request, server),
                        finished=server.metrics.request_finished, api_paths=http_api.API_PATHS,
                        observed=http_api.OBSERVED_PATHS, busy=http_api.busy,
