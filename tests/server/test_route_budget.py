@@ -227,10 +227,17 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
                                     ("longest rows, truncate false", "!", False, max_chars),
                                     ("longest rows, raw UTF-8", "\U0001F600", True, max_chars),
                                     ("one-character texts", "a", True, 1)):
-        # Texts as long as the route's bytes let the most rows be (halved until the body fits).
-        while (bodies := schema_bodies(doc, path, Fill(chars, char, flag, served))) and \
-                max(map(len, bodies)) > limit.body_bytes and chars > 1:
-            chars //= 2
+        # Texts as long as the route's bytes let the most rows be: halved until the body fits;
+        # where that no longer shrinks it (rows of token ids), the rows and ids per row halved.
+        fill, before = Fill(chars, char, flag, served), 0
+        while (bodies := schema_bodies(doc, path, fill)) and (largest := max(map(len, bodies))) > limit.body_bytes:
+            if fill.chars > 1 and largest != before:
+                fill.chars //= 2
+            elif fill.most > 1:
+                fill.most //= 2
+            else:
+                break
+            before = largest
         for i, body in enumerate(bodies):
             if len(body) <= limit.body_bytes:
                 out[f"schema: {name} #{i}"] = body

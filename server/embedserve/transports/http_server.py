@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from embedserve import __version__
 from embedserve.transports import addresses, budget, http_api, outcomes
+from embedserve.transports.http_protocol import SlicedH11Protocol
 from embedserve.metrics import CONTENT_TYPE
 from embedserve.transports.hub import Hub
 from embedserve.transports.request_cycle import RequestCycle
@@ -140,8 +141,9 @@ class HttpServer:
         factory = None if ssl_context is None else lambda config, default: ssl_context
         # log_config=None: uvicorn's lines go through the process's own handler (embedserve.logs:
         # LOG_FORMAT), not a handler and format of its own.
+        # http: h11, parsed a slice a turn (http_protocol.py: why), whatever else is installed.
         config = uvicorn.Config(asgi, log_level="warning", access_log=False, lifespan="off", ssl_context_factory=factory,
-                                log_config=None)
+                                log_config=None, http=SlicedH11Protocol)
         self._uvicorn = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 
