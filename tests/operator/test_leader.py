@@ -23,6 +23,13 @@ LEASE = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/embedop-leader"
 OWNED = {resource for _, resource, verb in CALLS if verb in ("create", "patch", "update", "delete")} - {"leases"}
 
 
+RUNNING: list[OperatorProcess] = []  # this test's operators, whose logs a failure shows
+
+
+def logs() -> str:
+    return "\n".join(f"--- {op.log_path.name}, its end:\n" + "\n".join(op.log().splitlines()[-30:]) for op in RUNNING)
+
+
 @pytest.fixture
 def start(emulator, tmp_path):
     procs = []
@@ -35,7 +42,9 @@ def start(emulator, tmp_path):
         eventually(lambda: any(c["who"] == who and c["resource"] == "leases" for c in em.calls[-200:]), timeout=30)
         return op
 
+    RUNNING[:] = procs
     yield start
+    RUNNING.clear()
     for op in procs:
         if op.proc.poll() is None:
             op.stop()
@@ -57,7 +66,10 @@ def deploy(name: str) -> str:
 def create(emulator, name: str) -> None:
     emulator.request("POST", service_path(NS), new_service(name, {"model": "m0", "resources": {"gpu": 0},
                                                                   "autoscaling": {"mode": "off"}}))
-    eventually(lambda: emulator.get(deploy(name)))
+    try:
+        eventually(lambda: emulator.get(deploy(name)))
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{logs()}") from None
 
 
 def change_model(emulator, name: str, model: str) -> set[str]:
