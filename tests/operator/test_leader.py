@@ -32,7 +32,8 @@ def logs() -> str:
 
 @pytest.fixture
 def start(emulator, tmp_path):
-    procs = []
+    procs = RUNNING
+    procs.clear()
 
     def start(who: str) -> OperatorProcess:
         op = OperatorProcess(emulator.kubeconfig(tmp_path / f"kubeconfig-{who}", token=who),
@@ -42,12 +43,11 @@ def start(emulator, tmp_path):
         eventually(lambda: any(c["who"] == who and c["resource"] == "leases" for c in em.calls[-200:]), timeout=30)
         return op
 
-    RUNNING[:] = procs
     yield start
-    RUNNING.clear()
     for op in procs:
         if op.proc.poll() is None:
             op.stop()
+    procs.clear()
 
 
 def holder(emulator) -> str:

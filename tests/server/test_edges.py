@@ -161,6 +161,12 @@ def test_a_refused_body_is_read_and_dropped_so_its_answer_arrives(small_body_ser
     assert sent_whole_then_answered(host, api, "/embed", body) == 413
     assert sent_whole_then_answered(host, api, "/embed", body, chunked=True) == 413
     assert sent_whole_then_answered(host, metrics, "/health", body) == 404  # the metrics port reads no body
+    # A caller that waits for 100 Continue before its body: refused at once, never asked for it
+    for port, path in ((api, "/embed"), (metrics, "/health")):
+        with socket.create_connection((host, port), timeout=30) as sock:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n"
+                         % (path.encode(), len(body)))
+            assert sock.recv(64).startswith(b"HTTP/1.1 413" if port == api else b"HTTP/1.1 404"), path
     status, _, vectors = post(small_body_server.http + "/embed", b'{"inputs": "still serving"}')
     assert status == 200 and len(vectors[0]) == 384
 

@@ -111,10 +111,17 @@ def _too_large(message: str, status: int) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
 
 
-def has_body(scope) -> bool:
-    """Whether a request sends a body: a nonzero Content-Length, or chunks."""
+def discardable(scope) -> bool:
+    """Whether a refused request's body is worth reading to drop (DISCARD_BYTES: why): it has one;
+    its caller is not waiting for a 100 Continue to send it (then little or nothing was sent, and
+    reading would ask for all of it); it fits DISCARD_BYTES (past that the reset comes anyway)."""
     headers = dict(scope["headers"])
-    return headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return False
+    length = headers.get(b"content-length")
+    if length is not None:
+        return length.isdigit() and 0 < int(length) <= DISCARD_BYTES
+    return b"transfer-encoding" in headers
 
 
 async def discard_body(receive, most: int = DISCARD_BYTES, within_s: float = DISCARD_S) -> None:
@@ -153,7 +160,8 @@ class BodyBudget:
         budget = self.budgets().get(scope["path"], self.default)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > budget.body_bytes:
-            await discard_body(receive)
+            if discardable(scope):
+                await discard_body(receive)
             return await self._refuse(scope, send, f"the body has {int(length)} bytes, more than this route "
                                       f"reads ({budget.body_bytes}: docs/api.md, Limits)")
         # One growing buffer, not a list of the chunks as they came: 2-byte chunks had been an object

@@ -7,10 +7,13 @@ scrape or other request was answered, from any caller, key or none. Fed SLICE by
 with a turn of the loop between (the connection paused meanwhile, so what waits is at most one
 read), the longest such stretch is a slice's: the loop-lag probe's period under 1-byte chunks
 went from ~180 ms to ~55 ms (25 ms of it its own sleep), under 16-byte chunks to ~36 ms, and a
-body's throughput did not change. Everything else is uvicorn's own protocol."""
+body's throughput did not change. While a request read whole waits for its answer, nothing more
+is fed: h11 would hold what follows (pipelined requests) and parse all of it in one go once the
+answer is sent. Everything else is uvicorn's own protocol."""
 
 from __future__ import annotations
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 SLICE = 4 * 1024
@@ -22,24 +25,45 @@ class SlicedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._backlog = bytearray()
+        self._feeding = False  # a _feed is scheduled
 
     def data_received(self, data: bytes) -> None:
-        if not self._backlog and len(data) <= SLICE:
+        if not self._backlog and len(data) <= SLICE and not self._answering():
             return super().data_received(data)
-        if not self._backlog:
-            self.loop.call_soon(self._feed)
         self._backlog += data
         self.transport.pause_reading()  # until the backlog is parsed (resumed there)
+        self._schedule()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._schedule()  # what came after the request answered
+
+    def _answering(self) -> bool:
+        """A request read whole and its answer not yet sent: what follows waits in the backlog."""
+        return self.conn.their_state is h11.DONE and self.conn.our_state is not h11.DONE
+
+    def _schedule(self) -> None:
+        if self._backlog and not self._feeding and not self._answering():
+            self._feeding = True
+            self.loop.call_soon(self._feed)
 
     def _feed(self) -> None:
+        self._feeding = False
         if self.transport.is_closing():
             self._backlog.clear()
             return
         piece = bytes(self._backlog[:SLICE])
         del self._backlog[:SLICE]
-        super().data_received(piece)
+        try:
+            super().data_received(piece)
+        except BaseException:
+            # As asyncio does when a protocol's data_received raises (here it runs as a callback
+            # of the loop, which would only log it): the connection is dropped, not left paused.
+            self._backlog.clear()
+            self.transport.abort()
+            raise
         if self._backlog:
-            self.loop.call_soon(self._feed)
+            self._schedule()
         elif not self.flow.read_paused and not self.transport.is_closing():
             # uvicorn's own pause (a body the app has not read yet, a pipelined request) stands;
             # it resumes reading itself when it lifts that pause.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from starlette.responses import PlainTextResponse
 
-from embedserve.transports.budget import discard_body, has_body
+from embedserve.transports.budget import discard_body, discardable
 from embedserve.transports.http_server import health_response, metrics_response
 from embedserve.transports.hub import Hub
 
@@ -32,7 +32,7 @@ def build_app(server: Hub):
     async def app(scope, receive, send):
         if scope["type"] != "http":  # a WebSocket upgrade: refused (uvicorn answers 403)
             return await send({"type": "websocket.close", "code": 1008})
-        if has_body(scope):  # nothing here reads one: dropped, so the answer is not lost to a reset
+        if discardable(scope):  # nothing here reads one: dropped, so the answer is not lost to a reset
             await discard_body(receive)
         answer = ANSWERS.get(scope["path"]) if scope["method"] in ("GET", "HEAD") else None
         response = await answer(server) if answer else PlainTextResponse("Not Found", status_code=404)
