@@ -14,6 +14,7 @@ from embedserve.client import CHANNEL_OPTIONS, KEEPALIVE_TIMEOUT_MS, Client
 from embedserve.client_retries import is_final, retry_after_s, spends_budget
 from embedserve.transports.grpc_server import is_retry
 from tests.conftest import ServerProcess, counter, free_port, make_text, rejections
+from tests.server.test_client_metadata import EmbedStub
 
 SIM = {"MODEL_PATH": "sim:2000", "BATCH_CAPS": "16:8,32:8,64:4,128:2,256:1,512:1"}
 
@@ -250,28 +251,16 @@ def test_only_retries_that_multiply_load_spend_the_budget():
     assert spends_budget(final, 0)
 
 
-class Unavailable:
+class Unavailable(EmbedStub):
     """What a fleet with no pod left looks like from the Client: a proxy (Envoy, a mesh) with no
     healthy upstream answers every call UNAVAILABLE. Counts the calls it was sent."""
 
     def __init__(self):
         self.calls = 0
 
-    async def __aenter__(self):
-        async def embed(request, context):
-            self.calls += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy upstream")
-
-        self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("embedfleet.v1.Inference", {
-            "Embed": grpc.unary_unary_rpc_method_handler(embed, pb.EmbedRequest.FromString,
-                                                         pb.EmbedResponse.SerializeToString)})])
-        self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.server.stop(0)
+    async def embed(self, request, context):
+        self.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy upstream")
 
 
 @pytest.mark.parametrize("routing", ["least-drain", "round-robin"])

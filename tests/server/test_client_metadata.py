@@ -22,20 +22,16 @@ from embedserve.client_metadata import merged, pairs
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Recording:
-    """A gRPC server whose Embed answers one zero vector and keeps each call's metadata."""
+class EmbedStub:
+    """A gRPC server of Inference.Embed alone, answered by the subclass's `embed`, on loopback."""
 
-    def __init__(self):
-        self.calls: list[dict] = []
+    async def embed(self, request, context):
+        raise NotImplementedError
 
     async def __aenter__(self):
-        async def embed(request, context):
-            self.calls.append(dict(context.invocation_metadata()))
-            return pb.EmbedResponse(embeddings=np.zeros((1, 4), "<f4").tobytes(), shape=[1, 4])
-
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("embedfleet.v1.Inference", {
-            "Embed": grpc.unary_unary_rpc_method_handler(embed, pb.EmbedRequest.FromString,
+            "Embed": grpc.unary_unary_rpc_method_handler(self.embed, pb.EmbedRequest.FromString,
                                                          pb.EmbedResponse.SerializeToString)})])
         self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
@@ -43,6 +39,17 @@ class Recording:
 
     async def __aexit__(self, *exc):
         await self.server.stop(0)
+
+
+class Recording(EmbedStub):
+    """Embed answers one zero vector and keeps each call's metadata."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    async def embed(self, request, context):
+        self.calls.append(dict(context.invocation_metadata()))
+        return pb.EmbedResponse(embeddings=np.zeros((1, 4), "<f4").tobytes(), shape=[1, 4])
 
 
 def test_a_calls_metadata_is_checked_and_merged_with_the_clients():
