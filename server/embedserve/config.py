@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Mapping
 
+from embedserve import model_list
 from embedserve.env_reader import ConfigError, EnvReader
 
 PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
@@ -31,6 +32,20 @@ class Settings:
     """MODEL_PATH: a local directory, a HuggingFace repo id, an s3://bucket/prefix URI, or
     `sim:<tokens_per_second>` (simulated accelerator, tests only). Default: the packaged
     all-MiniLM-L6-v2."""
+    models: tuple[model_list.ModelEntry, ...] = ()
+    """MODELS: several models on one device, a JSON list of {name, model, modelRevision, task,
+    pooling: {strategy, normalize, excludeTokens}} (the EmbeddingService's spec.models entries;
+    embedserve.model_list). Each is served under its name on every transport, the first by
+    default; each keeps its own buckets, batch caps, warm-up and admission, and the device runs
+    one batch at a time, the one whose oldest row is closest to its drain budget. Unset (the
+    default): one model, from MODEL_PATH and the variables beside it, which MODELS excludes."""
+    device_memory_bytes: int = 0
+    """DEVICE_MEMORY_BYTES: the device memory the models may fill; 0 (default): what CUDA reports
+    for the device (unbounded on CPU). Each model's footprint is measured as it loads (weights,
+    warm-up, graph pools); the server refuses to start when their sum plus a margin (1 GiB or 5%
+    of the device, whichever is more) exceeds this, naming the models and the numbers in its log
+    and termination message. With the simulated device (MODEL_PATH=sim:<rate>@<bytes>) it is the
+    simulated device's size."""
     model_revision: str = ""
     """MODEL_REVISION: the hub revision of a MODEL_PATH repo id: a branch, tag or commit (default:
     main). Once a revision has been fetched into MODEL_CACHE_DIR, it is read from there with no
@@ -265,6 +280,8 @@ class Settings:
         s = EnvReader(env)
         settings = cls(
             model_path=s.str("MODEL_PATH", d.model_path),
+            models=model_list.parse(s.str("MODELS", ""), env, POOLING_MODES, POOLING_ALIASES),
+            device_memory_bytes=s.int("DEVICE_MEMORY_BYTES", d.device_memory_bytes),
             model_revision=s.str("MODEL_REVISION", d.model_revision),
             model_cache_dir=s.str("MODEL_CACHE_DIR", d.model_cache_dir),
             device=s.str("DEVICE", d.device),

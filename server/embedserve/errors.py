@@ -39,6 +39,18 @@ class WrongTask(RuntimeError):
     """The request needs the other task (embed vs classify) (FAILED_PRECONDITION / HTTP 400)."""
 
 
+class UnknownModel(LookupError):
+    """The request names a model this server does not serve (NOT_FOUND / HTTP 404); the message
+    names the served ones."""
+
+    reason = "model_not_found"  # HTTP's error code (OpenAI's)
+
+    def __init__(self, name: str, served: list[str]):
+        # The caller's name echoed at most this long: a status message travels in gRPC's trailers.
+        shown = repr(name) if len(name) <= 100 else f"{name[:100]!r}... ({len(name)} characters)"
+        super().__init__(f"model {shown} is not served here; this server serves " + ", ".join(repr(n) for n in served))
+
+
 class DeviceUnresponsive(NotReady):
     """A batch outran the watchdog: the device is lost until the pod restarts (UNAVAILABLE / HTTP
     503; clients retry on another pod)."""
@@ -47,7 +59,8 @@ class DeviceUnresponsive(NotReady):
 # The errors a request can end with, by name: how they cross from the model process to a front
 # end (FRONTENDS > 1), which raises them again for its transport to map.
 _BY_NAME = {"invalid": InvalidInput, "reply_too_large": ReplyTooLarge, "overloaded": Overloaded, "unavailable": NotReady,
-            "device": DeviceUnresponsive, "model_failure": ModelFailure, "wrong_task": WrongTask}
+            "device": DeviceUnresponsive, "model_failure": ModelFailure, "wrong_task": WrongTask,
+            "unknown_model": UnknownModel}
 
 
 def to_wire(error: Exception) -> dict:
@@ -61,6 +74,10 @@ def to_wire(error: Exception) -> dict:
 def from_wire(wire: dict) -> Exception:
     if wire["error"] == "overloaded":
         return Overloaded(wire["reason"], wire["retry_after_ms"], wire["final"])
+    if wire["error"] == "unknown_model":  # its message as the model process wrote it
+        error = UnknownModel.__new__(UnknownModel)
+        LookupError.__init__(error, wire["message"])
+        return error
     return _BY_NAME.get(wire["error"], ModelFailure)(wire["message"])
 
 

@@ -25,27 +25,39 @@ def walk(routes, prefix: str = ""):
             yield from ((prefix + route.path, method, name) for method in route.methods)
 
 
+# A pod of several models (MODELS): its models' names and tasks, an embedder the default. Its
+# routes are the default's at the root, the others' payload-named ones, and each one's under
+# /models/<name>/ (transports/http_models.py).
+SHARED = (("dense", "embed"), ("ranker", "rerank"))
+
+
 async def api_routes(tasks=TASKS) -> dict[str, set[tuple[str, str, str]]]:
     """task → (path, method, endpoint) of every route the API port has for it: the app as the
     server builds it, with the routes installed after warm-up (/openapi.json and the docs pages
-    included)."""
+    included). "shared" in `tasks`: a pod of the SHARED models."""
+    import json
+
     from embedserve.app import Server
     from embedserve.config import Settings
     from embedserve.transports import http_api, http_server
     from tests.conftest import TEST_BATCH_CAPS
 
-    hub = Server(Settings.from_env({"MODEL_PATH": "sim:50000", "BATCH_CAPS": TEST_BATCH_CAPS, "WARM_START": "false"}),
-                 listen=False)
-    await hub.start()
+    base = {"BATCH_CAPS": TEST_BATCH_CAPS, "WARM_START": "false"}
     routes = {}
-    try:
-        for task in tasks:
-            hub.task, hub.labels = task, ["a", "b"]
+    for task in tasks:
+        shared = task == "shared"
+        env = {"MODELS": json.dumps([{"name": name, "model": "sim:50000"} for name, _ in SHARED])} if shared \
+            else {"MODEL_PATH": "sim:50000"}
+        hub = Server(Settings.from_env({**env, **base}), listen=False)
+        await hub.start()
+        try:
+            for model, served in zip(hub.models.values(), [t for _, t in SHARED] if shared else [task]):
+                model.task, model.labels = served, ["a", "b"]
             app = http_server.build_app(hub)
             http_api.install_routes(app, hub)
             routes[task] = set(walk(app.routes))
-    finally:
-        await hub.stop(grace=0)
+        finally:
+            await hub.stop(grace=0)
     return routes
 
 

@@ -39,6 +39,10 @@ METRICS = {
     "embedfleet_tokens_total": "counter",
     "embedfleet_model_busy_seconds_total": "counter",
     "embedfleet_offered_tokens_total": "counter",
+    "embedfleet_offered_busy_seconds_total": "counter",
+    "embedfleet_demand_busy_seconds_per_second": "gauge",
+    "embedfleet_capacity_busy_seconds_per_second": "gauge",
+    "embedfleet_model_memory_bytes": "gauge",
     "embedfleet_gpu_memory_bytes": "gauge",
     "embedfleet_model_info": "gauge",
 }
@@ -99,7 +103,8 @@ def test_metrics_expose_every_contract_metric_with_labels(default_server):
     families = parse_families(text)
     for name, kind in METRICS.items():
         assert families.get(name) == kind, (name, families.get(name))
-    assert 'embedfleet_requests_total{code="OK",rpc="Embed"}' in text
+    # The default server's model is named by SERVED_MODEL_NAME's default: the packaged model's.
+    assert 'embedfleet_requests_total{code="OK",model="all-MiniLM-L6-v2",rpc="Embed"}' in text
     assert 'embedfleet_tokens_total{kind="real"}' in text and 'embedfleet_tokens_total{kind="padded"}' in text
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -108,9 +113,11 @@ def test_metrics_expose_every_contract_metric_with_labels(default_server):
         "device": "cpu", "dimension": "384", "dtype": "float32", "pooling": "mean", "normalize": "true",
         "max_length": "256", "prompts": ""}  # all-MiniLM-L6-v2 as it declares itself
     # This server's 600 s budget less the reorder window: at least the 50 ms deadline, at most half
-    limit = float(re.search(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M).group(1))
+    limit = float(re.search(r'^embedfleet_admission_backlog_limit_seconds\{model="all-MiniLM-L6-v2"} (\S+)$', text,
+                            re.M).group(1))
     assert 300 <= limit <= 600 - 0.05
-    busy = float(re.search(r"^embedfleet_model_busy_seconds_total (\S+)$", text, re.M).group(1))
+    busy = float(re.search(r'^embedfleet_model_busy_seconds_total\{model="all-MiniLM-L6-v2"} (\S+)$', text,
+                           re.M).group(1))
     assert 0 < busy < default_server.health()[1]["uptime_seconds"]  # some model time, less than the uptime
 
 

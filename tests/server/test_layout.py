@@ -20,8 +20,9 @@ SUBPACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" an
 # Lowest first: what a layer may import is below it. The request flows down (transports call the
 # service, which admits and batches, which runs the model); what wires the stages sits on top.
 LAYERS = [
-    {"embedserve.env_reader"},
-    {"embedserve", "embedserve.errors", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
+    {"embedserve.env_reader", "embedserve.errors"},
+    {"embedserve.model_list"},  # MODELS: read by config, addressed by both kinds of process
+    {"embedserve", "embedserve.config", "embedserve.threads", "embedserve.lifecycle",
      "embedserve.client_routing", "embedserve.tracing", "embedserve.logs"},
     # The Client is no stage of the server: its decisions, its pods, and the façade over both.
     {"embedserve.client_pods", "embedserve.client_retries"},
@@ -36,6 +37,7 @@ LAYERS = [
     {"embedserve.calibrate"},
     {"embedserve.frontends", "embedserve.prepare"},
     {"embedserve.prefetch"},
+    {"embedserve.model_stack"},  # one model of the pod, from its files to its service
     {"embedserve.app"},
     {"embedserve.__main__"},
 ]

@@ -34,7 +34,7 @@ from embedserve.config import CHARS_PER_TOKEN_BOUND, Settings
 from embedserve.transports import budget, http_api
 from tests.conftest import ServerProcess
 from tests.server.frontends.test_frontend import children, kill_front_ends
-from tests.server.routes import Fill, api_routes, hostile_bodies, schema_bodies
+from tests.server.routes import SHARED, TASKS, Fill, api_routes, hostile_bodies, schema_bodies
 
 MAX_PROBE_S = 1.0
 MAX_STALL_S = 0.25
@@ -48,7 +48,7 @@ CLEAR = {200, 400, 404, 405, 413, 422}  # answers that say what happened (429/50
 
 @pytest.fixture(scope="module")
 async def routes():
-    return await api_routes()
+    return await api_routes((*TASKS, "shared"))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,9 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
         tok.save_pretrained(root / task)
         out[task] = {"MODEL_PATH": str(root / task), "TASK": task}
     out["sparse"] = {"MODEL_PATH": build_splade(root / "sparse", model_dir), "TASK": "sparse"}
+    (dense, _), (ranker, _) = SHARED  # the simulated embedder and the tiny reranker on one device
+    out["shared"] = {"MODELS": json.dumps([{"name": dense, "model": "sim:5000000"},
+                                           {"name": ranker, "model": out["rerank"]["MODEL_PATH"], "task": "rerank"}])}
     return out
 
 
@@ -220,7 +223,8 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
     ignores them, one that does meets the budget)."""
     if method != "POST":
         return {"no body": b""}
-    limit = http_api.budgets(Settings.from_env({}), max_length).get(path, budget.DEFAULT)
+    own = "/" + path.split("/", 3)[3] if path.startswith("/models/") else path  # a model's prefix: its path's
+    limit = http_api.budgets(Settings.from_env({}), max_length).get(own, budget.DEFAULT)
     max_chars = max_length * CHARS_PER_TOKEN_BOUND
     out = {}
     for name, char, flag, chars in (("longest rows, escaped", "é", True, max_chars),
@@ -302,7 +306,7 @@ def services() -> list:
 # Each task's server in one process; with front ends, an embedding server and a sparse one (the
 # two shapes of answer a front end gets from the model process: dense rows, CSR rows).
 SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse")] + \
-    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2")]
+    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("shared", "one process")]
 # Routes with the same handler on every task's server (the tokenizer's, the docs, another task's
 # refusals): sent their bodies once per mode, on the first server of that mode that runs.
 covered: set[tuple[str, str, str, str]] = set()
@@ -326,7 +330,9 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                 if (mode, path, method, endpoint) in covered:  # the same handler, on a server of this mode
                     continue
                 covered.add((mode, path, method, endpoint))
-                bodies = http_bodies(doc, path, method, served, max_length)
+                # A payload's `model`: the one whose prefix the path has (http_models), else the default.
+                named = path.split("/")[2] if path.startswith("/models/") else served
+                bodies = http_bodies(doc, path, method, named, max_length)
                 # One of them in 16-byte chunks: a message to the app each, ~1.5 M for this body
                 if method == "POST":
                     chunked = bodies["hostile: one-character strings, at the items"]

@@ -21,32 +21,36 @@ BINARY: Encoding
 UBINARY: Encoding
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("texts", "prompt_name", "dimensions", "encoding", "truncate")
+    __slots__ = ("texts", "prompt_name", "dimensions", "encoding", "truncate", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     prompt_name: str
     dimensions: int
     encoding: Encoding
     truncate: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("input_ids", "attention_mask", "shape", "dimensions", "encoding")
+    __slots__ = ("input_ids", "attention_mask", "shape", "dimensions", "encoding", "model")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     input_ids: bytes
     attention_mask: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
     encoding: Encoding
-    def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    model: str
+    def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("embeddings", "shape", "quantized", "encoding")
@@ -61,16 +65,18 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., quantized: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("query", "texts", "truncate", "raw_scores")
+    __slots__ = ("query", "texts", "truncate", "raw_scores", "model")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     query: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     truncate: bool
     raw_scores: bool
-    def __init__(self, query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., raw_scores: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
     __slots__ = ("scores",)
@@ -91,11 +97,13 @@ class EmbedSparseResponse(_message.Message):
     def __init__(self, indices: _Optional[bytes] = ..., values: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ..., dimension: _Optional[int] = ...) -> None: ...
 
 class HealthCheckRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class HealthCheckResponse(_message.Message):
-    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload", "task", "quantize_range", "quantize_calibration")
+    __slots__ = ("status", "accepting_requests", "queued_tokens", "service_rate_tokens_per_sec", "arrival_rate_tokens_per_sec", "estimated_drain_time_ms", "p95_server_side_latency_ms", "gpu_queue_depth", "embedding_dimension", "uptime_seconds", "model", "device", "reserved_tokens", "pooling", "normalize", "max_length", "prompts", "default_prompt_name", "sustained_overload", "task", "quantize_range", "quantize_calibration", "models")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +126,7 @@ class HealthCheckResponse(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_RANGE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     status: str
     accepting_requests: bool
     queued_tokens: int
@@ -140,15 +149,18 @@ class HealthCheckResponse(_message.Message):
     task: str
     quantize_range: float
     quantize_calibration: str
-    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ..., quantize_calibration: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[str] = ..., accepting_requests: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., service_rate_tokens_per_sec: _Optional[float] = ..., arrival_rate_tokens_per_sec: _Optional[float] = ..., estimated_drain_time_ms: _Optional[float] = ..., p95_server_side_latency_ms: _Optional[float] = ..., gpu_queue_depth: _Optional[int] = ..., embedding_dimension: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., reserved_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., max_length: _Optional[int] = ..., prompts: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., sustained_overload: _Optional[bool] = ..., task: _Optional[str] = ..., quantize_range: _Optional[float] = ..., quantize_calibration: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class QuantizationRequest(_message.Message):
-    __slots__ = ("dimensions", "normalized")
+    __slots__ = ("dimensions", "normalized", "model")
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     dimensions: int
     normalized: bool
-    def __init__(self, dimensions: _Optional[int] = ..., normalized: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, dimensions: _Optional[int] = ..., normalized: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class QuantizationResponse(_message.Message):
     __slots__ = ("quantize_range", "calibration", "dimensions", "normalized", "ranges")

@@ -100,12 +100,23 @@ class Snapshot(NamedTuple):
     arrival_rate: float  # offered real tokens / s, admitted + rejected
     queued_tokens: int  # real tokens admitted, not yet computed
     p95_latency_s: float
+    # Seconds of device time queued by the other models on this device (MODELS; model.device): work
+    # that may run before this model's next row. 0 with one model.
+    elsewhere_s: float = 0.0
+
+    @property
+    def backlog_tokens(self) -> float:
+        """What admission weighs: this model's queue plus the other models' device time, in this
+        model's tokens (at its service rate), so its drain budget counts every model's work."""
+        if self.elsewhere_s <= 0:
+            return self.queued_tokens
+        return self.queued_tokens + self.elsewhere_s * self.service_rate if self.service_rate > 0 else math.inf
 
     @property
     def drain_s(self) -> float:
-        if self.queued_tokens <= 0:
-            return 0.0
-        return self.queued_tokens / self.service_rate if self.service_rate > 0 else math.inf
+        own = 0.0 if self.queued_tokens <= 0 else (
+            self.queued_tokens / self.service_rate if self.service_rate > 0 else math.inf)
+        return own + self.elsewhere_s
 
 
 class Estimator:
@@ -121,14 +132,18 @@ class Estimator:
         arrival_tau_s: float = 5.0,
         service_tau_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        elsewhere_s: Callable[[], float] = lambda: 0.0,
     ):
         self.clock = clock
+        # Device seconds the other models sharing the device have queued (MODELS; app.Server sets it).
+        self.elsewhere_s = elsewhere_s
         self._lock = threading.Lock()
         self._service = BusyTimeRate(service_tau_s)
         self._arrival = DecayingRate(arrival_tau_s)
         self._latency = LatencyWindow(latency_window_s)
         self._queued = 0
         self._offered_total = 0.0  # monotonic: a scraper's rate over its own interval is exact
+        self._offered_busy = 0.0  # the same, each offer in seconds of device time at the service rate then
         self.chars_per_token = 4.0  # learned: estimates a text's tokens before tokenizing it
         self._chars = self._tokens = 0.0  # the decaying sums it is learned as
 
@@ -144,6 +159,8 @@ class Estimator:
         decays, so that is its low point: what "demand has stayed over capacity" must test)."""
         with self._lock:
             self._offered_total += tokens
+            rate = self._service.read()
+            self._offered_busy += tokens / rate if rate > 0 else 0.0
             return self._arrival.add(tokens, self.clock())
 
     @property
@@ -151,6 +168,18 @@ class Estimator:
         """Tokens offered since start, admitted and rejected (the arrival rate's counter)."""
         with self._lock:
             return self._offered_total
+
+    @property
+    def offered_busy_s(self) -> float:
+        """Seconds of device time offered since start (each offer at the service rate then): summed
+        over a pod's models, the pod's demand in one unit (busy seconds per second as a rate)."""
+        with self._lock:
+            return self._offered_busy
+
+    def queued_s(self) -> float:
+        """Seconds of device time this model's queue holds (the other models' `elsewhere_s`)."""
+        with self._lock:
+            return Snapshot(self._service.read(), 0.0, self._queued, 0.0).drain_s
 
     def enqueued(self, tokens: int) -> None:
         with self._lock:
@@ -190,15 +219,17 @@ class Estimator:
     def drain_s(self) -> float:
         """Snapshot.drain_s alone (the queue and the service rate; no arrival rate, no P95):
         every answer carries it (transports/drain.py), so it is read once per request."""
+        elsewhere = self.elsewhere_s()
         with self._lock:
-            return Snapshot(self._service.read(), 0.0, self._queued, 0.0).drain_s
+            return Snapshot(self._service.read(), 0.0, self._queued, 0.0, elsewhere).drain_s
 
     def snapshot(self, latency: bool = True) -> Snapshot:
         """`latency=False` leaves the P95 out (0): admission asks on every request, and needs
         it only with the latency strategy on."""
+        elsewhere = self.elsewhere_s()  # before the lock: it takes the other models' locks
         with self._lock:
             now = self.clock()
             return Snapshot(
                 self._service.read(), self._arrival.read(now), self._queued,
-                self._latency.p95(now) if latency else 0.0,
+                self._latency.p95(now) if latency else 0.0, elsewhere,
             )

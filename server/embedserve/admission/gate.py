@@ -137,7 +137,7 @@ class Gate:
         snap = self.estimator.snapshot(latency=False)
         # Callers woken by an earlier batch resume on a later loop turn: their tokens are not
         # queued yet, but the room is theirs.
-        room = self.policy.backlog_limit_s * snap.service_rate - snap.queued_tokens - self._joining
+        room = self.policy.backlog_limit_s * snap.service_rate - snap.backlog_tokens - self._joining
         while self._held and room > 0:
             _, _, tokens, wake = heapq.heappop(self._held)
             if not wake.done():

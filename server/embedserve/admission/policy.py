@@ -78,14 +78,15 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
     booked for earlier refused requests' retries: they wait ahead of this one. `draw` is uniform
     in [0, 1) (injected so tests control the soft-shedding lottery). `sustained`: the overload
     is (still_sustained); `over_for_s`: how long new demand has exceeded the service rate."""
-    if policy.throughput and snap.queued_tokens > 0:
+    backlog = snap.backlog_tokens  # with several models on the device, theirs too (in this model's tokens)
+    if policy.throughput and backlog > 0:
         # An empty queue always admits: otherwise one request larger than the drain budget
         # could never be served at all.
         rate = snap.service_rate
         if rate <= 0:
             return Decision(False, "drain_time", _ms(policy.max_drain_s))
         room = policy.backlog_limit_s * rate
-        if snap.queued_tokens >= room:
+        if backlog >= room:
             # Size-neutral: a request joins while the work *ahead of it* is within the limit,
             # whatever its own size. Asking that its own tokens fit too refused long requests
             # almost always under overload (the queue hovers at the limit and every short one
@@ -95,7 +96,7 @@ def decide(snap: Snapshot, cost_tokens: float, policy: Policy, draw: float, rese
             # Admission is work-conserving: the present queue alone decides, so booked room that
             # its owner never claims cannot idle the device. This request's moment is when the
             # queue and everything booked before it have drained below the limit.
-            wait_s = (snap.queued_tokens + reserved_tokens - room) / rate
+            wait_s = (backlog + reserved_tokens - room) / rate
             if wait_s <= policy.horizon_s and not sustained:
                 return Decision(False, "drain_time", _ms(wait_s), book=True)
             if policy.horizon_s <= 0:  # booking off: told when there will be room, nothing more

@@ -25,6 +25,7 @@ from embedserve.model.batches import PackedBatch
 from embedserve.batching.queues import BucketQueues, Chunk, PendingRequest, assemble
 from embedserve.model.batches import Batch
 from embedserve.threads import in_daemon_thread
+from embedserve.model.device import Device
 from embedserve.model.worker import ModelWorker, Runner, Warm, WarmupPlan, WarmupResult, Watchdog, warm_up
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Engine:
         watchdog: Watchdog = Watchdog(),
         feed_delay_s: float = FEED_DELAY_S,
         warm: Warm = warm_up,
+        device: Device | None = None,
     ):
         self.plan = plan
         self.watchdog = watchdog
@@ -74,8 +76,9 @@ class Engine:
         # Batches formed ahead of the running one. A GPU wants two (the host prepares while the
         # device computes); a CPU has nothing to overlap, and a batch formed later is fuller.
         self.lookahead = lookahead
+        self.device = device  # shared with other models' engines (MODELS), else None
         self.worker = ModelWorker(load, plan, self._report_from_worker, max(worker_queue_size, lookahead + 1),
-                                  warm)
+                                  warm, device)
         self.caps: dict[int, int] = {}
         self.warmup: WarmupResult | None = None
         self.dim = 0
@@ -289,6 +292,9 @@ class Engine:
                 return drain.wake_at
             batch = self._form_packed() if self.packing else self._form(drain.bucket)
             batch.id, batch.formed = next(self._batch_ids), time.monotonic()
+            if self.device is not None:  # shared: the batch due first runs first (model.device)
+                batch.due = min(r.enqueued for r in self._forming) + (
+                    self.max_drain_s if math.isfinite(self.max_drain_s) else self.deadline_s)
             self.worker.submit(batch)
             self.in_worker += 1
             self._forming = []
@@ -379,6 +385,19 @@ class Engine:
                   self.watchdog.limit_s(batch, self.warmup))
         was, self.hung = self.failing, True
         self._fail_waiting(self.lost, (batch, *self._never_to_run()))
+        self._failing_changed(was)
+
+    def device_lost(self) -> None:
+        """Another model's batch hung the device this one shares (MODELS): nothing of this model's
+        will run either. Its requests fail as a hung device's do (UNAVAILABLE), the batch waiting
+        for its turn included (should the device come back, its report is ignored, as a hung
+        batch's is)."""
+        if self.hung:
+            return
+        log.error("another model's batch hung the shared device: failing every request and reporting NOT_SERVING")
+        was, self.hung = self.failing, True
+        waiting = self.worker.waiting
+        self._fail_waiting(self.lost, ([waiting] if waiting is not None else []) + self._never_to_run())
         self._failing_changed(was)
 
     def _never_to_run(self) -> list:

@@ -3,5 +3,5 @@ for one model process, the only one touching the device, which answers them (doo
 ZeroMQ link (ipc.py). Admission, batching and the estimator keep their one home in the model
 process; with FRONTENDS=1 none of this runs.
 
-May import: embedserve.config, embedserve.errors, embedserve.lifecycle, embedserve.metrics, embedserve.tracing, embedserve.logs, embedserve.transports, embedserve.admission, embedserve.batching, embedserve.model
+May import: embedserve.config, embedserve.model_list, embedserve.errors, embedserve.lifecycle, embedserve.metrics, embedserve.tracing, embedserve.logs, embedserve.transports, embedserve.admission, embedserve.batching, embedserve.model
 """

@@ -38,20 +38,11 @@ class ModelDoor:
         await self.door.close()
 
     async def hello(self, header: dict, payload) -> ipc.Message:
-        """Answered once the model is ready: what a front end needs to shape requests."""
+        """Answered once the models are ready: what a front end needs to shape requests for each,
+        the default first; their calibrations (if any) end to end in the payload, in that order."""
         await self.server.loaded.wait()
-        s = self.server
-        head = dataclasses.asdict(s.head) if s.head else None
-        if head:
-            head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
-            head.pop("splade", None)
-        q = s.quantization  # int8/uint8's ranges: the calibration's vectors travel as the payload
-        calibration = q.calibration if q.calibrated else np.zeros((0, 0), dtype=np.float32)
-        return {"task": s.task, "labels": s.labels, "activation": s.activation, "head": head,
-                "tokenizer": s.service.tokenizer.spec, "simulated": s.service.head is None,
-                "model_dimension": s.model_dimension,
-                "quantization": {"r": q.r, "normalized": q.normalized, "digest": q.digest,
-                                 "shape": list(calibration.shape)}}, np.ascontiguousarray(calibration, "<f4").tobytes()
+        said = [model_hello(m) for m in self.server.models.values()]
+        return {"models": [header for header, _ in said]}, b"".join(data for _, data in said)
 
     async def rows(self, header: dict, payload) -> ipc.Message:
         ids = np.frombuffer(payload, dtype="<i4").reshape(header["rows"], header["width"])
@@ -59,16 +50,16 @@ class ModelDoor:
         # A traced request (its front end's span): stamped here too, the stamps sent back with the answer.
         trace = tracing.Recorder() if "trace" in header else None
         caller = Caller(header["retry"], header["deadline"], header["waits"], trace, header["hedge"])
-        service = self.server.service
         data = b""
         try:
-            if service is None:
+            model = self.server.model(header.get("model"))
+            if model.service is None:
                 raise NotReady("server is warming up")
-            result = await service.rows(ids, lengths, header["key"], caller)
+            result = await model.service.rows(ids, lengths, header["key"], caller)
         except KNOWN as e:
             reply = to_wire(e)
         else:
-            if self.server.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
+            if model.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
                 csr = result.rows
                 reply = {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}
                 data = csr.to_bytes()
@@ -84,3 +75,18 @@ class ModelDoor:
         s = self.server
         return {"health": s.health_fields(), "healthy": s.healthy, "signal": metrics.signal(s)}, b""
 
+
+
+def model_hello(m) -> tuple[dict, bytes]:
+    """One model's part of the hello (a model_stack.ModelStack) and its calibration's bytes."""
+    head = dataclasses.asdict(m.head) if m.head else None
+    if head:
+        head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
+        head.pop("splade", None)
+    q = m.quantization  # int8/uint8's ranges: the calibration's vectors travel in the payload
+    calibration = q.calibration if q.calibrated else np.zeros((0, 0), dtype=np.float32)
+    return ({"name": m.name, "task": m.task, "labels": m.labels, "activation": m.activation, "head": head,
+             "tokenizer": m.service.tokenizer.spec, "simulated": m.service.head is None,
+             "model_dimension": m.model_dimension,
+             "quantization": {"r": q.r, "normalized": q.normalized, "digest": q.digest, "shape": list(calibration.shape)}},
+            np.ascontiguousarray(calibration, "<f4").tobytes())

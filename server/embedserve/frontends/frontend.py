@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from embedserve import __version__, logs, tracing
+from embedserve import __version__, logs, model_list, tracing
 from embedserve.frontends import ipc
 from embedserve.config import Settings, served_model_name
 from embedserve.model.declared import Head
@@ -41,10 +42,11 @@ class RemoteService(PreTokenized):
     """What the transports call, as EmbeddingService: the rows go to the model process."""
 
     def __init__(self, link: ipc.Link, tokenizer: TextTokenizer, limits: Limits, head: Head | None, task: str,
-                 executor, activation: str = ""):
+                 executor, activation: str = "", model: str = ""):
         super().__init__()
         self.link, self.tokenizer, self.limits, self.head, self.task = link, tokenizer, limits, head, task
         self.executor, self.activation = executor, activation
+        self.model = model  # its name in the model process (MODELS; "" there: the default)
 
     def require_task(self, task: str) -> None:
         require_task(self.task, task)
@@ -64,7 +66,7 @@ class RemoteService(PreTokenized):
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         ids, lengths = cut(ids, lengths, self.limits)
-        header = {"op": "rows", "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
+        header = {"op": "rows", "model": self.model, "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
                   "waits": caller.waits, "hedge": caller.hedge, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
         trace = caller.trace
         if trace is not None:  # the model process stamps admission, queue and batches, and sends them back
@@ -79,6 +81,30 @@ class RemoteService(PreTokenized):
         if "nnz" in reply:  # task sparse: CSR (embedserve.model.sparse_rows)
             return Result(SparseRows.from_bytes(data, reply["rows"], reply["nnz"], reply["dim"]), reply["tokens"])
         return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
+
+
+class RemoteModel:
+    """One model of the model process, as a front end's transports address it (hub.Model)."""
+
+    def __init__(self, settings: Settings):
+        self.served_name, self.model_name = served_model_name(settings), settings.model_path
+        self.service: RemoteService | None = None
+        self.task, self.labels, self.head, self.activation = "embed", [], None, ""
+        self.model_dimension = 0  # dimensions the model computes: from the model process
+        self.quantization = Quantization(settings.quantize_range)  # the model process's, once it is ready
+
+    def said(self, hello: dict, calibration, link: ipc.Link, settings: Settings, executor) -> None:
+        """What the model process said of it (its part of the hello, its calibration's bytes)."""
+        head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
+        tokenizer = TextTokenizer(**hello["tokenizer"], truncate=settings.truncate)
+        self.task, self.labels, self.head = hello["task"], hello["labels"], head
+        self.model_dimension = hello["model_dimension"]
+        self.quantization = quantization_from(hello["quantization"], calibration)
+        self.activation = hello.get("activation", "")
+        self.service = RemoteService(link, tokenizer, Limits(settings.max_texts_per_request, tokenizer.max_length,
+                                                             settings.truncate),
+                                     None if hello["simulated"] else head, self.task, executor, self.activation,
+                                     hello["name"])
 
 
 def quantization_from(said: dict, payload) -> Quantization:
@@ -107,11 +133,8 @@ class Frontend:
         self.link = ipc.Link(path)
         self.state: dict = {"health": {"status": "starting"}, "healthy": False, "signal": None}
         self.metrics = Metrics(self._signal, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self.service: RemoteService | None = None
-        self.served_name, self.model_name = served_model_name(settings), settings.model_path
-        self.task, self.labels, self.head, self.activation = "embed", [], None, ""
-        self.model_dimension = 0  # dimensions the model computes: from the model process
-        self.quantization = Quantization(settings.quantize_range)  # the model process's, once it is ready
+        self.models = {m.served_name: m for m in map(RemoteModel, model_list.each(settings))}
+        self.default = next(iter(self.models.values()))
         self.started_at = time.monotonic()
         self.draining = False
         self._executor = ThreadPoolExecutor(max_workers=settings.tokenization_workers, thread_name_prefix="tokenize")
@@ -119,6 +142,20 @@ class Frontend:
         self._refresher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._missed = 0  # state requests unanswered in a row
+
+    def model(self, name: str | None = None) -> RemoteModel:
+        return model_list.addressed(self.models, name)
+
+    # The default model's, as the Server has them (hub.Hub).
+    service = property(lambda self: self.default.service)
+    served_name = property(lambda self: self.default.served_name)
+    model_name = property(lambda self: self.default.model_name)
+    task = property(lambda self: self.default.task)
+    labels = property(lambda self: self.default.labels)
+    head = property(lambda self: self.default.head)
+    activation = property(lambda self: self.default.activation)
+    model_dimension = property(lambda self: self.default.model_dimension)
+    quantization = property(lambda self: self.default.quantization)
 
     def _signal(self) -> dict:
         return self.state["signal"] or IDLE_SIGNAL
@@ -142,16 +179,12 @@ class Frontend:
         self._watcher = asyncio.create_task(self._watch_model(), name="model-process")
         if not self.late:  # at the pod's start: nothing serves the ports yet, and probes read "starting"
             await self.transports.start()
-        hello, payload = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the model is ready
-        head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
-        s = self.settings
-        tokenizer = TextTokenizer(**hello["tokenizer"], truncate=s.truncate)
-        self.task, self.labels, self.head = hello["task"], hello["labels"], head
-        self.model_dimension = hello["model_dimension"]
-        self.quantization = quantization_from(hello["quantization"], payload)
-        self.activation = hello.get("activation", "")
-        self.service = RemoteService(self.link, tokenizer, Limits(s.max_texts_per_request, tokenizer.max_length, s.truncate),
-                                     None if hello["simulated"] else head, self.task, self._executor, self.activation)
+        hello, payload = await self.link.call({"op": "hello", "pid": os.getpid()})  # answered once the models are ready
+        at = 0
+        for said in hello["models"]:  # each model's calibration follows the one before in the payload
+            size = 4 * math.prod(said["quantization"]["shape"])
+            self.models[said["name"]].said(said, payload[at:at + size], self.link, self.settings, self._executor)
+            at += size
         self.transports.install_api()  # with the service, in one step: no window where API paths 404
         if self.late:
             # Its siblings serve the ports meanwhile, and the kernel spreads new connections over
@@ -213,8 +246,9 @@ class Frontend:
         log.error("the model process %d is gone: failing %d requests in flight and stopping", self.parent,
                   self.link.pending)
         self.draining = True
-        if self.service is not None:
-            self.service.draining = True  # refused before any work, as in a graceful stop
+        for m in self.models.values():
+            if m.service is not None:
+                m.service.draining = True  # refused before any work, as in a graceful stop
         self.link.fail_all(NotReady("the model process of this server is gone; retry on another server"))
         os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop: refuse, drain what is left, exit
 

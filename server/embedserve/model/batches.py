@@ -34,6 +34,7 @@ class Batch:
     id: int = 0  # the batcher's number for it, and when it was formed (monotonic): for traces
     formed: float = 0.0
     started: float = 0.0  # when the worker began running it (monotonic)
+    due: float = 0.0  # when its oldest row has waited its drain budget: a shared device's order (model.device)
 
     @property
     def padded_tokens(self) -> int:
@@ -83,6 +84,7 @@ class PackedBatch:
     id: int = 0  # as Batch's
     formed: float = 0.0
     started: float = 0.0
+    due: float = 0.0
 
     @property
     def padded_tokens(self) -> int:

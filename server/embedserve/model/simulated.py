@@ -1,7 +1,8 @@
-"""A simulated accelerator (MODEL_PATH=sim:<tokens_per_second>): for tests and the fleet
+"""A simulated accelerator (MODEL_PATH=sim:<tokens_per_second>[@<bytes>]): for tests and the fleet
 simulator only, never a default. A batch "runs" by sleeping a fixed launch cost plus
 padded_tokens / rate, so N server processes on a small CPU behave like N devices with a known
-capacity. Its vectors are deterministic (a seeded projection of the row's token ids), unit-length.
+capacity; `@<bytes>` (e.g. @1.5GiB) declares the model's memory on the device, which
+DEVICE_MEMORY_BYTES then bounds as a GPU's does (model.device). Its vectors are deterministic (a seeded projection of the row's token ids), unit-length.
 A batch containing FAIL_TOKEN raises and one containing HANG_TOKEN never returns, so tests can
 exercise device faults on a real process.
 """
@@ -21,17 +22,29 @@ FAIL_TOKEN = 1  # a batch holding this token id ([unused0] in BERT vocabularies)
 HANG_TOKEN = 2  # a batch holding this one ([unused1]) never returns, as a hung kernel would
 
 
+UNITS = {"": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
 def parse(model_path: str) -> float | None:
-    """`sim:20000` → 20000.0 tokens/s; None for any other MODEL_PATH."""
-    if not model_path.startswith(PREFIX):
-        return None
+    """`sim:20000` (or `sim:20000@2GiB`) → 20000.0 tokens/s; None for any other MODEL_PATH."""
+    return _parse(model_path)[0] if model_path.startswith(PREFIX) else None
+
+
+def footprint(model_path: str) -> int:
+    """The memory a simulated model declares (`sim:20000@2GiB` → 2 GiB); 0 when it declares none."""
+    return _parse(model_path)[1] if model_path.startswith(PREFIX) else 0
+
+
+def _parse(model_path: str) -> tuple[float, int]:
+    rate, _, memory = model_path[len(PREFIX):].partition("@")
+    number = memory.rstrip("KMGiBkmgib ")
     try:
-        rate = float(model_path[len(PREFIX) :])
-    except ValueError:
-        raise ValueError(f"MODEL_PATH={model_path!r}: expected sim:<tokens_per_second>") from None
-    if not rate > 0:  # NaN too
-        raise ValueError(f"MODEL_PATH={model_path!r}: the rate must be > 0")
-    return rate
+        rate, size = float(rate), int(float(number or 0) * UNITS[memory[len(number):].strip().upper()])
+    except (ValueError, KeyError):
+        raise ValueError(f"MODEL_PATH={model_path!r}: expected sim:<tokens_per_second>[@<bytes>[KiB|MiB|GiB]]") from None
+    if not rate > 0 or size < 0:  # NaN too
+        raise ValueError(f"MODEL_PATH={model_path!r}: the rate must be > 0 and the memory >= 0")
+    return rate, size
 
 
 class SimulatedAccelerator:

@@ -4,6 +4,7 @@ queue and reports each result. It is the only thread that touches the model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -17,6 +18,7 @@ import torch
 from embedserve.model.shapes import bucket_row_limit, choose_cap, ladder_upto, served_shapes, sweep_should_stop, token_ladder
 from embedserve.model.batches import PackedBatch, PackSpec, random_packed
 from embedserve.model.batches import Batch
+from embedserve.model.device import Device
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +200,9 @@ class ModelWorker:
     `failure`); `submit` never blocks (the batcher keeps the queue below its cap)."""
 
     def __init__(self, load: Callable[[], Runner], plan: WarmupPlan, report: Report, maxsize: int,
-                 warm: Warm = warm_up):
+                 warm: Warm = warm_up, device: Device | None = None):
         self._load, self._plan, self._report, self._warm = load, plan, report, warm
+        self._device = device  # shared with other models' workers (MODELS): one batch at a time
         # SimpleQueue: a C queue, ~0.1 us per hand-off on the event loop against queue.Queue's ~1.3.
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._maxsize = maxsize
@@ -208,6 +211,7 @@ class ModelWorker:
         self.warmup: WarmupResult | None = None
         self.runner: Runner | None = None
         self.running: tuple[Batch, float] | None = None  # the batch on the device, since (monotonic)
+        self.waiting: Batch | None = None  # a shared device's: the batch taken and waiting for its turn
         self._thread = threading.Thread(target=self._main, name="model-worker", daemon=True)
 
     def start(self) -> None:
@@ -248,16 +252,21 @@ class ModelWorker:
         finally:
             self.started.set()
         while (batch := self._queue.get()) is not None:
-            t0 = time.perf_counter()
-            self.running = (batch, time.monotonic())
-            batch.started = self.running[1]
-            try:
-                # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
-                out = self.runner.run(batch)
-                if isinstance(out, np.ndarray):
-                    out = np.ascontiguousarray(out, dtype=np.float32)
-            except Exception as e:  # one bad batch fails its own requests, not the server
-                log.exception("batch of %d rows failed", batch.rows)
-                out = e
-            self.running = None
-            self._report(batch, out, time.perf_counter() - t0)
+            # Its busy time, and the watchdog's clock, start once the device is this model's.
+            self.waiting = batch if self._device else None
+            with self._device.turn(batch.due) if self._device else contextlib.nullcontext():
+                self.waiting = None
+                t0 = time.perf_counter()
+                self.running = (batch, time.monotonic())
+                batch.started = self.running[1]
+                try:
+                    # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
+                    out = self.runner.run(batch)
+                    if isinstance(out, np.ndarray):
+                        out = np.ascontiguousarray(out, dtype=np.float32)
+                except Exception as e:  # one bad batch fails its own requests, not the server
+                    log.exception("batch of %d rows failed", batch.rows)
+                    out = e
+                self.running = None
+                busy_s = time.perf_counter() - t0
+            self._report(batch, out, busy_s)

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
-from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, WrongTask
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.transports import addresses, drain, encodings, grpc_budget, outcomes
 
@@ -44,35 +44,34 @@ _STATUS = (
     (NotReady, grpc.StatusCode.UNAVAILABLE),
     (ModelFailure, grpc.StatusCode.INTERNAL),
     (WrongTask, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnknownModel, grpc.StatusCode.NOT_FOUND),
 )
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, get_service: Callable, health_fields: Callable[[], dict], observe: Callable[[str, str, float], None],
-                 quantization: Callable[[], encodings.Quantization] = encodings.Quantization,
-                 model_dimension: Callable[[], int] = lambda: 0,
+    def __init__(self, get_model: Callable, health_fields: Callable[[], dict], observe: Callable[..., None],
                  drain_s: Callable[[], float] = lambda: 0.0, max_reply_bytes: int = 64 * 2**20):
-        self._service = get_service  # None until start-up has built it
-        self._drain_s = drain_s  # the pod's backlog in seconds of model time, as it is now (drain.py)
-        self._model_dimension = model_dimension  # the most `dimensions` may ask (0: not known yet)
+        """`get_model(name)`: the hub's model of that name (empty: the default; hub.Hub.model),
+        its service None until start-up has built it."""
+        self._model = get_model
+        self._drain_s = drain_s  # the pod's backlog in seconds of device time, as it is now (drain.py)
         self._health_fields = health_fields
         self._observe = observe
-        self._quantization = quantization  # the hub's (QUANTIZE_RANGE: fixed, or calibrated once the model is loaded)
         self._max_reply_bytes = max_reply_bytes  # MAX_REPLY_BYTES
 
     async def Embed(self, request, context):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
-            "Embed", context,
+            "Embed", request, context,
             lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None),
-            lambda s: self._embedding(request, s, len(request.texts)),
+            lambda m: self._embedding(request, m, len(request.texts)),
         )
 
     async def Infer(self, request, context):
         return await self._call(
-            "Infer", context,
+            "Infer", request, context,
             lambda s, who: s.infer(request.input_ids, request.attention_mask, request.shape, who),
-            lambda s: self._embedding(request, s, request.shape[0] if len(request.shape) == 2 else 0),
+            lambda m: self._embedding(request, m, request.shape[0] if len(request.shape) == 2 else 0),
         )
 
     async def EmbedSparse(self, request, context):
@@ -82,37 +81,38 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return s.embed_sparse(request.texts, who, request.truncate if request.HasField("truncate") else None,
                                   prompt_name=request.prompt_name or None)
 
-        return await self._call("EmbedSparse", context, run, lambda s: self._sparse_response, task="sparse")
+        return await self._call("EmbedSparse", request, context, run, lambda m: self._sparse_response, task="sparse")
 
     async def Rerank(self, request, context):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
-            "Rerank", context,
+            "Rerank", request, context,
             lambda s, who: s.rerank(request.query, request.texts, who, truncate, request.raw_scores),
-            lambda s: lambda out: pb.RerankResponse(scores=out.tolist()), task="rerank",
+            lambda m: lambda out: pb.RerankResponse(scores=out.tolist()), task="rerank",
         )
 
     async def Quantization(self, request, context):
         """The int8/uint8 ranges for vectors of `dimensions` (HTTP GET /quantization's): no model
         time, no admission."""
-        t0, code = time.perf_counter(), grpc.StatusCode.OK
+        t0, code, name = time.perf_counter(), grpc.StatusCode.OK, ""
         try:
-            service = self._service()
+            model = self._model(request.model)
+            name, service = model.served_name, model.service
             if service is None:
                 raise NotReady("server is warming up")
             service.require_task("embed")
-            head, model_dim = service.head, self._model_dimension()
+            head, model_dim = service.head, model.model_dimension
             encodings.check_dimensions(request.dimensions, model_dim)
             dims = encodings.output_dimensions(request.dimensions, head.truncate_dim if head else None, model_dim)
             normalized = request.normalized if request.HasField("normalized") else bool(head.normalize if head else True)
-            q = self._quantization()
+            q = model.quantization
             ranges = q.ranges(dims, normalized)
-        except (InvalidInput, NotReady, WrongTask) as e:
+        except (InvalidInput, NotReady, WrongTask, UnknownModel) as e:
             code = next(c for t, c in _STATUS if isinstance(e, t))
             context.set_trailing_metadata(self._drain())
             await context.abort(code, str(e))
         finally:
-            self._observe("Quantization", code.name, time.perf_counter() - t0)
+            self._observe("Quantization", code.name, time.perf_counter() - t0, name)
         context.set_trailing_metadata(self._drain())
         return pb.QuantizationResponse(quantize_range=q.health()["quantize_range"], calibration=q.digest,
                                        dimensions=dims, normalized=normalized,
@@ -120,23 +120,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def HealthCheck(self, request, context):
         fields = self._health_fields()
+        if request.model:  # that model's fields, the pod's status
+            try:
+                name = self._model(request.model).served_name
+            except UnknownModel as e:
+                context.set_trailing_metadata(self._drain())
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            fields = {**fields, **next((m for m in fields.get("models", ()) if m["name"] == name), {}),
+                      "status": fields["status"]}
         context.set_trailing_metadata(self._drain())
-        return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS})
+        return pb.HealthCheckResponse(**{k: v for k, v in fields.items() if k in _HEALTH_FIELDS and k != "models"},
+                                      models=[m["name"] for m in fields.get("models", ())])
 
-    async def _call(self, rpc: str, context, run, respond, task: str = "embed"):
-        """`run(service, caller)` → the rows; `respond(service)` checks what the request asks of
+    async def _call(self, rpc: str, request, context, run, respond, task: str = "embed"):
+        """`run(service, caller)` → the rows; `respond(model)` checks what the request asks of
         them before any work, and → how they become the response."""
         t0 = time.perf_counter()
-        code = grpc.StatusCode.OK
+        code, name = grpc.StatusCode.OK, ""
         reason, bug = "", False  # the message a refusal or failure answers with (its log line, its span)
         trace = outcomes.grpc_begin(SERVICE_NAME, rpc, context.invocation_metadata()) \
             if tracing.tracer is not None else None
         try:
-            service = self._service()
+            model = self._model(request.model)
+            name, service = model.served_name, model.service
             if service is None:
                 raise NotReady("server is warming up")
             service.require_task(task)
-            finish = respond(service)
+            finish = respond(model)
             out = (await run(service, caller(context, trace))).rows
             context.set_trailing_metadata((("embedfleet-server-ms", f"{(time.perf_counter() - t0) * 1000:.3f}"),
                                            *self._drain()))
@@ -162,7 +172,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
         finally:
             elapsed = time.perf_counter() - t0
-            self._observe(rpc, code.name, elapsed)
+            self._observe(rpc, code.name, elapsed, name)
             if trace is not None or code is not grpc.StatusCode.OK or logs.access:
                 outcomes.grpc_end(rpc, code, elapsed, reason, trace, context.invocation_metadata(), bug)
 
@@ -170,17 +180,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The pod's backlog as the answer leaves, for the caller's balancing (drain.py)."""
         return ((drain.HEADER, drain.drain_ms(self._drain_s())),)
 
-    def _embedding(self, request, service, rows: int) -> Callable:
+    def _embedding(self, request, model, rows: int) -> Callable:
         """Embed's and Infer's rows → response; the encoding, the dimensions and the answer's size
         (MAX_REPLY_BYTES) refused before any work."""
         encoding = _encoding(request.encoding)
-        model_dim = self._model_dimension()
+        model_dim, head = model.model_dimension, model.service.head
         encodings.check_dimensions(request.dimensions, model_dim)
         if model_dim:
-            head = service.head
             dims = encodings.output_dimensions(request.dimensions, head.truncate_dim if head else None, model_dim)
             encodings.check_reply(rows, dims, encoding, False, self._max_reply_bytes)
-        return lambda out: self._response(out, service.head, request.dimensions, encoding)
+        return lambda out: self._response(out, head, request.dimensions, encoding, model.quantization)
 
     def _sparse_response(self, rows) -> pb.EmbedSparseResponse:
         """The sparse rows, once their size is known: within MAX_REPLY_BYTES, else refused."""
@@ -190,14 +199,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                 f"MAX_REPLY_BYTES={self._max_reply_bytes}: send fewer texts")
         return sparse_response(rows)
 
-    def _response(self, out, head, dimensions: int, encoding: str) -> pb.EmbedResponse:
+    def _response(self, out, head, dimensions: int, encoding: str, quantization) -> pb.EmbedResponse:
         """The rows cut to `dimensions` (re-normalized where the model normalizes), as float32 in
         `embeddings` or, quantized, in `quantized`; `shape` is [rows, dimensions] either way."""
         dims = encodings.output_dimensions(dimensions, head.truncate_dim if head else None, out.shape[1])
         out = encodings.truncated(out, dims, bool(head and head.normalize))
         if encoding == encodings.FLOAT:
             return pb.EmbedResponse(embeddings=out.astype("<f4", copy=False).tobytes(), shape=out.shape)
-        quantized = encodings.quantize(out, encoding, self._quantization(), bool(head and head.normalize))
+        quantized = encodings.quantize(out, encoding, quantization, bool(head and head.normalize))
         return pb.EmbedResponse(quantized=quantized.tobytes(), shape=out.shape, encoding=pb.Encoding.Value(encoding.upper()))
 
 

@@ -1,6 +1,7 @@
 """HTTP JSON API: OpenAI-compatible /v1/embeddings and /v1/models, TEI-style /embed (its other
-routes: http_tei.py), and /classify; a reranker's routes are in http_rerank.py, a sparse encoder's
-in http_sparse.py. Same service, same admission as gRPC; errors as JSON bodies with the right
+routes: http_tei.py); a classifier's routes are in http_classify.py, a reranker's in
+http_rerank.py, a sparse encoder's in http_sparse.py, and which model a request addresses in
+http_models.py. Same service, same admission as gRPC; errors as JSON bodies with the right
 status codes."""
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, create_model
 
 from embedserve.config import Settings
-from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, WrongTask
+from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
-from embedserve.transports import budget, encodings, http_quantization, http_rerank, http_sparse, http_tei, json_reply, outcomes
+from embedserve.transports import (budget, encodings, http_classify, http_models, http_quantization, http_rerank, http_sparse, http_tei,
+                                   json_reply, outcomes)
+from embedserve.transports.http_models import Addressed
 from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts, texts
 from embedserve.batching.shaping import ID_ROW_BOUND
-from embedserve.model import activation
 
 
 class ErrorDetail(BaseModel):
@@ -44,6 +46,7 @@ _STATUS = (  # error → (HTTP status, OpenAI-style type)
     (Overloaded, 429, "rate_limit_error"),
     (NotReady, 503, "service_unavailable"),
     (ModelFailure, 500, "server_error"),
+    (UnknownModel, 404, "invalid_request_error"),
 )
 
 
@@ -82,11 +85,13 @@ class ModelList(BaseModel):
 INPUT_DOC = "A text, a list of texts, a list of token ids, or a list of token id lists."
 
 
-def embeddings_input(ids_per_row: int, rows: int = MAX_ITEMS):
+def embeddings_input(ids_per_row: int, rows: int = MAX_ITEMS, vocab_size: int = 2**31):
     """/v1/embeddings' `input`: a text, 1..`rows` texts, or token-id rows (1..`rows` of them) at
     most `ids_per_row` long (shaping.ID_ROW_BOUND): the schema refuses a longer row on its length,
-    before its ids are validated one by one."""
-    ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=ids_per_row, fail_fast=True)]
+    before its ids are validated one by one. The vocabulary's bound is stated (the tokenizer
+    checks it: 400 naming it), as /decode's is."""
+    ids = Annotated[list[Annotated[int, Field(ge=0, json_schema_extra={"maximum": vocab_size - 1})]],
+                    Field(min_length=1, max_length=ids_per_row, fail_fast=True)]
     return Union[Text, texts(rows), ids, Annotated[list[ids], Field(min_length=1, max_length=rows, fail_fast=True)]]
 
 
@@ -124,29 +129,6 @@ class TeiEmbedRequest(BaseModel):
 
 PROMPT_DOC = ("One of the model's declared prompts, put before each text (default: its default prompt, if "
               "it declares one).")
-
-
-class ClassifyRequest(BaseModel):
-    inputs: Union[Text, Texts]
-    all_scores: bool = Field(False, description="Also return every label's probability.")
-    truncate: bool | None = None
-
-
-class TeiPredictRequest(BaseModel):
-    inputs: Union[Text, Texts]
-    raw_scores: bool = Field(False, description="Logits instead of probabilities.")
-    truncate: bool | None = None
-
-
-class Prediction(BaseModel):
-    label: str
-    score: float
-
-
-class Classification(BaseModel):
-    label: str
-    score: float
-    scores: dict[str, float] | None = None
 
 
 def _caller(request: Request) -> Caller:
@@ -211,6 +193,11 @@ ID_PATHS = frozenset(("/decode",))  # of which token ids only
 TEXT_OR_ID_PATHS = frozenset(("/v1/embeddings",))  # texts or token ids
 
 
+def api_paths(hub) -> frozenset[str]:
+    """API_PATHS, and under each model's prefix where several are served (http_models)."""
+    return http_models.api_paths(API_PATHS, http_models.names(hub))
+
+
 def budgets(s: Settings, max_length: int) -> dict[str, budget.Budget]:
     """Each body route's budget (transports/budget.py) for a model of `max_length` tokens."""
     return budget.route_budgets(BODY_PATHS - ID_PATHS - TEXT_OR_ID_PATHS, ID_PATHS, s.max_texts_per_request,
@@ -224,35 +211,58 @@ def busy(request: Request) -> JSONResponse:
                   "too_many_requests_in_progress", {"Retry-After": "1", "retry-after-ms": "200"}, request)
 
 
-def starting(request: Request, server: Hub) -> JSONResponse | None:
-    """Before the model has loaded the API's routes do not exist yet (which one the server offers
-    depends on the model's task): they answer 503 with Retry-After, not 404."""
-    if server.service is not None or request.url.path not in API_PATHS:
+def starting(request: Request, server: Hub, paths: frozenset[str] = API_PATHS) -> JSONResponse | None:
+    """Before the models have loaded the API's routes do not exist yet (which ones the server
+    offers depends on the models' tasks): they answer 503 with Retry-After, not 404. `paths`:
+    `api_paths(server)`."""
+    if server.service is not None or request.url.path not in paths:
         return None
     return _error(503, "service_unavailable", "server is warming up", None,
                   {"Retry-After": str(STARTING_RETRY_AFTER_S)}, request)
 
 
-def install_routes(app: FastAPI, server: Hub) -> None:
-    """The API for the loaded model's task (known once it has loaded): embedding routes, the
-    classification route or the sparse ones (transports/http_sparse.py), so the OpenAPI document
-    says exactly what this server does."""
+def install_routes(app: FastAPI, hub: Hub) -> None:
+    """The API for the loaded models' tasks (known once they have loaded), so the OpenAPI
+    document says exactly what this server does. At the root, the default model's routes, as a
+    one-model server has them; with several models (http_models) also the routes whose payload
+    names its model (/v1/embeddings, /v1/rerank) for every task served, and each model's whole
+    API under /models/<name>/."""
+    views = [Addressed(hub, m) for m in hub.models.values()]
+    default, s = views[0], hub.settings
     router = APIRouter()
-    s = server.settings
-    # What a body may hold (transports/budget.py): named from the model's max length, now known.
-    app.state.budgets = budgets(s, server.service.tokenizer.max_length)
-
-    def service():
-        if server.service is None:
-            raise NotReady("server is warming up")
-        return server.service
+    # What a body may hold (transports/budget.py): named from the models' max lengths, now known.
+    # At the root a payload may name any model: the longest's.
+    app.state.budgets = budgets(s, max(v.service.tokenizer.max_length for v in views))
 
     @router.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[Model(id=server.served_name, created=int(time.time() - (time.monotonic() - server.started_at)))])
+        created = int(time.time() - (time.monotonic() - hub.started_at))
+        return ModelList(data=[Model(id=v.served_name, created=created) for v in views])
 
+    installed = _model_routes(router, default)
+    for task, view in {v.task: v for v in reversed(views[1:])}.items():  # the first of each task
+        if task == "embed" and "/v1/embeddings" not in installed:
+            _openai_route(router, view, http_models.service_of(view))
+        elif task == "rerank" and "/v1/rerank" not in installed:
+            http_rerank.install_v1(router, view, http_models.service_of(view), _caller, ERRORS, _error)
+    refusals(router, {r.path for r in router.routes}, http_models.service_of(default))
+    for view in views if http_models.names(hub) else ():
+        prefix = http_models.PREFIX + view.served_name
+        own = APIRouter()
+        _model_routes(own, view)
+        refusals(own, {r.path for r in own.routes}, http_models.service_of(view))
+        router.include_router(own, prefix=prefix)
+        app.state.budgets.update({prefix + path: b for path, b in
+                                  budgets(s, view.service.tokenizer.max_length).items()})
+    app.include_router(router)
+    app.openapi_schema = None  # regenerate with the new routes
+
+
+def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
+    """One model's routes, for its task (a one-model server's API); → the paths installed."""
+    service = http_models.service_of(server)
     if server.task == "classify":
-        _classify_routes(router, server, service)
+        http_classify.install(router, server, service, _caller, ERRORS)
     elif server.task == "sparse":
         http_sparse.install(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
                             _prompt_field(server, PROMPT_DOC), ERRORS)
@@ -261,9 +271,7 @@ def install_routes(app: FastAPI, server: Hub) -> None:
     else:
         _embed_routes(router, server, service)
     http_tei.install_tokenizer(router, server, service, lambda description: _prompt_field(server, description), ERRORS)
-    refusals(router, server.task, service)
-    app.include_router(router)
-    app.openapi_schema = None  # regenerate with the new routes
+    return {r.path for r in router.routes}
 
 
 # Each task's own paths. A server answers another task's with 400 naming what to use (WrongTask),
@@ -272,7 +280,8 @@ TASK_PATHS = {"embed": ("/embed", "/v1/embeddings", "/similarity"), "classify": 
               "rerank": ("/rerank", "/v1/rerank"), "sparse": ("/embed_sparse",)}
 
 
-def refusals(router: APIRouter, served: str, service) -> None:
+def refusals(router: APIRouter, installed: set[str], service) -> None:
+    """Another task's paths, where nothing serves them: 400 naming what the model serves."""
     def refuse(path: str, task: str) -> None:
         async def wrong_task():
             service().require_task(task)  # raises WrongTask: 400, naming what to use
@@ -280,8 +289,9 @@ def refusals(router: APIRouter, served: str, service) -> None:
         router.post(path, include_in_schema=False)(wrong_task)
 
     for task, paths in TASK_PATHS.items():
-        for path in paths if task != served else ():
-            refuse(path, task)
+        for path in paths:
+            if path not in installed:
+                refuse(path, task)
 
 
 def _prompt_field(server: Hub, description: str):
@@ -300,40 +310,7 @@ def _dimensions_field(server: Hub, description: str):
 
 def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     s = server.settings
-    openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
-        server, EmbeddingsRequest.model_fields["prompt_name"].description),
-        dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
-        input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request), Field(description=INPUT_DOC)))
-
-    async def embeddings(body, request: Request):
-        """OpenAI-compatible embeddings."""
-        svc = service()
-        if body.model != server.served_name:
-            return _error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
-                          f"this server serves {server.served_name!r}", "model_not_found", request=request)
-        inp = body.input
-        ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
-        if ids and body.prompt_name:
-            raise InvalidInput("prompt_name applies to texts, not to token ids")
-        inputs = ([inp] if isinstance(inp[0], int) else inp) if ids else _texts(inp)
-        dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding_format)  # before any work
-        if ids:
-            result = await svc.infer_ids(inputs, _caller(request))
-        else:
-            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name)
-        rows = encodings.truncated(result.rows, dims, bool(server.head and server.head.normalize))
-        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
-        await reply.add('{"object":"list","data":')
-        await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
-                          enumerate(json_reply.vectors(rows, body.encoding_format, server.quantization,
-                                                                    bool(server.head and server.head.normalize))))
-        await reply.add(f',"model":{json_reply.dumps(server.served_name)},"usage":{{"prompt_tokens":{result.tokens},'
-                        f'"total_tokens":{result.tokens}}}}}')
-        return reply.response()
-
-    embeddings.__annotations__.update(body=openai_request, request=Request)  # classes made here, not names
-    # The answer is written as JSON text a row at a time (json_reply.py); its schema is stated.
-    router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)(embeddings)
+    _openai_route(router, server, service)
 
     normalized = server.head.normalize if server.head else True
     # A normalizing server cannot return raw vectors: its schema says so (normalize: true only).
@@ -365,6 +342,44 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     http_quantization.install(router, server, ERRORS)  # GET /quantization: the int8/uint8 ranges
 
 
+def _openai_route(router: APIRouter, server: Addressed, service) -> None:
+    """/v1/embeddings, for the model its payload names (the schema's from `server`'s)."""
+    s = server.settings
+    openai_request = create_model("EmbeddingsRequest", __base__=EmbeddingsRequest, prompt_name=_prompt_field(
+        server, EmbeddingsRequest.model_fields["prompt_name"].description),
+        dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
+        input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request,
+                                server.service.tokenizer.vocab_size), Field(description=INPUT_DOC)))
+
+    async def embeddings(body, request: Request):
+        """OpenAI-compatible embeddings."""
+        m = server.model(body.model, request)  # UnknownModel: 404 naming the served ones
+        svc = http_models.use(request, m, "embed")
+        inp = body.input
+        ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
+        if ids and body.prompt_name:
+            raise InvalidInput("prompt_name applies to texts, not to token ids")
+        inputs = ([inp] if isinstance(inp[0], int) else inp) if ids else _texts(inp)
+        dims = _answer_fits(m, len(inputs), body.dimensions, body.encoding_format)  # before any work
+        if ids:
+            result = await svc.infer_ids(inputs, _caller(request))
+        else:
+            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name)
+        normalized = bool(m.head and m.head.normalize)
+        rows = encodings.truncated(result.rows, dims, normalized)
+        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        await reply.add('{"object":"list","data":')
+        await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
+                          enumerate(json_reply.vectors(rows, body.encoding_format, m.quantization, normalized)))
+        await reply.add(f',"model":{json_reply.dumps(m.served_name)},"usage":{{"prompt_tokens":{result.tokens},'
+                        f'"total_tokens":{result.tokens}}}}}')
+        return reply.response()
+
+    embeddings.__annotations__.update(body=openai_request, request=Request)  # classes made here, not names
+    # The answer is written as JSON text a row at a time (json_reply.py); its schema is stated.
+    router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)(embeddings)
+
+
 def _answer_fits(server: Hub, inputs: int, dimensions: int | None, encoding: str) -> int:
     """The dimensions an answer will have (`dimensions`, else the model's declared truncate_dim,
     else all: 400 naming the field above the model's), and that answer within MAX_REPLY_BYTES
@@ -374,66 +389,6 @@ def _answer_fits(server: Hub, inputs: int, dimensions: int | None, encoding: str
     dims = encodings.output_dimensions(dimensions, declared, server.model_dimension)
     encodings.check_reply(inputs, dims, encoding, True, server.settings.max_reply_bytes)
     return dims
-
-
-def _labels_fit(server: Hub, inputs: int, every_label: bool) -> None:
-    """A classifier's answer within MAX_REPLY_BYTES: per input its top label, or every label with
-    its score (`every_label`), as JSON."""
-    label = max((len(json_reply.dumps(name).encode()) for name in server.labels), default=2)
-    size = inputs * (label + 64 + (len(server.labels) * (label + encodings.JSON_FLOAT_BYTES + 16) if every_label else 0))
-    if size > server.settings.max_reply_bytes:
-        raise ReplyTooLarge(f"the answer to {inputs} inputs with the scores of {len(server.labels)} labels would be "
-                            f"up to {size} bytes, over MAX_REPLY_BYTES={server.settings.max_reply_bytes}: send fewer "
-                            "inputs")
-
-
-def _classify_routes(router: APIRouter, server: Hub, service) -> None:
-    s = server.settings
-    inputs_field = (Union[Text, texts(s.max_texts_per_request)], ...)
-    classify_request = create_model("ClassifyRequest", __base__=ClassifyRequest, inputs=inputs_field)
-    predict_request = create_model("TeiPredictRequest", __base__=TeiPredictRequest, inputs=inputs_field)
-
-    async def classify(body, request: Request):
-        """Sequence classification (TASK=classify): the top label and its probability per input."""
-        svc = service()
-        inputs = _texts(body.inputs)
-        _labels_fit(server, len(inputs), body.all_scores)
-        probs = activation.apply(server.activation, (await svc.embed_texts(inputs, _caller(request), body.truncate)).rows)
-
-        def one(row) -> str:
-            top = int(row.argmax())
-            scores = {label: float(p) for label, p in zip(server.labels, row)} if body.all_scores else None
-            return json_reply.dumps({"label": server.labels[top], "score": float(row[top]), "scores": scores})
-
-        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
-        await reply.array(map(one, probs))
-        return reply.response()
-
-    classify.__annotations__.update(body=classify_request, request=Request)
-    router.post("/classify", response_model=list[Classification], responses=ERRORS)(classify)
-
-    async def predict(body, request: Request):
-        """TEI's predict: every label with its score, best first; one list per input when the
-        inputs are a list."""
-        inputs = _texts(body.inputs)
-        _labels_fit(server, len(inputs), True)
-        rows = (await service().embed_texts(inputs, _caller(request), body.truncate)).rows
-        scores = rows if body.raw_scores else activation.apply(server.activation, rows)
-
-        def one(row) -> str:
-            ranked = sorted(zip(server.labels, map(float, row)), key=lambda pair: -pair[1])
-            return json_reply.dumps([{"label": label, "score": p} for label, p in ranked])
-
-        reply = json_reply.Reply(s.max_reply_bytes, "the answer")
-        if isinstance(body.inputs, str):
-            await reply.add(one(scores[0]))
-        else:
-            await reply.array(map(one, scores))
-        return reply.response()
-
-    predict.__annotations__.update(body=predict_request, request=Request)
-    router.post("/", response_model=Union[list[Prediction], list[list[Prediction]]], responses=ERRORS,
-                summary="Predict (TEI's /)")(predict)
 
 
 def _error(status: int, kind: str, message: str, code: str | None = None, headers: dict | None = None,

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, create_model
 
 from embedserve.errors import InvalidInput, ReplyTooLarge
+from embedserve.transports import http_models
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text
 
@@ -113,8 +114,6 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
     most = min(MAX_ITEMS, server.settings.max_texts_per_request)
     tei_request = create_model("TeiRerankRequest", __base__=TeiRerankRequest, texts=(
         _items(Text, most), Field(description=TeiRerankRequest.model_fields["texts"].description)))
-    v1_request = create_model("RerankRequest", __base__=RerankRequest, documents=(
-        _items(Union[Text, Document], most), Field(description=RerankRequest.model_fields["documents"].description)))
 
     async def rerank(body, request: Request):
         """TEI's rerank: each text's score against the query, best first."""
@@ -128,12 +127,19 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         router.post(path, response_model=list[Rank], response_model_exclude_none=True, responses=errors,
                     summary=summary)(rerank)
 
+    install_v1(router, server, service, caller, errors, error)
+
+
+def install_v1(router: APIRouter, server, service: Callable, caller: Callable, errors: dict, error: Callable) -> None:
+    """/v1/rerank, for the model its payload names (none: `server`'s, whose schema it has)."""
+    most = min(MAX_ITEMS, server.settings.max_texts_per_request)
+    v1_request = create_model("RerankRequest", __base__=RerankRequest, documents=(
+        _items(Union[Text, Document], most), Field(description=RerankRequest.model_fields["documents"].description)))
+
     async def v1_rerank(body, request: Request):
         """Cohere/Jina-compatible rerank: results best first, cut at top_n."""
-        svc = service()
-        if body.model is not None and body.model != server.served_name:
-            return error(404, "invalid_request_error", f"model {body.model!r} is not served here; "
-                         f"this server serves {server.served_name!r}", "model_not_found", request=request)
+        m = server.model(body.model, request)  # UnknownModel: 404 naming the served ones
+        svc = http_models.use(request, m, "rerank")
         if body.top_n is not None and body.top_n < 1:
             raise InvalidInput(f"top_n must be at least 1, got {body.top_n}")
         texts = _documents(body.documents, server.settings.max_texts_per_request)
@@ -146,7 +152,7 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         best = ranked(out.rows)[: body.top_n]  # above the count: all of them, as Cohere
         results = [RerankResult(index=i, relevance_score=s, document=Document(text=texts[i]) if body.return_documents
                                 else None) for i, s in best]
-        return RerankResponse(id=uuid.uuid4().hex, results=results, model=server.served_name,
+        return RerankResponse(id=uuid.uuid4().hex, results=results, model=m.served_name,
                               usage=RerankUsage(total_tokens=out.tokens))
 
     v1_rerank.__annotations__.update(body=v1_request, request=Request)

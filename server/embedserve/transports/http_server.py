@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from embedserve import __version__
-from embedserve.transports import addresses, budget, http_api, outcomes
+from embedserve.transports import addresses, budget, http_api, http_models, outcomes
 from embedserve.transports.http_protocol import SlicedH11Protocol
 from embedserve.metrics import CONTENT_TYPE
 from embedserve.transports.hub import Hub
@@ -51,10 +51,12 @@ def build_app(server: Hub) -> FastAPI:
     app.state.budgets = {}  # path → budget.Budget, set as the model's routes are installed
     app.add_middleware(budget.BodyBudget, budgets=lambda: app.state.budgets, refused=_noted,
                        read_s=server.settings.http_body_timeout_s, body_cap=server.settings.http_max_body_bytes)
-    app.add_middleware(RequestCycle, starting=lambda request: http_api.starting(request, server),
-                       finished=server.metrics.request_finished, api_paths=http_api.API_PATHS,
-                       observed=http_api.OBSERVED_PATHS, busy=http_api.busy,
-                       most=server.settings.max_concurrent_requests)
+    paths, served = http_api.api_paths(server), http_models.names(server)
+    app.add_middleware(RequestCycle, starting=lambda request: http_api.starting(request, server, paths),
+                       finished=server.metrics.request_finished, api_paths=paths,
+                       observed=http_models.api_paths(http_api.OBSERVED_PATHS, served), busy=http_api.busy,
+                       most=server.settings.max_concurrent_requests,
+                       model_of=lambda scope: http_models.model_of(scope, served, server.served_name))
     return app
 
 

@@ -45,19 +45,37 @@ class Service(Protocol):
         """Returns once no admitted request is left unanswered."""
 
 
-class Hub(Protocol):
-    settings: Settings
+class Model(Protocol):
+    """One served model, as the transports address it (Hub.model): its name, task and service."""
+
+    served_name: str  # its id on every transport (OpenAI's `model`, gRPC's `model`, /models/<name>/)
     service: Service | None  # None until the model is ready
-    metrics: Metrics
-    draining: bool  # SIGTERM received: answers close their connections
-    served_name: str  # the model's id in the OpenAI API
     task: str  # embed, classify, rerank or sparse
     labels: list[str]  # a classifier's, in output order
     activation: str  # classify, rerank: the logits' activation (embedserve.model.activation)
     head: Head | None  # how the model is served (prompts, normalize), once known
     model_dimension: int  # dimensions the model computes, once known: the most `dimensions` may ask
     quantization: Quantization  # int8/uint8's ranges: QUANTIZE_RANGE's fixed one, or calibrated once loaded
+
+
+class Hub(Protocol):
+    settings: Settings
+    models: dict[str, Model]  # by name, the default first (MODELS; one model: its own)
+    metrics: Metrics
+    draining: bool  # SIGTERM received: answers close their connections
     started_at: float  # monotonic
+    # The default model's (what a request naming no model gets): Model's fields.
+    service: Service | None
+    served_name: str
+    task: str
+    labels: list[str]
+    activation: str
+    head: Head | None
+    model_dimension: int
+    quantization: Quantization
+
+    def model(self, name: str | None = None) -> Model:
+        """The model a request names (None or empty: the default); UnknownModel naming the served ones."""
 
     @property
     def healthy(self) -> bool: ...
@@ -65,8 +83,8 @@ class Hub(Protocol):
     def health_fields(self) -> dict: ...
 
     def drain_s(self) -> float:
-        """Seconds of model time queued ahead now (queued real tokens / service rate; inf: no rate
-        measured yet): every answer carries it (transports/drain.py)."""
+        """Seconds of device time queued ahead now, every model's (queued real tokens / service
+        rate; inf: no rate measured yet): every answer carries it (transports/drain.py)."""
 
     async def refresh(self) -> None:
         """Bring the state /health and /metrics answer with up to date (a front end asks the model

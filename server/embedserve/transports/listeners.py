@@ -36,9 +36,8 @@ class Transports:
         keyed = self.keys is not None
         for reason in auth.MESSAGES if keyed else ():
             hub.metrics.auth_refused(reason, 0)
-        servicer = grpc_server.InferenceServicer(lambda: hub.service, hub.health_fields, hub.metrics.request_finished,
-                                                 lambda: hub.quantization, lambda: hub.model_dimension, hub.drain_s,
-                                                 s.max_reply_bytes)
+        servicer = grpc_server.InferenceServicer(hub.model, hub.health_fields, hub.metrics.request_finished,
+                                                 hub.drain_s, s.max_reply_bytes)
         self.grpc, self.health, self.grpc_port = grpc_server.build_server(
             servicer, host, s.grpc_port, s.max_message_bytes, s.max_connection_age_s,
             s.max_connection_age_grace_s, reuse_port, interceptors=[auth.GrpcKeys(self.keys)] if keyed else None,
@@ -46,8 +45,9 @@ class Transports:
             max_concurrent=s.max_concurrent_requests,
             max_fields=s.max_texts_per_request + grpc_budget.FIELDS_BESIDE_TEXTS)
         self.api = http_server.build_app(hub)  # the routes; install_api adds the model's
-        api = drain.DrainHeader(self.api, hub.drain_s, http_api.API_PATHS)
-        api = auth.HttpKeys(api, self.keys, http_api.API_PATHS) if keyed else api
+        paths = http_api.api_paths(hub)
+        api = drain.DrainHeader(self.api, hub.drain_s, paths)
+        api = auth.HttpKeys(api, self.keys, paths) if keyed else api
         self.http = http_server.HttpServer(
             http_server.ConnectionAge(api, s.max_connection_age_s, draining=lambda: hub.draining), host, s.http_port,
             reuse_port, self.tls.http_context if self.tls else None)
@@ -80,13 +80,15 @@ class Transports:
         the service rather than a transport-level CANCELLED from a closing server."""
         await self.serving(False)
         deadline = time.monotonic() + grace
-        service = self.hub.service
-        if service:
+        services = [m.service for m in self.hub.models.values() if m.service]
+        for service in services:
             service.draining = True
-            try:
-                await asyncio.wait_for(service.drained(), grace)
-            except asyncio.TimeoutError:
-                log.warning("grace period over: %d requests still in flight are cancelled", service.in_flight)
+        try:
+            if any(service.in_flight for service in services):
+                await asyncio.wait_for(asyncio.gather(*(service.drained() for service in services)), grace)
+        except asyncio.TimeoutError:
+            log.warning("grace period over: %d requests still in flight are cancelled",
+                        sum(service.in_flight for service in services))
         await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         await self.http.stop(deadline - time.monotonic())
         # Last: probes and scrapes are answered (503, draining) for as long as anything is.

@@ -36,10 +36,12 @@ class RequestCycle:
     `finished(path, status, seconds)`: the request metrics (for paths in `observed`); spans
     only for `api_paths` (a path is the caller's choice, span names must not be)."""
 
-    def __init__(self, app, starting: Callable, finished: Callable[[str, str, float], None],
-                 api_paths: frozenset[str], observed: frozenset[str], busy: Callable, most: int):
-        """`busy(request)`: the answer past `most` requests in progress (MAX_CONCURRENT_REQUESTS)."""
-        self.app, self.starting, self.finished = app, starting, finished
+    def __init__(self, app, starting: Callable, finished: Callable[[str, str, float, str], None],
+                 api_paths: frozenset[str], observed: frozenset[str], busy: Callable, most: int,
+                 model_of: Callable[[dict], str] = lambda scope: ""):
+        """`busy(request)`: the answer past `most` requests in progress (MAX_CONCURRENT_REQUESTS);
+        `model_of(scope)`: the model the request was served by, its metrics' label (http_models)."""
+        self.app, self.starting, self.finished, self.model_of = app, starting, finished, model_of
         self.api_paths, self.observed = api_paths, observed
         self.busy, self.most = busy, most
         self.in_progress = 0
@@ -109,6 +111,6 @@ class RequestCycle:
     def _end(self, request, path: str, status: int, t0: float, trace, bug: BaseException | None = None) -> None:
         elapsed = time.perf_counter() - t0
         if path in self.observed:
-            self.finished(f"HTTP {path}", str(status), elapsed)
+            self.finished(f"HTTP {path}", str(status), elapsed, self.model_of(request.scope))
         if trace is not None or status >= 400 or bug is not None or outcomes.logs.access:  # its span, its line
             outcomes.http_end(request, path, status, elapsed, trace, bug=bug)

@@ -142,3 +142,24 @@ def test_chars_per_token_follows_a_change_of_traffic_within_its_horizon():
     for _ in range(int(3 * CHARS_PER_TOKEN_HORIZON / 100)):  # three horizons of CJK-like text
         e.learn_chars_per_token(120, 100)
     assert e.chars_per_token == pytest.approx(1.2 + 3.3 * math.exp(-3), rel=0.01)
+
+
+def test_a_models_drain_counts_the_device_time_other_models_queued():
+    """Several models on one device (MODELS): admission weighs the others' queued device time in
+    this model's tokens, and the answer's drain says it; the model's own queue stays its own."""
+    from embedserve.admission.policy import Policy, decide
+
+    others = [0.0]
+    e = Estimator(clock=lambda: 0.0, elsewhere_s=lambda: others[0])
+    e.seed_service_rate(1000.0)
+    e.enqueued(100)
+    assert e.snapshot().drain_s == pytest.approx(0.1) and e.queued_s() == pytest.approx(0.1)
+    others[0] = 0.3
+    snap = e.snapshot()
+    assert snap.queued_tokens == 100 and snap.backlog_tokens == pytest.approx(400)
+    assert snap.drain_s == pytest.approx(0.4) and e.drain_s() == pytest.approx(0.4)
+    assert e.queued_s() == pytest.approx(0.1)  # what the other models count of this one
+    policy = Policy(throughput=True, latency=False, max_drain_s=0.35, latency_soft_s=1, latency_hard_s=2)
+    assert not decide(snap, 10, policy, 0.5).admit  # 0.4 s ahead of it, all models' work, over 0.35
+    others[0] = 0.2
+    assert decide(e.snapshot(), 10, policy, 0.5).admit

@@ -73,8 +73,8 @@ def test_metrics_sum_over_the_processes_and_the_signal_is_one(fronted):
     offered = counter(fronted.http, "embedfleet_offered_tokens_total") - offered0
     assert offered == counter(fronted.http, "embedfleet_tokens_total", kind="real") - computed0 > 0
     text = urllib.request.urlopen(fronted.http + "/metrics").read().decode()
-    assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second ", text, re.M)) == 1  # one signal
-    limits = re.findall(r"^embedfleet_admission_backlog_limit_seconds (\S+)$", text, re.M)  # from the model process
+    assert len(re.findall(r"^embedfleet_service_rate_tokens_per_second\{", text, re.M)) == 1  # one signal
+    limits = re.findall(r"^embedfleet_admission_backlog_limit_seconds\{model=\S+} (\S+)$", text, re.M)  # from the model process
     assert len(limits) == 1 and 300 <= float(limits[0]) <= 600 - 0.05
 
 
