@@ -1,22 +1,25 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-five modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-seven modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   crd        the CustomResourceDefinition, built here; its schema's defaults
-  crd_schema builders of its OpenAPI schema fragments (typed, described fields)
+  crd_schema builders of its OpenAPI schema fragments (typed, described fields; a model's fields)
   spec       a spec defaulted, and what no schema can say about it (problems)
   render     spec → the manifests of what a service owns
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
   render_network   spec.networkPolicy → the service's NetworkPolicy
   render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
+  render_models    spec.models → the servers' model list (MODELS), what a fill fetches, the Model
+                   column's summary
   render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job; what the
                    claim's access modes mean for the pods
   drift      whether a live object still is what we render (as the API server stores it), and
              whether what we applied stuck
   status     observations → status fields and conditions
   autoscale  the autoscaling decision (samples, policy, history → replicas)
+  demand     a pod's readings per model and the busy seconds they stand for; the demand's trend
 
 I/O, from the edge in:
   kube       the Kubernetes API calls (lightkube), errors sorted for the callers

@@ -1,16 +1,21 @@
 """The autoscaling decision: replicas from the servers' own signal. Pure — samples, policy and
 history in; a decision and the next history out.
 
-capacity per replica = median of the serving pods' measured service rates (robust to an outlier
+Each pod reports each model it serves (one, or several on one device) in real tokens; each model's
+tokens over its capacity are busy seconds (demand.py), and the decision works in those, summed
+over models and pods, against a capacity of 1 per pod. With one model that is its tokens/s over its
+capacity: the same replicas as a decision in tokens.
+capacity of a model = median of its service rate over the serving pods (robust to an outlier
   and to a fresh pod with no samples yet; the last known value when none reports one)
 demand = Σ offered rate (rejected demand included: while shedding, the accepted rate understates
   need), each pod's measured as its offered-tokens counter's increase over the interval (the
   interval's exact mean; the arrival-rate gauge, an EMA seen at one instant, only for a pod
   seen for the first time) + the backlog, present at two reads in a row, beyond the queue a pod
-  holds at target utilization, to be cleared within targetDrainTime
+  holds at target utilization, to be cleared within targetDrainTime; all of it per model over the
+  model's capacity, in busy seconds per second
 forecast = demand + upward trend × pod start-up time (a new pod helps only once it is ready), on a
   sustained ramp only (a step is already in demand: extrapolating its jump would overshoot)
-recommendation = ceil(forecast / (capacity × targetUtilization)), clamped to [min, max]
+recommendation = ceil(forecast / targetUtilization), clamped to [min, max]
 scale up at once (by at most ×4 or +4 per decision); scale down only to the highest
 recommendation of the stabilization window, which starts out holding the current size (as the
 HPA's: an operator restart does not forget why the fleet is as large as it is); pods still starting
@@ -30,8 +35,10 @@ lasts; such a pod's demand is taken as MAX_STEP_FACTOR replicas' worth, so a fle
 answer grows by the usual step, at each decision where no pod is still starting (pods on their way
 count as capacity, as always), until readings return. A refused scrape, one that never connected
 (a node gone, a policy dropping packets) or a pod gone stays blind.
-All rates and backlogs are in the servers' one unit, real tokens (capacity is real tokens per
-second of model-busy time, so padding shows as lower capacity).
+Rates and backlogs are read in the servers' one unit, real tokens (capacity is real tokens per
+second of model-busy time, so padding shows as lower capacity). The Decision reports demand and
+forecast in tokens/s of the fleet's model (with several, the first's: its capacity × the busy
+seconds) and in busy seconds per second (`load`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+
+from embedop import demand as loads
+from embedop.demand import SERVED_BUSY_S, ModelSample, falling, ramp, trend  # noqa: F401 - this module's interface
 
 TREND_WINDOW_S = 75.0  # the demand trend is fitted over this much time (5 decisions at 15 s)
 DEFAULT_STARTUP_S = 60.0
@@ -53,8 +63,6 @@ CANCEL_CONFIRMATIONS = 1
 # must start again; a longer one is the spike's end (simulated: 1/4 meets the cost targets on
 # spikes of 0.5-2 start-ups, 1/2 does not).
 SURGE_LULL = 0.25
-# Model-busy seconds after which a pod's service rate is its own measurement, not its warm-up's.
-SERVED_BUSY_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +83,14 @@ class PodSample:
     # accepted it in this very scrape: scrape.py): the pod is there and too busy to answer. With a hot last
     # reading, saturated (decide); any other failure is blind.
     timed_out: bool = False
+    # Its readings per model (scrape.py; the fields above are the one model's when it serves one).
+    # Empty: the fields above are its one model's, named "" (a server without the model label).
+    models: tuple[ModelSample, ...] = ()
+
+    def readings(self) -> tuple[ModelSample, ...]:
+        """Its readings, one per model it serves."""
+        return self.models or (ModelSample(loads.OLD_SERVER, self.service_rate, self.arrival_rate, self.queued_tokens,
+                                           self.offered_total, self.busy_seconds, self.backlog_limit_s, self.task),)
 
     @property
     def was_ready(self) -> bool:
@@ -106,13 +122,16 @@ class Policy:
 @dataclasses.dataclass(frozen=True)
 class History:
     recommendations: tuple[tuple[float, int], ...] = ()  # (time, clamped recommendation)
-    demand: tuple[tuple[float, float], ...] = ()  # (time, offered tokens/s): the trend's points
-    capacity: float | None = None  # last known tokens/s per replica
+    # (time, offered tokens/s by model: ((model, tokens/s), ...); a bare number: one model, ""): the
+    # trend's points, turned into busy seconds with the capacities of each decision
+    demand: tuple[tuple[float, float | tuple[tuple[str, float], ...]], ...] = ()
+    capacity: float | None = None  # last known tokens/s per replica of the first model (one model: its own)
     startup_s: float = DEFAULT_STARTUP_S  # measured time from pod creation to ready
     pods: tuple["Seen", ...] = ()  # each pod as last scraped
     surge: "Surge | None" = None  # the scale-up under way
     startups: tuple[tuple[str, float], ...] = ()  # (pod, creation → its first Ready), as first measured
     served: frozenset[str] = frozenset()  # present pods seen Ready (or served) by a decision
+    capacities: tuple[tuple[str, float], ...] = ()  # last known tokens/s per replica, by model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +152,11 @@ class Seen:
     offered_total: float | None
     queued_tokens: float
     load: float | None = None  # its demand over the capacity per replica (None: no capacity known)
+    models: tuple[ModelSample, ...] = ()  # per model: its counter and queue (empty: the two above, model "")
+
+    def readings(self) -> dict[str, ModelSample]:
+        return {r.model: r for r in self.models} or {
+            loads.OLD_SERVER: ModelSample(loads.OLD_SERVER, queued_tokens=self.queued_tokens, offered_total=self.offered_total)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,66 +169,29 @@ class Decision:
     forecast: float
     limited: bool  # demand needs more than maxReplicas
     history: History
-    offered: float = 0.0  # Σ offered tokens/s of the scraped pods
+    offered: float = 0.0  # Σ offered tokens/s of the scraped pods (every model's tokens)
     needed: int = 0  # replicas demand needs, before the bounds (what ScalingLimited reports)
     saturated: tuple[str, ...] = ()  # pods read as saturated (saturated_pod)
+    load: float = 0.0  # demand in busy seconds per second (what `demand` is in tokens/s of the first model)
+    capacities: tuple[tuple[str, float], ...] = ()  # each model's tokens/s per replica, in the order read
+    offered_by_model: tuple[tuple[str, float], ...] = ()  # each model's offered tokens/s over the scraped pods
 
 
-def offered_rate(sample: PodSample, previous: Seen | None, now: float) -> float:
-    """A pod's offered tokens/s: its counter's increase since the last decision when there is
-    one (a restarted server's counter starts again from 0: then, and for a new pod, the gauge)."""
-    if (sample.offered_total is None or previous is None or previous.offered_total is None
-            or now <= previous.at or sample.offered_total < previous.offered_total):
-        return sample.arrival_rate
-    return (sample.offered_total - previous.offered_total) / (now - previous.at)
+def offered_rate(reading: ModelSample, previous: ModelSample | None, since: float | None, now: float) -> float:
+    """A pod's offered tokens/s of one model: its counter's increase since the last decision
+    (`since`) when there is one (a restarted server's counter starts again from 0: then, and for a
+    new pod, the gauge)."""
+    if (reading.offered_total is None or previous is None or previous.offered_total is None or since is None
+            or now <= since or reading.offered_total < previous.offered_total):
+        return reading.arrival_rate
+    return (reading.offered_total - previous.offered_total) / (now - since)
 
 
-def persistent_backlog(sample: PodSample, previous: Seen | None) -> float:
-    """Queued tokens that were there at the last decision too: a busy pod's queue comes and goes
-    between two reads; a backlog that needs more capacity stays. A first read (a new pod, a
-    restarted operator) has nothing to compare with: no backlog yet."""
-    return min(sample.queued_tokens, previous.queued_tokens) if previous else 0.0
-
-
-def trend(points: tuple[tuple[float, float], ...], min_fit: float = 0.6) -> float:
-    """Least-squares slope (units per second) of the last few points: 0 with fewer than 3, or
-    when the line explains less than `min_fit` of the variance (noise is not a trend, and
-    extrapolating it a start-up ahead would turn jitter into replicas)."""
-    pts = points
-    if len(pts) < 3:
-        return 0.0
-    mt = sum(t for t, _ in pts) / len(pts)
-    mv = sum(v for _, v in pts) / len(pts)
-    var_t = sum((t - mt) ** 2 for t, _ in pts)
-    var_v = sum((v - mv) ** 2 for _, v in pts)
-    if var_t == 0 or var_v == 0:
-        return 0.0
-    cov = sum((t - mt) * (v - mv) for t, v in pts)
-    r2 = cov * cov / (var_t * var_v)
-    return cov / var_t if r2 >= min_fit else 0.0
-
-
-def ramp(points: tuple[tuple[float, float], ...]) -> float:
-    """The upward trend to look ahead on: only a sustained ramp, demand up at each of the last
-    three reads, and rising lately at the pace fitted over the window. A step is already in demand:
-    a fit over a window that holds it reads as a slope, and extrapolating that a start-up ahead
-    would overshoot. Each read is an interval's mean, so a step that lands inside an interval reads
-    as two rises (old → partial → full), and a backlog it leaves adds a third a read later; but
-    then the latest reads rise far faster (or slower) than the window's fit, where a ramp's keep
-    its pace."""
-    if len(points) < 4 or not all(points[i][1] > points[i - 1][1] for i in (-1, -2, -3)):
-        return 0.0
-    overall, lately = trend(points), trend(points[-3:], min_fit=0.0)
-    return overall if overall > 0 and 0.5 <= lately / overall <= 2.0 else 0.0
-
-
-def falling(points: tuple[tuple[float, float], ...]) -> bool:
-    """Whether demand is known to have stopped rising: not up since the last read (with two
-    points) or over the window (three or more). A single point (a new service, or an operator
-    restart with no trend yet) never reads as falling."""
-    if len(points) < 2:
-        return False
-    return (points[-1][1] <= points[-2][1]) if len(points) == 2 else trend(points, min_fit=0.0) <= 0
+def persistent_backlog(reading: ModelSample, previous: ModelSample | None) -> float:
+    """Queued tokens of one model that were there at the last decision too: a busy pod's queue
+    comes and goes between two reads; a backlog that needs more capacity stays. A first read (a
+    new pod, a restarted operator) has nothing to compare with: no backlog yet."""
+    return min(reading.queued_tokens, previous.queued_tokens) if previous else 0.0
 
 
 def startups(samples: list[PodSample], known: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
@@ -229,51 +216,67 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     # unready may still carry load (their connections stay open): what can be read of them counts.
     served = {s.name for s in samples if s.was_ready or s.name in history.served}
     scraped = [s for s in samples if s.name in served and s.scraped]
-    # A pod that has served little still reports its warm-up's rate (full rows, an upper bound):
-    # the pods that have served decide capacity when there are any.
-    measured = [s for s in scraped if s.service_rate > 0]
-    seasoned = [s for s in measured if s.busy_seconds is None or s.busy_seconds >= SERVED_BUSY_S]
-    rates = [s.service_rate for s in seasoned or measured]
-    capacity = statistics.median(rates) if rates else history.capacity
+    readings = {s.name: s.readings() for s in scraped}
+    # Each model's capacity: the median of its service rates over the pods that have served it
+    # (a pod that has served little still reports its warm-up's full-row rate, an upper bound).
+    known = dict(history.capacities) or ({} if history.capacity is None else {loads.OLD_SERVER: history.capacity})
+    caps = loads.capacities(list(readings.values()), known)
+    models = list(caps)
+    capacity = caps[models[0]] if caps else None  # the first model's: what tokens/s are reported in
     measured_startups = startups(samples, history.startups)
     startup_s = statistics.median(v for _, v in measured_startups) if measured_startups else history.startup_s
-    # Backlog counts only beyond the queue a pod holds at target utilization: admission lets a
-    # queue grow to the pod's backlog limit (its drain budget less the batcher's reorder window;
-    # the whole budget for a pod that does not say), and a pod busy `target_utilization` of the
-    # time holds its share of that, coming and going. Only a queue above it, at two reads in a
-    # row, says the pod is saturated (its offered rate, rejections included, says by how much).
-    def held(s: PodSample) -> float:
-        limit = policy.max_drain_s if s.backlog_limit_s is None else s.backlog_limit_s
-        return policy.target_utilization * limit * (s.service_rate or capacity or 0.0)
-
     seen = {p.name: p for p in history.pods}
-    offered = {s.name: offered_rate(s, seen.get(s.name), now) for s in scraped}
-    own = {s.name: offered[s.name] + max(0.0, persistent_backlog(s, seen.get(s.name)) - held(s)) / policy.target_drain_s
-           for s in scraped}  # each pod's demand
+
+    def pod_demand(name: str) -> tuple[dict[str, float], float]:
+        """A pod's offered tokens/s by model, and its demand in busy seconds per second: offered
+        plus the backlog, present at two reads in a row, beyond the queue it holds at target
+        utilization (loads.held: a share of its admission's backlog limit, coming and going),
+        to be cleared within targetDrainTime."""
+        last = seen.get(name)
+        before = last.readings() if last else {}
+        offered = {r.model: offered_rate(r, before.get(r.model), last and last.at, now) for r in readings[name]}
+        backlog = {r.model: persistent_backlog(r, before.get(r.model)) for r in readings[name]}
+        excess = loads.busy(backlog, caps) - loads.held(readings[name], caps, policy.target_utilization, policy.max_drain_s)
+        return offered, loads.busy(offered, caps) + max(0.0, excess) / policy.target_drain_s
+
+    per_pod = {s.name: pod_demand(s.name) for s in scraped}
+    own = {name: load for name, (_, load) in per_pod.items()}  # each pod's demand, busy s/s
+    offered_by_model: dict[str, float] = {}
+    for offered, _ in per_pod.values():
+        for model, rate in offered.items():
+            offered_by_model[model] = offered_by_model.get(model, 0.0) + rate
+    offered_total = sum(sum(offered.values()) for offered, _ in per_pod.values())
     demand = sum(own.values())
     # A pod not scraped this time keeps its last reading, so the next rate spans both intervals
     # (and a saturated pod stays saturated until it answers again).
-    pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens, own[s.name] / capacity if capacity else None)
+    pods = tuple(Seen(s.name, now, s.offered_total, s.queued_tokens, own[s.name] if caps else None, s.models)
                  for s in scraped) + tuple(
-        p for p in history.pods if p.name not in offered and any(s.name == p.name for s in samples))
+        p for p in history.pods if p.name not in own and any(s.name == p.name for s in samples))
     saturated = [s.name for s in samples if saturated_pod(s, seen.get(s.name), served, policy)]
     # The trend is the offered load's: a backlog is cleared once, not a rate that goes on growing
     # (counted in it, a step that saturates a pod read as a third rise). The window holds at least
-    # four reads, whatever the interval (ramp() needs them).
+    # four reads, whatever the interval (ramp() needs them). Its points keep tokens by model, each
+    # turned into busy seconds with the capacities of now (one model: its tokens over one capacity).
     interval = now - history.demand[-1][0] if history.demand else 0.0
     window_s = max(TREND_WINDOW_S, 4 * interval)
-    demand_points = tuple(p for p in history.demand if p[0] > now - window_s) + ((now, sum(offered.values())),)
+    kept = tuple(p for p in history.demand if p[0] > now - window_s) + ((now, tuple(offered_by_model.items())),)
+    demand_points = tuple((t, loads.busy(loads.point(v), caps)) for t, v in kept)
     # Look-ahead is for sustained ramps (a few % per start-up, see ramp()), and capped.
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
     # later: until then, what we decide now has to carry the load.
     forecast = demand + min(ramp(demand_points) * (startup_s + interval), LOOKAHEAD_CAP * demand)
     # A saturated pod's demand is past what it can say: MAX_STEP_FACTOR replicas' worth (not in
     # the trend, which is the offered load read).
-    if saturated and capacity:
-        extra = len(saturated) * MAX_STEP_FACTOR * capacity * policy.target_utilization
+    if saturated and caps:
+        extra = len(saturated) * MAX_STEP_FACTOR * policy.target_utilization
         demand, forecast = demand + extra, forecast + extra
     # Pods that served and could not be read, or serve no more (unready): demand is a floor.
     blind = any(s.name in served and not (s.ready and s.scraped) for s in samples)
+    # Reported in tokens/s of the first model (one model: its own), as the reasons say it.
+    tokens = (lambda busy_s: busy_s * capacity) if capacity else (lambda busy_s: busy_s)
+    said = ((lambda busy_s: f"{tokens(busy_s):.0f} tok/s") if len(models) <= 1 else
+            (lambda busy_s: f"{busy_s:.2f} busy s/s of {len(models)} models"))
+    measured = dict(offered_by_model=tuple(offered_by_model.items()), capacities=tuple(caps.items()))
 
     def keep(recommendation: int) -> History:
         horizon = now - max(policy.scale_down_stabilization_s, policy.scale_up_stabilization_s)
@@ -281,15 +284,15 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         # current size, as the HPA's does, so the first decision cannot drop 4 pods to 2 at once.
         past = history.recommendations or (((now, current),) if policy.scale_down_stabilization_s else ())
         recs = tuple(r for r in past if r[0] >= horizon) + ((now, recommendation),)
-        return History(recs, demand_points, capacity, startup_s, pods, startups=measured_startups,
-                       served=frozenset(served))
+        return History(recs, kept, capacity, startup_s, pods, startups=measured_startups,
+                       served=frozenset(served), capacities=tuple(caps.items()))
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
-        return Decision(desired, "no service rate measured yet", desired, None, demand, forecast, False,
-                        keep(desired), sum(offered.values()))
+        return Decision(desired, "no service rate measured yet", desired, None, offered_total, offered_total, False,
+                        keep(desired), offered_total, **measured)
 
-    exact = forecast / (capacity * policy.target_utilization)
+    exact = forecast / policy.target_utilization
     raw = math.ceil(exact - 1e-9) if forecast > 0 else 0
     if current > 0 and abs(exact / current - 1) <= TOLERANCE:
         raw = current  # within tolerance of the current size: not worth a change (as the HPA)
@@ -309,7 +312,9 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         target = min(in_window(policy.scale_up_stabilization_s)) if policy.scale_up_stabilization_s else recommendation
         step = max(current * MAX_STEP_FACTOR, current + MAX_STEP_ADD)
         desired = max(current, min(target, step))
-        reason = f"scale up: demand {forecast:.0f} tok/s needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
+        reason = (f"scale up: demand {said(forecast)} needs {raw} × {capacity:.0f} tok/s at {policy.target_utilization:.0%}"
+                  if len(models) <= 1 else
+                  f"scale up: demand {said(forecast)} needs {raw} replicas at {policy.target_utilization:.0%}")
         if saturated:
             reason += (f" ({len(saturated)} pod(s) saturated: no answer in time after a reading at or above target, "
                        f"each taken as {MAX_STEP_FACTOR} replicas' worth)")
@@ -328,7 +333,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
             # back within the old size for SURGE_LULL of a pod start-up (a shorter lull keeps
             # them), and is falling: back to the size before it.
             desired, surge = surge.base, None
-            reason = f"the surge is over: demand {forecast:.0f} tok/s is back within {desired} replicas"
+            reason = f"the surge is over: demand {said(forecast)} is back within {desired} replicas"
         elif windowed < current:
             desired = windowed
             reason = f"scale down: highest recommendation in {policy.scale_down_stabilization_s:.0f}s is {windowed}"
@@ -343,8 +348,9 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     else:
         desired, reason = current, "steady"
     desired = min(max(desired, policy.min_replicas), policy.max_replicas)
-    return Decision(desired, reason, recommendation, capacity, demand, forecast, limited,
-                    dataclasses.replace(new_history, surge=surge), sum(offered.values()), raw, tuple(saturated))
+    return Decision(desired, reason, recommendation, capacity, tokens(demand), tokens(forecast), limited,
+                    dataclasses.replace(new_history, surge=surge), offered_total, raw, tuple(saturated), demand,
+                    **measured)
 
 
 # What the ReplicaSet controller reads, only when it scales down, to choose which pods go: the
@@ -363,14 +369,15 @@ def removal_marks(samples: list[PodSample], annotations: dict[str, dict], remove
                   template_cost: str | None) -> dict[str, dict[str, str | None]]:
     """The annotations to merge into pods (None: removed) before `removed` pods go, so that the
     ReplicaSet removes the idlest: the Ready pods read with the least queued work (as many as go
-    beyond the pods not Ready, which it takes first anyway) get REMOVAL_COST and REMOVAL_MARK; a
+    beyond the pods not Ready, which it takes first anyway; the least device time queued, every
+    model's) get REMOVAL_COST and REMOVAL_MARK; a
     pod marked before (a decision dropped after its marks were written) that is not to go gets
     its template's cost back (`template_cost`; None: none) and loses the mark. `annotations`: the
     pods' own, by name (those being deleted left out). Only what changes; `removed` 0: only the
     clearing."""
     unready = sum(1 for s in samples if not s.ready)
     ranked = sorted((s for s in samples if s.ready and s.scraped and s.name in annotations),
-                    key=lambda s: (s.queued_tokens, s.name))
+                    key=lambda s: (loads.drain_s(s.readings()), sum(r.queued_tokens for r in s.readings()), s.name))
     going = {s.name for s in ranked[:max(0, removed - unready)]}
     out: dict[str, dict[str, str | None]] = {}
     for name, own in annotations.items():

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 
-from embedop import autoscale, crd, fill as fills, render, reconcile, scrape, spec as specs, status
+from embedop import autoscale, crd, demand, fill as fills, render, reconcile, render_models, scrape, spec as specs, status
 from embedop.cache import Cluster, NotLeader
 from embedop.config import OperatorSettings
 from embedop.kube import Conflict, NotFound, Rejected, Retryable
@@ -158,12 +158,15 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
     with a change of the decision or a condition (status.steady): a write per interval per service
     would be as many watch events and etcd writes for nothing."""
     scraped = [s for s in samples if s.scraped]
+    # With spec.models: the service rate is the first (default) model's, each model's in
+    # status.models; the drain is a pod's device time queued, every model's (demand.drain_s).
+    names, caps = [m["name"] for m in spec.get("models") or []], dict(decision.capacities)
     measured = {
-        "serviceRateTokensPerSecond": decision.capacity or 0.0,
+        "serviceRateTokensPerSecond": (caps.get(names[0]) if names else None) or decision.capacity or 0.0,
         "arrivalRateTokensPerSecond": decision.offered,
-        "estimatedDrainMs": max((s.queued_tokens / s.service_rate * 1000 for s in scraped if s.service_rate > 0),
-                                default=0.0),
+        "estimatedDrainMs": max((demand.drain_s(s.readings()) * 1000 for s in scraped), default=0.0),
     }
+    tasks = demand.tasks([s.readings() for s in scraped])
     new: dict = {"desiredReplicas": decision.desired}
     if decision.desired != current:
         new.update(lastScaleTime=status.now_iso(), lastScaleReason=decision.reason)
@@ -183,14 +186,21 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
                                    generation, before, now)
         # The served task changes only with the pods' model or TASK: written when it does, not
         # held back like the measurements (and a fleet at rest writes nothing).
-        task = status.served_task([s.task for s in scraped], previous.get("task"))
-        mismatch = status.task_mismatch(specs.task(spec), task, generation, before, now)
+        if names:  # each model's task, in spec.models' order; status.task joins them (the Task column)
+            served = {m["name"]: m.get("task") for m in status.served_models(names, tasks, {}, {}, previous.get("models"), False)}
+            task = ",".join(dict.fromkeys(t for t in served.values() if t)) or None
+            mismatch = status.models_mismatch(render_models.wanted_tasks(spec), served, generation, before, now)
+        else:
+            task = status.served_task([s.task for s in scraped], previous.get("task"))
+            mismatch = status.task_mismatch(specs.task(spec), task, generation, before, now)
         conditions = status.merge_conditions(before, [limited, metrics, *([mismatch] if mismatch else [])])
         if mismatch is None:  # no served task known: no verdict on it
             conditions = [c for c in conditions if c.get("type") != status.TASK_MISMATCH]
         # The task is not among what makes the measurements due: it is written on its own.
         changed = previous.get("desiredReplicas") != decision.desired or conditions != before
+        models = status.served_models(names, tasks, caps, dict(decision.offered_by_model), previous.get("models"),
+                                      due or changed) if names else None
         return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions,
-                "task": task}
+                "task": task, "models": models}
 
     await reconcile.update_status(cluster, namespace, name, compute, body)

@@ -5,11 +5,12 @@ the operator applies the schema's defaults from the same source."""
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import yaml
 
-from embedop.crd_schema import boolean, int_or_percent, integer, kubernetes, number, obj, quantity, string, string_map, typed
+# TASKS and with_defaults are this module's too (spec.defaulted applies the schema's defaults).
+from embedop.crd_schema import (TASKS, boolean, int_or_percent, integer, kubernetes, model_fields, number, obj,  # noqa: F401
+                                quantity, string, string_map, typed, with_defaults)
 
 GROUP, VERSION, PLURAL, KIND = "embedfleet.dev", "v1alpha1", "embeddingservices", "EmbeddingService"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -26,8 +27,6 @@ RESERVED_ENV_RULE = ("set by the operator (the probes, the Services, the Network
                      "use these ports); spec.env cannot override them")
 GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserved and left idle; "
             "scale with replicas (the autoscaler does)")
-# What a server may be told to serve (its TASK setting, besides auto: the server infers it).
-TASKS = ("embed", "rerank", "sparse", "classify")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
                      "so 0 pods never scale up; to stop a service use mode off with replicas 0")
 
@@ -104,17 +103,55 @@ ENDPOINT_PICKER = obj(
                               "Gateway pick a pod itself.", "FailClose", enum=["FailOpen", "FailClose"]),
     }, default={})
 
+# The fields of one model: the spec's own (one model per pod), and each spec.models entry's.
+ONE_MODEL = model_fields(
+    "What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the "
+    "image. Exactly one of model and models.",
+    "The hub revision of a repo id model (MODEL_REVISION): a branch, tag or commit; default main. A revision a cache "
+    "has fetched is read back with no hub call (a branch stays at the commit first fetched): set this to move a fleet "
+    "to another commit.",
+    "What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), sparse (SPLADE "
+    "vectors) or classify (labels). Unset: the server infers it from the model's files. status.task says what the pods "
+    "serve; a disagreement with this is the TaskMismatch condition.",
+    "How token states become one vector. Unset fields serve the model as its authors declared it (sentence-transformers "
+    "modules.json, 1_Pooling, Dense, Normalize), as SentenceTransformer(model).encode does.")
+# A model's name: a path segment, a gRPC field, a metric label (the server's own rule is wider).
+MODEL_NAME = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
+MAX_MODELS = 16
+MODEL_RULE = "exactly one of model and models: model for one model per pod, models for several"
+PER_MODEL_RULE = ("with models, modelRevision, task and pooling are set in each entry of models, not beside it")
+MODEL_IMAGE_RULE = ("modelCache.image holds one model: with models, use a claim (claimName) or the default emptyDir")
+UNIQUE_MODELS_RULE = "models: each name must be unique"
+MODELS = {
+    "type": "array", "minItems": 1, "maxItems": MAX_MODELS,
+    "description": "Several models served by every pod on its one device (the servers' MODELS, one JSON value), instead "
+                   "of model: each admitted on its own drain budget, the device shared by deadline, the fleet scaled on "
+                   "their summed demand in busy seconds per second. The first is the default (what a request naming no "
+                   "model gets). Their weights must fit one device together: a pod whose models do not fit stops, and "
+                   "the service is Degraded (reason ModelsDoNotFit) with the numbers. Exactly one of model and models.",
+    "items": obj("One model: its name and the per-model fields of a one-model spec.", {
+        "name": string("How clients name it on every transport (the requests' model field) and the model label of its "
+                       "metrics: lowercase letters, digits, '.', '_' and '-', at most 63, unique in the list.",
+                       minLength=1, maxLength=63, pattern=MODEL_NAME),
+        **model_fields(
+            "What the servers load for it: a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.",
+            "The hub revision of a repo id model: a branch, tag or commit; default main (as spec.modelRevision).",
+            "What it serves: embed, rerank, sparse or classify. Unset: the server infers it from the model's files. "
+            "status.models says what each serves; a disagreement is the TaskMismatch condition.",
+            "How its token states become one vector (as spec.pooling). Unset fields: as the model declares."),
+    }, required=["name", "model"]),
+    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+    "x-kubernetes-validations": [{"rule": "self.all(m, self.exists_one(n, n.name == m.name))",
+                                  "message": UNIQUE_MODELS_RULE}],
+}
+
 SPEC = obj(
     "Desired state of an embedding service: the model, how its servers batch and admit, and how the fleet scales.",
     {
-        "model": string("What the servers load (MODEL_PATH): a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.", minLength=1, maxLength=512),
-        "modelRevision": string("The hub revision of a repo id model (MODEL_REVISION): a branch, tag or commit; default main. "
-                                "A revision a cache has fetched is read back with no hub call (a branch stays at the commit "
-                                "first fetched): set this to move a fleet to another commit.", maxLength=256, pattern=r"^[^\s]+$"),
-        "task": string("What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), "
-                       "sparse (SPLADE vectors) or classify (labels). Unset: the server infers it from the model's "
-                       "files. status.task says what the pods serve; a disagreement with this is the TaskMismatch condition.",
-                       enum=list(TASKS)),
+        "model": ONE_MODEL["model"],
+        "modelRevision": ONE_MODEL["modelRevision"],
+        "task": ONE_MODEL["task"],
+        "models": MODELS,
         "image": string("Server container image; defaults to the operator's embedserve image.", maxLength=512, pattern=r"^[^\s]+$"),
         "replicas": integer("Server replicas. Mode off: the count, set here, by kubectl scale (the scale subresource) or by an external HPA/KEDA. Modes operator and hpa: a new service starts with it (within min/max), then the autoscaler or the HorizontalPodAutoscaler owns the count and the operator writes the live count here, so a switch to off keeps the fleet as it is; a value set by hand is undone (use mode off to scale by hand; GitOps tools should ignore this field).", 1, 0, 1000),
         "resources": obj("Resources of each server pod.", {
@@ -145,16 +182,7 @@ SPEC = obj(
             "latencyHardMs": integer("P95 server-side latency above which every request is shed.", 2000, 1, 600000),
         }, default={}, **{"x-kubernetes-validations": [
             {"rule": "self.latencySoftMs <= self.latencyHardMs", "message": "latencySoftMs must not exceed latencyHardMs"}]}),
-        "pooling": obj("How token states become one vector. Unset fields serve the model as its authors declared it "
-                       "(sentence-transformers modules.json, 1_Pooling, Dense, Normalize), as SentenceTransformer(model).encode does.", {
-            "strategy": string("Overrides the model's declared pooling: cls, mean, max, lasttoken, weightedmean or "
-                               "mean_sqrt_len_tokens (several joined by +, concatenated). Unset: as declared.",
-                               pattern=r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"),
-            "normalize": typed("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
-            "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling: "
-                              "a deliberate deviation from sentence-transformers. A token the vocabulary lacks fails the server's start-up, naming it.",
-                              "items": {"type": "string", "minLength": 1}, "maxItems": 64},
-        }, default={}),
+        "pooling": ONE_MODEL["pooling"],
         "autoscaling": obj("How the operator sizes the fleet.", {
             "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; off: spec.replicas.", "operator", enum=["operator", "hpa", "off"]),
             "minReplicas": integer("Fewest replicas. At least 1 in modes operator and hpa: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0).", 1, 0, 1000),
@@ -242,8 +270,12 @@ SPEC = obj(
         "networkPolicy": NETWORK_POLICY,
         "routing": ROUTING,
         "endpointPicker": ENDPOINT_PICKER,
-    },
-    required=["model"],
+    }, **{"x-kubernetes-validations": [
+        {"rule": "has(self.model) != has(self.models)", "message": MODEL_RULE},
+        {"rule": "!has(self.models) || !(has(self.modelRevision) || has(self.task) || has(self.pooling) && "
+                 "(has(self.pooling.strategy) || has(self.pooling.normalize) || has(self.pooling.excludeTokens)))",
+         "message": PER_MODEL_RULE},
+        {"rule": "!has(self.models) || !has(self.modelCache) || !has(self.modelCache.image)", "message": MODEL_IMAGE_RULE}]},
 )
 
 CONDITION = obj("A condition of the service.", {
@@ -264,13 +296,25 @@ STATUS = obj("Observed state, written by the operator.", {
     "readyReplicas": integer("Server pods ready to serve."),
     "desiredReplicas": integer("Replicas wanted: the autoscaler's decision (mode operator), spec.replicas (off), the HorizontalPodAutoscaler's (hpa)."),
     "selector": string("Label selector of the server pods (for the scale subresource)."),
-    "serviceRateTokensPerSecond": number("Measured capacity of one replica: real (unpadded) tokens computed per second of model-busy time, the unit of the arrival rate."),
-    "arrivalRateTokensPerSecond": number("Offered load across the fleet: real tokens/s, admitted + rejected (a retry is not new demand)."),
-    "estimatedDrainMs": number("Largest backlog drain time among the replicas."),
+    "serviceRateTokensPerSecond": number("Measured capacity of one replica: real (unpadded) tokens computed per second of model-busy time, the unit of the arrival rate. With spec.models: the first (default) model's; each model's is in status.models."),
+    "arrivalRateTokensPerSecond": number("Offered load across the fleet: real tokens/s, admitted + rejected (a retry is not new demand). With spec.models: the sum of every model's tokens (each model's is in status.models)."),
+    "estimatedDrainMs": number("Largest backlog drain time among the replicas: a pod's device time queued (with spec.models, the sum over its models of queued tokens over service rate), in ms."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),
     "task": string("The task the pods serve (embed, rerank, sparse or classify), from the task label of their "
-                   "embedfleet_model_info (mode operator, where the operator scrapes them)."),
+                   "embedfleet_model_info (mode operator, where the operator scrapes them); with spec.models, each "
+                   "model's task in their order, joined by commas (e.g. embed,sparse,rerank)."),
+    "modelSummary": string("What the service serves, for the Model column: spec.model, or spec.models' count and "
+                           "names (e.g. \"3 models: dense, sparse, rerank\", the last names cut to \"+N\")."),
+    "models": {"type": "array", "description": "With spec.models (mode operator): each model as the pods serve it, "
+               "in spec.models' order.", "items": obj("One model's measurements.", {
+                   "name": string("The model's name (spec.models[].name)."),
+                   "task": string("The task its pods serve, from their embedfleet_model_info."),
+                   "serviceRateTokensPerSecond": number("Its measured capacity: real tokens computed per second of its "
+                                                        "own busy time, the median over the pods that have served it."),
+                   "arrivalRateTokensPerSecond": number("Its offered load across the fleet: real tokens/s, admitted + rejected."),
+               }, required=["name"]),
+               "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     "defaultImage": string("The operator's default server image this service was given (spec.image unset), kept so "
                            "that a Deployment made again runs the same server; set spec.image to move to another."),
     "modelCache": obj("What a pre-filled model cache holds (spec.modelCache.prefill).", {
@@ -302,7 +346,7 @@ def crd() -> dict:
                     "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
                     "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": [
-                    {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+                    {"name": "Model", "type": "string", "jsonPath": ".status.modelSummary"},
                     {"name": "Task", "type": "string", "jsonPath": ".status.task"},
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
@@ -337,26 +381,6 @@ def render_chart_template() -> str:
             "{{- $crds := .Values.crds | default dict }}\n"
             "{{- if or (not (hasKey $crds \"install\")) $crds.install }}\n"
             + yaml.safe_dump(body, sort_keys=False, width=120) + "{{- end }}\n")
-
-
-def with_defaults(value: Any, schema: dict) -> Any:
-    """Apply the schema's defaults as the API server would (missing fields of present objects;
-    an absent object with a default of {} is created and defaulted too)."""
-    if schema.get("type") == "object" and isinstance(value, dict):
-        out = dict(value)
-        for name, prop in schema.get("properties", {}).items():
-            if name not in out and "default" in prop:
-                out[name] = _copy(prop["default"])
-            if name in out:
-                out[name] = with_defaults(out[name], prop)
-        return out
-    if schema.get("type") == "array" and isinstance(value, list) and "items" in schema:
-        return [with_defaults(v, schema["items"]) for v in value]
-    return value
-
-
-def _copy(v):
-    return yaml.safe_load(yaml.safe_dump(v))
 
 
 if __name__ == "__main__":

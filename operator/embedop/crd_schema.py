@@ -1,10 +1,14 @@
 """Builders of OpenAPI v3 schema fragments, as a CustomResourceDefinition's structural schema
 wants them (every field typed, with a description; Kubernetes' int-or-string and open objects
-spelled its way). Pure; crd.py builds the EmbeddingService's schema from them."""
+spelled its way), the fields of one model (the spec's own and each spec.models entry's), and a
+schema's defaults applied as the API server applies them. Pure; crd.py builds the
+EmbeddingService's schema from them."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import yaml
 
 
 def typed(type_: str, description: str, **extra: Any) -> dict:
@@ -69,3 +73,47 @@ def string_map(description: str) -> dict:
 def int_or_percent(description: str, default) -> dict:
     return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
             "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}]}
+
+
+# What a server may be told to serve (its TASK setting, besides auto: the server infers it).
+TASKS = ("embed", "rerank", "sparse", "classify")
+POOLING_PATTERN = r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"
+
+
+def model_fields(model: str, revision: str, task: str, pooling: str) -> dict:
+    """The fields that say what one model is and how it is served, by name: the spec's own (one
+    model) and each spec.models entry's, with the same types and limits and their own descriptions."""
+    return {
+        "model": string(model, minLength=1, maxLength=512),
+        "modelRevision": string(revision, maxLength=256, pattern=r"^[^\s]+$"),
+        "task": string(task, enum=list(TASKS)),
+        "pooling": obj(pooling, {
+            "strategy": string("Overrides the model's declared pooling: cls, mean, max, lasttoken, weightedmean or "
+                               "mean_sqrt_len_tokens (several joined by +, concatenated). Unset: as declared.",
+                               pattern=POOLING_PATTERN),
+            "normalize": typed("boolean", "Overrides the model's declaration: L2-normalise the vectors or not. Unset: as declared (a Normalize module)."),
+            "excludeTokens": {"type": "array", "description": "Control tokens (strings in the model's vocabulary) left out of mean pooling: "
+                              "a deliberate deviation from sentence-transformers. A token the vocabulary lacks fails the server's start-up, naming it.",
+                              "items": {"type": "string", "minLength": 1}, "maxItems": 64},
+        }, default={}),
+    }
+
+
+def with_defaults(value: Any, schema: dict) -> Any:
+    """Apply the schema's defaults as the API server would (missing fields of present objects;
+    an absent object with a default of {} is created and defaulted too)."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        out = dict(value)
+        for name, prop in schema.get("properties", {}).items():
+            if name not in out and "default" in prop:
+                out[name] = _copy(prop["default"])
+            if name in out:
+                out[name] = with_defaults(out[name], prop)
+        return out
+    if schema.get("type") == "array" and isinstance(value, list) and "items" in schema:
+        return [with_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def _copy(v):
+    return yaml.safe_load(yaml.safe_dump(v))

@@ -71,8 +71,9 @@ class Fleet:
     def kick(self, kind: str, event: str, obj: dict) -> None:
         """A watched object of a service changed (a rollout's progress, a hand edit, a deletion):
         its loop reconciles now. Several changes before it runs are one reconcile. A pod's
-        change waits for the autoscaler's next step."""
-        if kind == "Pod":
+        change waits for the autoscaler's next step, but a pod whose models do not fit its device
+        (its termination message): the service is Degraded at once, not at the next periodic check."""
+        if kind == "Pod" and not status.misfit([obj]):
             return
         meta = obj.get("metadata") or {}
         service = (meta.get("labels") or {}).get(SERVICE_LABEL) or meta.get("name", "").removesuffix("-headless")

@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, scope, write
+from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, scope, status, write
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -76,6 +76,8 @@ def _outcome(outcome: reconcile.Outcome) -> None:
         _say(body, render_gateway.CRD_MISSING, outcome.missing, warning=True)
     if outcome.unpersisted:
         _say(body, write.FIELD_NOT_PERSISTED, "; ".join(outcome.unpersisted), warning=True)
+    if outcome.misfit:
+        _say(body, status.MISFIT, outcome.misfit, warning=True)
     if outcome.notice:
         _say(body, "DefaultImageChanged", outcome.notice)
     if outcome.warnings:
@@ -88,8 +90,9 @@ def _outcome(outcome: reconcile.Outcome) -> None:
 
 def _decision(body: dict, step: autoscaler.Step) -> None:
     decision, current = step.decision, step.current
-    log.debug("autoscale %s: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s", body["metadata"]["name"],
-              current, decision.desired, decision.reason, decision.demand, decision.forecast, decision.capacity)
+    log.debug("autoscale %s: %d → %d (%s); demand %.0f, forecast %.0f, capacity %s tok/s; %.2f busy s/s",
+              body["metadata"]["name"], current, decision.desired, decision.reason, decision.demand, decision.forecast,
+              decision.capacity, decision.load)
     if decision.desired != current:
         kopf.info(body, reason="Scaled", message=f"{current} → {decision.desired}: {decision.reason}")
     if step.refused:

@@ -24,7 +24,7 @@ import logging
 import dataclasses
 from typing import Awaitable, Callable
 
-from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_network, spec as specs, status
+from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_models, render_network, spec as specs, status
 from embedop import write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
@@ -50,6 +50,7 @@ class Outcome:
     fill: fills.Fill | None = None  # a pre-filled model cache's fill (holds: the pods wait for it)
     unpersisted: list[str] = dataclasses.field(default_factory=list)  # renders held: write.held's messages
     claim: dict | None = None  # spec.modelCache.claimName's claim, as watched (None: none, or not there)
+    misfit: str | None = None  # a pod's termination message: its models do not fit its device (status.misfit)
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -320,6 +321,8 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
     the write below retry on a fresh read) has not been observed."""
     owner = owner_of(body)
     autoscaled = spec["autoscaling"]["mode"] == "operator"
+    pods = cluster.pods(owner.namespace, render.selector(owner.name))
+    outcome.misfit = status.misfit(pods)
 
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}
@@ -327,18 +330,18 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
                   else ((deployment or {}).get("spec") or {}).get("replicas"))
         conditions = [c for c in previous.get("conditions") or []
                       if autoscaled or c.get("type") not in status.AUTOSCALER_CONDITIONS]
-        new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions,
+        new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions, misfit=outcome.misfit,
                                      rejected=outcome.rejected, foreign=outcome.foreign,
                                      missing=(render_gateway.CRD_MISSING, outcome.missing) if outcome.missing else None,
                                      fill=(outcome.fill.state, outcome.fill.message)
                                      if outcome.fill and outcome.fill.holds else None,
                                      unpersisted=outcome.unpersisted)
-        access = render_cache.claim_access(spec, outcome.claim, cluster.pods(owner.namespace, render.selector(owner.name)))
+        access = render_cache.claim_access(spec, outcome.claim, pods)
         new["conditions"] = [c for c in new["conditions"] if access or c.get("type") != render_cache.SHARED]
         if access:
             new["conditions"] = status.merge_conditions(new["conditions"], [status.condition(
                 render_cache.SHARED, *access, generation, previous.get("conditions") or [], status.now_iso())])
-        new["selector"] = render.selector_string(owner.name)
+        new["selector"], new["modelSummary"] = render.selector_string(owner.name), render_models.summary(spec)
         if (desired := desired_replicas(spec, deployment, hpa)) is not None:
             new["desiredReplicas"] = desired
         if generation is not None:
@@ -350,7 +353,7 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
         elif not outcome.problems and render_cache.kind(spec["modelCache"]) != "prefilled":
             new["modelCache"] = None
         if not autoscaled:  # the autoscaler's measurements (and served task) would go stale: none is better
-            new.update(dict.fromkeys((*status.MEASURED, "task"), None))
+            new.update(dict.fromkeys((*status.MEASURED, "task", "models"), None))
         return new
 
     await update_status(cluster, owner.namespace, owner.name, compute, body)

@@ -7,7 +7,7 @@ import dataclasses
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render_cache, render_gateway, render_network, render_security
+from embedop import crd, render_cache, render_gateway, render_models, render_network, render_security
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
@@ -103,11 +103,11 @@ def health_port(spec: dict, metrics_port: int = METRICS_PORT) -> int:
     return metrics_port if guarded(spec) else HTTP_PORT
 
 
-
 def server_env(spec: dict, grace_seconds: int, metrics_port: int = METRICS_PORT) -> list[dict]:
     """Every server setting the spec decides, as the server's environment variables."""
     b, a, p = spec["batching"], spec["admission"], spec["pooling"]
     values = {
+        **render_models.env(spec),  # MODELS, with spec.models (instead of MODEL_PATH and the rest of spec.model's)
         **render_cache.env(spec),  # MODEL_PATH, MODEL_CACHE_DIR, and what the cache's kind adds
         # Unset: the server infers the task from the model's files (TASK=auto, its default).
         **({"TASK": spec["task"]} if spec.get("task") else {}),

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from embedop import render_models
+
 MODEL_CACHE = "/models"  # MODEL_CACHE_DIR
 MODEL_IMAGE = "/model-image"  # where an image volume's artifact is mounted
 CACHE_VOLUME, IMAGE_VOLUME = "model-cache", "model-image"
@@ -143,7 +145,9 @@ def env(spec: dict) -> dict:
     if k == "image":
         # Clients keep naming the model as spec.model says, not after the mount's directory.
         return {"MODEL_PATH": model_dir(spec), "SERVED_MODEL_NAME": spec["model"], "MODEL_CACHE_DIR": MODEL_CACHE}
-    values = {"MODEL_PATH": spec["model"], "MODEL_CACHE_DIR": MODEL_CACHE}
+    # With spec.models, each model's source and revision are in MODELS (render_models), never here.
+    values = {} if render_models.several(spec) else {"MODEL_PATH": spec["model"]}
+    values["MODEL_CACHE_DIR"] = MODEL_CACHE
     if spec.get("modelRevision"):
         values["MODEL_REVISION"] = spec["modelRevision"]
     if k == "prefilled":
@@ -159,8 +163,10 @@ def fill_digest(service: str, spec: dict, server_env: list[dict], claim_uid: str
     is downloaded, and the cache layout. Without `claim_uid`: the digest operators of chart 0.2.x
     keyed fills by (no uid in the key at all), which fill.read still honours once."""
     wanted = [e for e in server_env if e["name"] in FILLED_BY]
+    # With spec.models, every model's source and revision (a one-model spec's key is as it was).
+    several = [render_models.fetches(spec)] if render_models.several(spec) else []
     key = json.dumps([FILL_LAYOUT, service, spec["modelCache"]["claimName"], *([claim_uid] if claim_uid else []),
-                      sorted(wanted, key=lambda e: e["name"])], sort_keys=True)
+                      sorted(wanted, key=lambda e: e["name"]), *several], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
@@ -209,6 +215,7 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
         "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": container["securityContext"],
     }
+    fillers = per_model(filler, spec) if render_models.several(spec) else [filler]
     # The server pods' token setting too: none mounted with the default account, the account's own
     # setting with spec.serviceAccountName (render._pod_spec).
     kept = ("securityContext", "nodeSelector", "tolerations", "affinity", "imagePullSecrets", "serviceAccountName",
@@ -228,18 +235,33 @@ def fill_job(meta: dict, spec: dict, image: str, server_env: list[dict], pod: di
             "backoffLimit": FILL_BACKOFF_LIMIT,
             "activeDeadlineSeconds": FILL_DEADLINE_S,
             "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": "fill", "operator": "In",
-                                                      "values": [PREFETCH_REFUSED]}},
+                # With several models, any of the fill's containers (its init containers too).
+                {"action": "FailJob", "onExitCodes": {**({} if len(fillers) > 1 else {"containerName": "fill"}),
+                                                      "operator": "In", "values": [PREFETCH_REFUSED]}},
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "template": {
                 "metadata": {"labels": pod_labels},
-                "spec": {**pod_spec, "restartPolicy": "Never", "enableServiceLinks": False, "containers": [filler],
+                "spec": {**pod_spec, "restartPolicy": "Never", "enableServiceLinks": False,
+                         **({"initContainers": fillers[:-1]} if len(fillers) > 1 else {}), "containers": fillers[-1:],
                          "volumes": [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": spec["modelCache"]["claimName"]}},
                                      {"name": "tmp", "emptyDir": {}}]},
             },
         },
     }
+
+
+def per_model(filler: dict, spec: dict) -> list[dict]:
+    """With spec.models: the fill container once per model, in order, each with that model's
+    MODEL_PATH and MODEL_REVISION (render_models.fetches): init containers `fill-0`, `fill-1`, ...
+    one after the other, the last model's the container `fill`. One download at a time (one
+    container's resources, whatever the count), each what a one-model fill runs, so prefetch reads
+    the settings it always has."""
+    fetches = render_models.fetches(spec)
+    base = [e for e in filler["env"] if e["name"] not in ("MODEL_PATH", "MODEL_REVISION")]
+    return [{**filler, "name": "fill" if i == len(fetches) - 1 else f"fill-{i}",
+             "env": [*[{"name": k, "value": v} for k, v in fetch.items()], *base]}
+            for i, fetch in enumerate(fetches)]
 
 
 def fill_state(job: dict | None) -> str:
@@ -284,13 +306,13 @@ def no_claim_message(spec: dict, namespace: str) -> str:
 
 
 def fill_message(job: dict | None, name: str, spec: dict, pods: list[dict] = ()) -> str:
-    rev = f"@{spec['modelRevision']}" if spec.get("modelRevision") else ""
-    what = f"{spec['model']}{rev} into claim {spec['modelCache']['claimName']}"
+    what = f"{render_models.described(spec)} into claim {spec['modelCache']['claimName']}"
     state = fill_state(job)
     if state == "Failed":
         cond = next((c for c in (job.get("status") or {}).get("conditions") or []
                      if c.get("type") in ("Failed", "FailureTarget") and c.get("status") == "True"), {})
         return (f"Job {name} failed to fill {what}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip()
-                + f"; see `kubectl logs job/{name}`, fix the cause and delete the Job to run it again")
+                + f"; see `kubectl logs job/{name}{' --all-containers' if render_models.several(spec) else ''}`, fix the "
+                "cause and delete the Job to run it again")
     why = waiting(list(pods))
     return f"Job {name} is filling {what}; the pods move to it once it has succeeded" + (f" ({why})" if why else "")

@@ -27,9 +27,11 @@ import ipaddress
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedop import autoscale, render
+from embedop import autoscale, demand, render
 
-# The shared signal: Prometheus sample name → autoscale.PodSample field (one entry per metric).
+# The shared signal: Prometheus sample name → demand.ModelSample field (one entry per metric). Each
+# is read per model: by its `model` label (a server serving several), "" where it has none (a server
+# from before the label); other labels are summed over.
 METRICS = {
     "embedfleet_service_rate_tokens_per_second": "service_rate",
     "embedfleet_arrival_rate_tokens_per_second": "arrival_rate",
@@ -38,34 +40,68 @@ METRICS = {
     "embedfleet_model_busy_seconds_total": "busy_seconds",
     "embedfleet_admission_backlog_limit_seconds": "backlog_limit_s",
 }
+MODEL_LABEL = "model"
 
 
-# The series a server must export for its demand and capacity to be read (DESIGN's shared signal);
-# an answer without them (another program on the port, an incompatible version) is blind, not zero.
+# The series a server must export for its demand and capacity to be read (DESIGN's shared signal),
+# for each model it serves; an answer without them (another program on the port, an incompatible
+# version) is blind, not zero.
 REQUIRED = ("service_rate", "arrival_rate", "queued_tokens")
 
 
-# The info series that says what a server serves; its `task` label is reported in status.task.
+# The info series that says what a server serves; its `task` label is reported in status.task (per
+# model: by its `model` label).
 MODEL_INFO, TASK_LABEL = "embedfleet_model_info", "task"
 
 
-def read_exposition(text: str) -> tuple[dict[str, float], str | None]:
-    """→ (the METRICS samples of a Prometheus text exposition, as PodSample fields (a metric
-    exported with labels is summed over them); the task its MODEL_INFO labels, None without one)."""
-    out: dict[str, float] = {}
-    task = None
+def read_models(text: str) -> dict[str, dict]:
+    """The METRICS samples of a Prometheus text exposition by model (its `model` label; "" for a
+    series without one), as demand.ModelSample fields, with each model's `task` from MODEL_INFO's
+    labels. A server from before the model label exports its series unlabelled and its info with
+    a `model` label of its own (the model's path): its one task goes to the unlabelled model."""
+    out: dict[str, dict] = {}
+    tasks: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in METRICS:
-                out[METRICS[sample.name]] = out.get(METRICS[sample.name], 0.0) + float(sample.value)
+                fields = out.setdefault(sample.labels.get(MODEL_LABEL, demand.OLD_SERVER), {})
+                fields[METRICS[sample.name]] = fields.get(METRICS[sample.name], 0.0) + float(sample.value)
             elif sample.name == MODEL_INFO and sample.labels.get(TASK_LABEL):
-                task = sample.labels[TASK_LABEL]
-    return out, task
+                tasks[sample.labels.get(MODEL_LABEL, demand.OLD_SERVER)] = sample.labels[TASK_LABEL]
+    for model, fields in out.items():
+        task = tasks.get(model) or (next(iter(set(tasks.values()))) if model == demand.OLD_SERVER
+                                    and len(set(tasks.values())) == 1 else None)
+        if task:
+            fields["task"] = task
+    return out
+
+
+def read_exposition(text: str) -> tuple[dict[str, float], str | None]:
+    """→ (a pod's METRICS samples as PodSample fields, the task its MODEL_INFO labels or None):
+    its one model's (the shape of a one-model pod); with several models their sums, which are no
+    signal (decide reads each model: read_models)."""
+    models = read_models(text)
+    out: dict[str, float] = {}
+    for fields in models.values():
+        for field, value in fields.items():
+            if field != "task":
+                out[field] = out.get(field, 0.0) + value
+    tasks = {f.get("task") for f in models.values()}
+    return out, (tasks.pop() if len(tasks) == 1 else None)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The METRICS samples of a Prometheus text exposition, as PodSample fields."""
     return read_exposition(text)[0]
+
+
+def sample_of(base: dict, models: dict[str, dict]) -> autoscale.PodSample:
+    """A scraped pod's sample: its readings per model, and with one model those readings in the
+    sample's own fields too (a one-model pod reads as it always did)."""
+    readings = tuple(demand.ModelSample(model, **fields) for model, fields in models.items())
+    if len(readings) == 1:
+        return autoscale.PodSample(scraped=True, **base, **models[readings[0].model], models=readings)
+    return autoscale.PodSample(scraped=True, **base, models=readings)
 
 
 def _time(value: str | None) -> datetime.datetime | None:
@@ -179,12 +215,15 @@ class Reader:
                 async with self.session.get(metrics_url(view.ip, port), timeout=aiohttp.ClientTimeout(total=timeout),
                                             trace_request_ctx=attempt) as r:
                     r.raise_for_status()
-                    values, task = read_exposition(await r.text())
-                if missing := [f for f in REQUIRED if f not in values]:
+                    models = read_models(await r.text())
+                missing = sorted({f for fields in models.values() or [{}] for f in REQUIRED if f not in fields})
+                if missing:
                     raise ValueError("no " + ", ".join(k for k, v in METRICS.items() if v in missing) +
-                                     " in its /metrics: not an embedfleet server, or an incompatible version")
+                                     " in its /metrics" + (f" for every model ({', '.join(models)})" if len(models) > 1
+                                                           else "") +
+                                     ": not an embedfleet server, or an incompatible version")
                 self.ports[view.name] = port
-                return autoscale.PodSample(scraped=True, **base, **values, task=task)
+                return sample_of(base, models)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 sent = attempt.get("sent", False)
                 timed_out = isinstance(e, asyncio.TimeoutError) and sent and attempt.get("connected", False)

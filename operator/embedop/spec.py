@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from lightkube.models import core_v1, networking_v1
 
-from embedop import crd, render, render_cache, render_gateway, render_security
+from embedop import crd, render, render_cache, render_gateway, render_models, render_security
 
 # Spec fields of Kubernetes types the CRD leaves open (by path), and the model each must fit.
 KUBERNETES_TYPES = {
@@ -116,7 +116,7 @@ def problems(spec: dict, name: str | None = None) -> list[str]:
         out.append(f"resources.gpu: {crd.GPU_RULE}")
     if "image" in spec and not spec["image"].strip():
         out.append("image is empty")
-    return out + render_cache.problems(spec) + kubernetes_problems(spec)
+    return out + render_models.problems(spec) + render_cache.problems(spec) + kubernetes_problems(spec)
 
 
 def warnings(spec: dict) -> list[str]:

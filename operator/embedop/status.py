@@ -6,8 +6,11 @@ resourceVersion it read, so neither undoes the other):
   Progressing, Degraded, FieldNotPersisted and ModelCacheShared conditions, and desiredReplicas in modes off and hpa (where it clears
   the autoscaler's conditions and measurements, which would go stale);
 - the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason, the
-  served task and the ScalingLimited, MetricsUnavailable and TaskMismatch conditions (the reconcile
-  clears these in modes off and hpa, where nothing scrapes the pods).
+  served task, with spec.models each model's (status.models), and the ScalingLimited,
+  MetricsUnavailable and TaskMismatch conditions (the reconcile clears these in modes off and hpa,
+  where nothing scrapes the pods).
+The reconcile also keeps status.modelSummary (the Model column) and reads the pods' termination
+messages: models that do not fit the device make the service Degraded (misfit).
 (spec.replicas, in modes operator and hpa, mirrors the live count: reconcile.mirror_count.)
 """
 
@@ -28,6 +31,11 @@ TASK_MISMATCH = "TaskMismatch"
 SCALED_TO_ZERO = "ScaledToZero"
 AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable", TASK_MISMATCH)
 MEASURED = ("serviceRateTokensPerSecond", "arrivalRateTokensPerSecond", "estimatedDrainMs")
+# What a server writes first in its termination message when its models do not fit the device
+# (server/embedserve/model/device.py MISFIT_PREFIX; the operator's image does not hold the server).
+MISFIT_PREFIX = "models do not fit the device: "
+MISFIT = "ModelsDoNotFit"  # Degraded's reason then
+SERVER_CONTAINER = "server"
 # The measured rates are refreshed at most this often (with a decision or condition that changes,
 # at once): Prometheus has the live series, and a status write is an etcd write and a watch event
 # for every client watching services.
@@ -73,9 +81,13 @@ def steady(previous: dict, measured: dict[str, float], due: bool = True) -> dict
 
 
 def differs(new: dict, previous: dict, subset) -> bool:
-    """Whether writing `new` (merge-patch semantics: None removes a field) changes `previous`."""
+    """Whether writing `new` (merge-patch semantics: None removes a field) changes `previous`. A
+    list of named entries (status.models) is the same only with the same names in the same order
+    (`subset` lets a stored list keep entries of others)."""
+    def names(v) -> list | None:
+        return [e.get("name") for e in v] if isinstance(v, list) and all(isinstance(e, dict) for e in v) else None
     return any(k in previous if v is None else k not in previous or not subset(v, previous[k])
-               for k, v in new.items())
+               or names(v) != names(previous[k]) for k, v in new.items())
 
 
 def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
@@ -89,7 +101,8 @@ def merge_conditions(previous: list[dict], ours: list[dict]) -> list[dict]:
 def from_deployment(deployment: dict | None, wanted: int | None, problems: list[str], generation: int | None,
                     previous: list[dict], now: str | None = None, rejected: str | None = None,
                     foreign: list[str] | None = None, fill: tuple[str, str] | None = None,
-                    missing: tuple[str, str] | None = None, unpersisted: list[str] | None = None) -> dict:
+                    missing: tuple[str, str] | None = None, unpersisted: list[str] | None = None,
+                    misfit: str | None = None) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
     is the API's message when it refused an object the spec rendered; `unpersisted`, the messages
     of renders held because the API server does not store them as sent (write.py: the
@@ -98,7 +111,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
     the service's names that someone else owns (never applied over); `fill`, (state, message) of
     a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing). A fill that
     runs while a Deployment exists (a new revision) hides nothing of the fleet's own state: a
-    failing rollout or a missing count is still Degraded."""
+    failing rollout or a missing count is still Degraded. `misfit`: a pod's termination message
+    saying its models do not fit the device (misfit()): Degraded, reason ModelsDoNotFit, with it."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
     replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
@@ -124,6 +138,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
         degraded = condition("Degraded", False, "FillingModelCache", "", generation, previous, now)
     elif deployment is None:
         degraded = condition("Degraded", True, "DeploymentMissing", "the Deployment does not exist yet", generation, previous, now)
+    elif misfit:
+        degraded = condition("Degraded", True, MISFIT, misfit, generation, previous, now)
     elif failing:
         degraded = condition("Degraded", True, failing[0].get("reason") or "DeploymentFailing",
                              failing[0].get("message", ""), generation, previous, now)
@@ -190,3 +206,57 @@ def task_mismatch(wanted: str | None, served: str | None, generation: int | None
     return condition(TASK_MISMATCH, False, "AsSpecified" if wanted else "Inferred",
                      f"the pods serve {served}" + ("" if wanted else " (inferred by the server: no spec.task or TASK)"),
                      generation, previous, now)
+
+
+def misfit(pods: list[dict]) -> str | None:
+    """The message of a server pod whose models do not fit its device (its server container's
+    termination message, MISFIT_PREFIX and the numbers; Kubernetes' default terminationMessagePath,
+    which the server writes before it exits 1), with the pod's name; None when no pod says so. The
+    container's last termination counts while it is not ready again (crash-looping on it), its
+    present one always; pods being deleted not at all."""
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for c in (pod.get("status") or {}).get("containerStatuses") or []:
+            if c.get("name") != SERVER_CONTAINER:
+                continue
+            now = ((c.get("state") or {}).get("terminated") or {}).get("message") or ""
+            last = ((c.get("lastState") or {}).get("terminated") or {}).get("message") or ""
+            for message in (now, "" if c.get("ready") else last):
+                if message.startswith(MISFIT_PREFIX):
+                    return (f"{message.strip()} (pod {pod['metadata']['name']}: it cannot start; serve fewer or smaller "
+                            f"models per pod, or give it a device with more memory)")
+    return None
+
+
+def served_models(names: list[str], tasks: dict[str, list[str | None]], capacities: dict[str, float],
+                  offered: dict[str, float], previous: list[dict] | None, due: bool) -> list[dict]:
+    """status.models, in spec.models' order (`names`): each model's served task (served_task over
+    the pods' labels, `previous`'s while they disagree or none was read), its capacity (tokens/s of
+    its busy time per replica) and its offered tokens/s, the measurements held as `steady` holds
+    the service's own."""
+    before = {m.get("name"): m for m in previous or []}
+    out = []
+    for name in names:
+        last = before.get(name, {})
+        task = served_task(tasks.get(name, []), last.get("task"))
+        measured = {**({"serviceRateTokensPerSecond": capacities[name]} if name in capacities else {}),
+                    **({"arrivalRateTokensPerSecond": offered[name]} if name in offered else {})}
+        out.append({"name": name, **({"task": task} if task else {}), **steady(last, measured, due)})
+    return out
+
+
+def models_mismatch(wanted: dict[str, str | None], served: dict[str, str | None], generation: int | None,
+                    previous: list[dict], now: str) -> dict | None:
+    """TaskMismatch with spec.models: True when a model told its task (`wanted`, by name) serves
+    another; None while no model's served task is known."""
+    known = {name: task for name, task in served.items() if task}
+    if not known:
+        return None
+    differ = [f"models[{n}].task is {wanted[n]} but the pods serve {t}" for n, t in known.items() if wanted.get(n) and wanted[n] != t]
+    if differ:
+        return condition(TASK_MISMATCH, True, "TaskDiffers", "; ".join(differ) + ": a rollout is under way, or the new "
+                         "pods cannot start with it (see their logs)", generation, previous, now)
+    told = any(wanted.get(n) for n in known)
+    return condition(TASK_MISMATCH, False, "AsSpecified" if told else "Inferred",
+                     "the pods serve " + ", ".join(f"{n}: {t}" for n, t in known.items()), generation, previous, now)

@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 STATUS_ORDER = ("healthy", "degraded", "overloaded", "starting")  # a pod of several models: its worst
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """A CUDA allocation that failed, however it surfaced (torch's own error, or a CUDA or cuBLAS
+    error string from a capture or a library's start-up)."""
+    text = str(e)
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
 class Server:
     """The model's process: its models (each a model_stack.ModelStack: estimator, admission,
     engine) on one device. With `listen` (one process, FRONTENDS=1) it also serves gRPC and HTTP:
@@ -47,7 +54,8 @@ class Server:
         for model_settings in each:
             name = served_model_name(model_settings)
             self.models[name] = ModelStack(model_settings, self.metrics.for_model(name), self._executor, self.device,
-                                           functools.partial(self._queued_elsewhere_s, name), self._failing)
+                                           functools.partial(self._elsewhere, name), self._failing,
+                                           self._batch_ran, self._device_hung)
         self.default = next(iter(self.models.values()))
         self.transports = Transports(self) if listen else None
 
@@ -56,9 +64,29 @@ class Server:
         NOT_FOUND) naming the served ones."""
         return model_list.addressed(self.models, name)
 
-    def _queued_elsewhere_s(self, name: str) -> float:
-        """Device seconds the models other than `name` have queued: what may run before its next row."""
-        return sum(m.estimator.queued_s() for n, m in self.models.items() if n != name) if self.device else 0.0
+    def _elsewhere(self, name: str) -> tuple[float, float]:
+        """What the models other than `name` hold of the device: the device seconds they have
+        queued (what may run before its next row) and the busy fraction their demand takes."""
+        if self.device is None:
+            return 0.0, 0.0
+        others = [m.estimator for n, m in self.models.items() if n != name]
+        # Finite: a model with rows and no rate yet must not make every refusal's moment infinite.
+        return min(sum(e.queued_s() for e in others), 1e6), sum(e.busy_fraction() for e in others)
+
+    def _batch_ran(self) -> None:
+        """After any model's batch: every model's held callers may have room, and every batcher a
+        device free (model.device: idle)."""
+        for m in self.models.values():
+            if m.service:
+                m.service.gate.release_held()
+            if m.engine and self.device is not None:
+                m.engine.look_soon()
+
+    def _device_hung(self) -> None:
+        """One model's batch hung the device they all share: every model's requests fail now."""
+        for m in self.models.values():
+            if m.engine:
+                m.engine.device_lost()
 
     # The default model's, for what reads one model (a one-model pod's fields, its front ends' hello).
     service = property(lambda self: self.default.service)
@@ -100,9 +128,9 @@ class Server:
         for name, stack in self.models.items():
             try:
                 await stack.load()
-            except torch.cuda.OutOfMemoryError:
+            except Exception as e:
                 limit = self._device_bytes(stack)
-                if len(self.models) > 1 and limit:
+                if len(self.models) > 1 and limit and out_of_memory(e):
                     raise ModelsDoNotFit(misfit_message(footprints, limit, failed=name)) from None
                 raise
             footprints[name] = stack.memory_bytes
@@ -111,6 +139,8 @@ class Server:
                 raise ModelsDoNotFit(misfit_message(footprints, limit))
         if len(self.models) > 1:
             log.info("models on the device: %s", ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in footprints.items()))
+        for stack in self.models.values():
+            stack.publish()
 
     def _device_bytes(self, stack: ModelStack) -> int:
         """The memory the models may fill: DEVICE_MEMORY_BYTES, else the GPU's (0: unbounded)."""
@@ -121,10 +151,7 @@ class Server:
 
     def _failing(self, failing: bool) -> None:
         log.error("failing: reporting NOT_SERVING" if failing else "failing no more: the next batch succeeded")
-        if failing and self.device and any(m.engine and m.engine.hung for m in self.models.values()):
-            for m in self.models.values():  # one hung kernel holds the device every model shares
-                if m.engine:
-                    m.engine.device_lost()
+
         if self.transports:  # front ends follow /health's healthy instead
             self._health_task = asyncio.ensure_future(self.transports.serving(self.healthy))
 
@@ -173,8 +200,7 @@ class Server:
         self.draining = True
         if self.transports:
             await self.transports.stop(grace)
-        for m in self.models.values():
-            await m.stop()
+        await asyncio.gather(*(m.stop() for m in self.models.values()))  # each worker's stop waits on its own
         if self._lag is not None:
             self._lag.cancel()
         self._executor.shutdown(wait=False)

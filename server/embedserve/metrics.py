@@ -107,9 +107,15 @@ _POD_GAUGES = (
 )
 
 
-# A front end's signal before the model process first answers (FRONTENDS > 1): idle, no model known.
-IDLE_SIGNAL = {"models": [], "queued_requests": 0, "running_requests": 0, "offered_busy_seconds": 0.0,
-               "demand_busy_seconds_per_second": 0.0, "gpu_memory_bytes": {}}
+def idle_signal(names: list[str]) -> dict:
+    """A front end's signal before the model process first answers (FRONTENDS > 1): its models,
+    idle, nothing measured yet (as one process reads while it loads)."""
+    models = [{"model": name, "service_rate_tokens_per_second": 0.0, "arrival_rate_tokens_per_second": 0.0,
+               "queued_tokens": 0, "reserved_tokens": 0.0, "estimated_drain_seconds": 0.0, "offered_tokens": 0.0,
+               "offered_busy_seconds": 0.0, "admission_backlog_limit_seconds": None, "memory_bytes": 0, "info": {}}
+              for name in names]
+    return {"models": models, "queued_requests": 0, "running_requests": 0, "offered_busy_seconds": 0.0,
+            "demand_busy_seconds_per_second": 0.0, "gpu_memory_bytes": {}}
 
 
 class _SignalCollector(Collector):
@@ -138,7 +144,9 @@ class _SignalCollector(Collector):
             model_memory.add_metric([m["model"]], m["memory_bytes"])
             if m["admission_backlog_limit_seconds"] is not None:  # throughput admission on, model loaded
                 limit.add_metric([m["model"]], m["admission_backlog_limit_seconds"])
-        yield from (offered, limit, model_memory)
+        yield from (offered, model_memory)
+        if limit.samples:  # throughput admission on, a model loaded
+            yield limit
         for name, doc in _POD_GAUGES:
             yield GaugeMetricFamily(P + name, doc, value=v[name])
         # The pod's demand in busy seconds: one query scales a pod of five models as one of one.

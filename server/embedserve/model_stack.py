@@ -54,16 +54,22 @@ def attention_field(layout: str, declined: str | None) -> str:
 
 class ModelStack:
     def __init__(self, settings: Settings, observer, executor: Executor, device: Device | None = None,
-                 elsewhere_s: Callable[[], float] = lambda: 0.0, on_failing: Callable[[bool], None] = lambda f: None):
+                 elsewhere: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
+                 on_failing: Callable[[bool], None] = lambda f: None, after_batch: Callable[[], None] | None = None,
+                 on_hung: Callable[[], None] = lambda: None):
         """`settings`: this model's (model_list.each); `observer`: its metrics (metrics.ModelMetrics);
-        `device`: shared with the pod's other models, None for one; `elsewhere_s`: the device
-        time they have queued; `on_failing`: the pod learns when batches start or stop failing."""
+        `device`: shared with the pod's other models, None for one; `elsewhere`: what they hold of
+        it (app.Server._elsewhere); `on_failing`: the pod learns when batches start or stop
+        failing; `after_batch`: after each of its batches (default: its own held callers may
+        have room); `on_hung`: its batch hung the device."""
         self.settings = settings
         self.name = self.served_name = served_model_name(settings)
         self.model_name = settings.model_path
-        self.observer, self.device, self.on_failing = observer, device, on_failing
-        self.estimator = Estimator(latency_window_s=settings.latency_window_s, elsewhere_s=elsewhere_s)
-        self.service: EmbeddingService | None = None
+        self.observer, self.device, self.on_failing, self.on_hung = observer, device, on_failing, on_hung
+        self.after_batch = after_batch or self._release_held
+        self.estimator = Estimator(latency_window_s=settings.latency_window_s, elsewhere=elsewhere)
+        self.service: EmbeddingService | None = None  # what the transports call, once published
+        self._service: EmbeddingService | None = None
         self.engine: Engine | None = None
         self.placement: Placement | None = None
         self.task = "embed"
@@ -115,12 +121,9 @@ class ModelStack:
             watchdog=Watchdog(s.watchdog_multiple, s.watchdog_floor_s), warm=self.warm_start.warm,
             device=self.device,
         )
-        on_cuda = placement.device.type == "cuda"
-        before = torch.cuda.memory_reserved(placement.device) if on_cuda else 0
         await self.engine.start()
-        # Weights, warm-up activations and graph pools: what this model holds (models load one at a time).
-        self.memory_bytes = (torch.cuda.memory_reserved(placement.device) - before if on_cuda
-                             else simulated.footprint(s.model_path))
+        # What this model holds (the models load one at a time): its worker measured it.
+        self.memory_bytes = simulated.footprint(s.model_path) if sim_rate else self.engine.worker.footprint
         if m.head and not sim_rate:
             m.head.check_dimension(self.engine.dim)
         if s.quantize_calibrated and self.task == "embed":  # before the API: every quantized answer calibrated
@@ -128,12 +131,17 @@ class ModelStack:
                                                        name="calibrate")
         elif s.quantize_calibrated:
             log.info("QUANTIZE_RANGE=calibrated: a %s server has no int8/uint8 encodings, nothing to calibrate", self.task)
-        self.service = EmbeddingService(
+        self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
             executor=self._executor, observer=self.observer, task=self.task, head=None if sim_rate else m.head,
             activation=self.activation,
         )
+
+    def publish(self) -> None:
+        """Serve: once every model of the pod has loaded (a model serving while the next warms up
+        would disturb that one's measurements; its routes, and the others', come all at once)."""
+        self.service = self._service
 
     def _warm_start(self, m: Prepared, plan: WarmupPlan, sim_rate: float | None) -> warm_start.WarmStart:
         """The warm-up, reused from MODEL_CACHE_DIR when its key matches (WARM_START)."""
@@ -151,12 +159,17 @@ class ModelStack:
 
     def _batch_ran(self, batch, busy_s: float) -> None:
         self.observer.batch_ran(batch, busy_s)
+        self.after_batch()
+
+    def _release_held(self) -> None:
         if self.service:
             self.service.gate.release_held()
 
     def _lost(self) -> None:
         if self.service:  # callers held for booked room learn now that none will come
             self.service.gate.release_all()
+        if self.engine and self.engine.hung:
+            self.on_hung()
 
     @property
     def ready(self) -> bool:

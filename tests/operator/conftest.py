@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -58,6 +59,20 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    @contextlib.contextmanager
+    def running(self, *servers):
+        """The operator's last log lines shown when an assertion fails inside; then it is stopped,
+        and `servers` (the tests' stand-in pods) shut down."""
+        try:
+            yield self
+        except AssertionError:
+            print(self.log()[-3000:])
+            raise
+        finally:
+            self.stop()
+            for server in servers:
+                server.shutdown()
 
     def stop(self) -> int:
         self.proc.terminate()

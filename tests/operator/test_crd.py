@@ -93,7 +93,7 @@ def test_scale_subresource_and_printer_columns():
     assert schema()["properties"]["status"]["properties"]["task"]["type"] == "string"
 
 
-@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml", "reranker.yaml", "secured.yaml"])
+@pytest.mark.parametrize("name", ["minimal.yaml", "full.yaml", "reranker.yaml", "secured.yaml", "retrieval-stack.yaml"])
 def test_examples_are_valid(name):
     obj = load(name)
     jsonschema.validate(obj, strict(schema()))
@@ -103,7 +103,6 @@ def test_examples_are_valid(name):
 
 
 BAD = [
-    ("no model", lambda s: s.pop("model"), "'model' is a required property"),
     ("unknown pooling", lambda s: s.update(pooling={"strategy": "maxi"}), "'maxi' does not match"),
     ("unknown second pooling", lambda s: s.update(pooling={"strategy": "mean+last"}), r"'mean\+last' does not match"),
     ("negative replicas", lambda s: s.update(replicas=-1), "-1 is less than the minimum"),
@@ -160,6 +159,8 @@ CROSS_FIELD = [  # field, value, the CEL rule's message, the operator's problem
     ("modelCache", {"image": {"reference": "r/m:1"}, "claimName": "c"}, "image and claimName are exclusive",
      "image and claimName are exclusive"),
     ("modelCache", {"prefill": True}, "prefill needs claimName", "prefill needs claimName"),
+    # Exactly one of model and models (no model at all, and the rest: test_models.py's MODEL_CASES).
+    ("models", [{"name": "a", "model": "m"}], crd.MODEL_RULE, crd.MODEL_RULE),
 ]
 
 

@@ -144,7 +144,7 @@ def test_spec_task_status_task_and_the_mismatch_with_the_real_operator(emulator,
     server = serve_metrics(ip, port, lambda: exposition(1000, 500, task=served["task"]))
     op = OperatorProcess(emulator.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator.log",
                          env={"EMBEDOP_SCRAPE_TIMEOUT_S": "1"})
-    try:
+    with op.running(server):
         emulator.request("POST", service_path(NS), new_service(name, {
             "model": "BAAI/bge-reranker-base", "task": "rerank", "resources": {"gpu": 0, "cpu": "100m", "memory": "256Mi"},
             "autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 1}}))
@@ -168,9 +168,3 @@ def test_spec_task_status_task_and_the_mismatch_with_the_real_operator(emulator,
         # Mode off: nothing scrapes the pods, so the served task and its condition would go stale.
         emulator.merge_patch(service_path(NS, name), {"spec": {"autoscaling": {"mode": "off"}}})
         eventually(lambda: task_of(emulator, name) == (None, {}))
-    except AssertionError:
-        print(op.log()[-3000:])
-        raise
-    finally:
-        op.stop()
-        server.shutdown()

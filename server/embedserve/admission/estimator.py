@@ -103,6 +103,14 @@ class Snapshot(NamedTuple):
     # Seconds of device time queued by the other models on this device (MODELS; model.device): work
     # that may run before this model's next row. 0 with one model.
     elsewhere_s: float = 0.0
+    # The fraction of the device the other models' demand takes (their arrival / service rates).
+    elsewhere_busy: float = 0.0
+
+    @property
+    def capacity_rate(self) -> float:
+        """The tokens per second this model can have of the device beside the others' demand: its
+        service rate with one model. Demand over it is the pod's demand over its device."""
+        return self.service_rate * max(0.0, 1.0 - self.elsewhere_busy)
 
     @property
     def backlog_tokens(self) -> float:
@@ -132,11 +140,12 @@ class Estimator:
         arrival_tau_s: float = 5.0,
         service_tau_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
-        elsewhere_s: Callable[[], float] = lambda: 0.0,
+        elsewhere: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
     ):
         self.clock = clock
-        # Device seconds the other models sharing the device have queued (MODELS; app.Server sets it).
-        self.elsewhere_s = elsewhere_s
+        # What the other models sharing the device hold of it (MODELS; app.Server._elsewhere): the
+        # device seconds they have queued, the busy fraction their demand takes.
+        self.elsewhere = elsewhere
         self._lock = threading.Lock()
         self._service = BusyTimeRate(service_tau_s)
         self._arrival = DecayingRate(arrival_tau_s)
@@ -175,6 +184,12 @@ class Estimator:
         over a pod's models, the pod's demand in one unit (busy seconds per second as a rate)."""
         with self._lock:
             return self._offered_busy
+
+    def busy_fraction(self) -> float:
+        """The fraction of the device this model's demand takes (arrival / service rate)."""
+        with self._lock:
+            rate = self._service.read()
+            return self._arrival.read(self.clock()) / rate if rate > 0 else 0.0
 
     def queued_s(self) -> float:
         """Seconds of device time this model's queue holds (the other models' `elsewhere_s`)."""
@@ -219,17 +234,17 @@ class Estimator:
     def drain_s(self) -> float:
         """Snapshot.drain_s alone (the queue and the service rate; no arrival rate, no P95):
         every answer carries it (transports/drain.py), so it is read once per request."""
-        elsewhere = self.elsewhere_s()
+        elsewhere_s, _ = self.elsewhere()
         with self._lock:
-            return Snapshot(self._service.read(), 0.0, self._queued, 0.0, elsewhere).drain_s
+            return Snapshot(self._service.read(), 0.0, self._queued, 0.0, elsewhere_s).drain_s
 
     def snapshot(self, latency: bool = True) -> Snapshot:
         """`latency=False` leaves the P95 out (0): admission asks on every request, and needs
         it only with the latency strategy on."""
-        elsewhere = self.elsewhere_s()  # before the lock: it takes the other models' locks
+        elsewhere_s, elsewhere_busy = self.elsewhere()  # before the lock: it takes the other models' locks
         with self._lock:
             now = self.clock()
             return Snapshot(
                 self._service.read(), self._arrival.read(now), self._queued,
-                self._latency.p95(now) if latency else 0.0, elsewhere,
+                self._latency.p95(now) if latency else 0.0, elsewhere_s, elsewhere_busy,
             )

@@ -52,7 +52,7 @@ class Gate:
 
     def sustained(self, snap) -> bool:
         """Sustained overload now (for /health): refused without booking."""
-        return still_sustained(snap.arrival_rate, snap.service_rate, self._sustained)
+        return still_sustained(snap.arrival_rate, snap.capacity_rate, self._sustained)
 
     async def admit(self, key: int, cost: float, caller: Caller) -> None:
         """Return once the request may join the queue; raise Overloaded if it may not. `key`
@@ -74,7 +74,7 @@ class Gate:
             self._refuse("drain_time", early)  # back before its moment: its booking stands
         snap = self.estimator.snapshot(latency=self.policy.latency)
         if demand_before is not None:
-            self._follow_demand(demand_before, snap.service_rate, now)
+            self._follow_demand(demand_before, snap.capacity_rate, now)  # beside other models' demand
         over_for = 0.0 if self._over_since is None else now - self._over_since
         # Bookings past their grace leave before they count: nothing else may read the book for
         # hours (probes over gRPC), and dead ones inflated every refusal's moment.

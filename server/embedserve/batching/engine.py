@@ -280,7 +280,10 @@ class Engine:
             self.feed()
             self._arriving = [0, 0.0]
             now = self.clock()
-            views, idle = self.queues.views(self.caps), self.in_worker == 0
+            # Idle: nothing of this model's in flight and, shared, nobody's on the device either (a
+            # busy device is no reason to send a batch before it fills).
+            views = self.queues.views(self.caps)
+            idle = self.in_worker == 0 and (self.device is None or self.device.idle)
             if self.packing:
                 drain = next_packed_drain(views, now, self.deadline_s, idle, self.queues.queued_tokens,
                                           self.warmup.token_budget, self.packing.max_rows)
@@ -331,7 +334,10 @@ class Engine:
         self.in_worker -= 1
         self.estimator.computed(batch.real_tokens, busy_s)
         self.on_batch(batch, busy_s)
-        if self.hung:  # a device that came back late: its requests have been failed already
+        if self.hung:  # a device that came back late, or a batch a lost device never ran: failed
+            for request, _, _ in batch.routes:
+                request.fail(self.lost)
+                self.drop(request)
             return
         was = self.failing
         if isinstance(out, BaseException):
@@ -386,6 +392,8 @@ class Engine:
         was, self.hung = self.failing, True
         self._fail_waiting(self.lost, (batch, *self._never_to_run()))
         self._failing_changed(was)
+        if self.device is not None:  # a hung kernel holds the device every model shares
+            self.device.lose()
 
     def device_lost(self) -> None:
         """Another model's batch hung the device this one shares (MODELS): nothing of this model's
@@ -396,8 +404,9 @@ class Engine:
             return
         log.error("another model's batch hung the shared device: failing every request and reporting NOT_SERVING")
         was, self.hung = self.failing, True
-        waiting = self.worker.waiting
-        self._fail_waiting(self.lost, ([waiting] if waiting is not None else []) + self._never_to_run())
+        # A batch its worker took and waits to run comes back failed (model.device: lost), and its
+        # requests fail then if not before.
+        self._fail_waiting(self.lost, self._never_to_run())
         self._failing_changed(was)
 
     def _never_to_run(self) -> list:

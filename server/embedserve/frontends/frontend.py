@@ -24,7 +24,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import NotReady, from_wire
 from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
-from embedserve.metrics import IDLE_SIGNAL, Metrics
+from embedserve.metrics import Metrics, idle_signal
 from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
 from embedserve.model.calibration import digest
 from embedserve.model.sparse_rows import SparseRows
@@ -158,7 +158,7 @@ class Frontend:
     quantization = property(lambda self: self.default.quantization)
 
     def _signal(self) -> dict:
-        return self.state["signal"] or IDLE_SIGNAL
+        return self.state["signal"] or idle_signal(list(self.models))
 
     @property
     def healthy(self) -> bool:

@@ -1,8 +1,10 @@
 """One device shared by several models (MODELS): each model keeps its own worker thread (its
 CUDA graphs and compiled code live there, as with one model), and the device runs one batch at a
 time, the one due first: a batch is due when its oldest row has waited its model's drain budget
-(Batch.due), so a burst on one model delays another by at most the batch in progress, never by
-the burst. One model takes its turns uncontended.
+(Batch.due). Admission holds every model's queue, all models' work counted, within the budget:
+a burst on one model delays another by at most what admission let it queue ahead (within the
+budget) and the batch in progress; the rest of the burst is refused, not queued. One model takes
+its turns uncontended.
 
 And what fits: each model's footprint as it loads, against the device's memory less a margin.
 Pure decisions (`fits`, `misfit_message`) apart from the arbiter, which is the one place threads
@@ -28,6 +30,10 @@ class ModelsDoNotFit(RuntimeError):
     """The models' measured footprints and the margin exceed the device's memory."""
 
 
+class DeviceLost(RuntimeError):
+    """A batch hung the device every model shares: no turn will come (the pod is restarted)."""
+
+
 class Device:
     """Turns on the device, earliest due first (`turn`), for several model workers."""
 
@@ -36,16 +42,33 @@ class Device:
         self._busy = False
         self._waiting: list[tuple[float, int]] = []  # (due, seq), a heap
         self._seq = itertools.count()
+        self.lost = False
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs and nothing waits (read on the event loop: a hint, not a promise)."""
+        return not self._busy and not self._waiting
+
+    def lose(self) -> None:
+        """A batch hung on the device: whoever waits for a turn, or asks for one, gets DeviceLost."""
+        with self._cond:
+            self.lost = True
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def turn(self, due: float):
-        """Run what the block does when no batch due earlier waits; ties go in arrival order."""
+        """Run what the block does when no batch due earlier waits; ties go in arrival order.
+        DeviceLost once the device is lost."""
         entry = (due, next(self._seq))
         with self._cond:
             heapq.heappush(self._waiting, entry)
-            while self._busy or self._waiting[0] is not entry:
+            while not self.lost and (self._busy or self._waiting[0] is not entry):
                 self._cond.wait()
-            heapq.heappop(self._waiting)
+            self._waiting.remove(entry)
+            heapq.heapify(self._waiting)
+            if self.lost:
+                self._cond.notify_all()
+                raise DeviceLost("a batch hung the device these models share")
             self._busy = True
         try:
             yield

@@ -40,9 +40,9 @@ def _parse(model_path: str) -> tuple[float, int]:
     number = memory.rstrip("KMGiBkmgib ")
     try:
         rate, size = float(rate), int(float(number or 0) * UNITS[memory[len(number):].strip().upper()])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         raise ValueError(f"MODEL_PATH={model_path!r}: expected sim:<tokens_per_second>[@<bytes>[KiB|MiB|GiB]]") from None
-    if not rate > 0 or size < 0:  # NaN too
+    if not 0 < rate < float("inf") or size < 0:  # NaN too
         raise ValueError(f"MODEL_PATH={model_path!r}: the rate must be > 0 and the memory >= 0")
     return rate, size
 

@@ -18,7 +18,7 @@ import torch
 from embedserve.model.shapes import bucket_row_limit, choose_cap, ladder_upto, served_shapes, sweep_should_stop, token_ladder
 from embedserve.model.batches import PackedBatch, PackSpec, random_packed
 from embedserve.model.batches import Batch
-from embedserve.model.device import Device
+from embedserve.model.device import Device, DeviceLost
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class ModelWorker:
         self.warmup: WarmupResult | None = None
         self.runner: Runner | None = None
         self.running: tuple[Batch, float] | None = None  # the batch on the device, since (monotonic)
-        self.waiting: Batch | None = None  # a shared device's: the batch taken and waiting for its turn
+        self.footprint = 0  # device memory the load and warm-up reserved (0 off CUDA)
         self._thread = threading.Thread(target=self._main, name="model-worker", daemon=True)
 
     def start(self) -> None:
@@ -243,8 +243,12 @@ class ModelWorker:
 
     def _main(self) -> None:
         try:
+            before = reserved_bytes()
             self.runner = self._load()
             self.warmup = self._warm(self.runner, self._plan)
+            # Weights, warm-up activations, graph pools: measured here, where CUDA already runs
+            # (asked on the event loop, the first call would start a CUDA context there).
+            self.footprint = reserved_bytes() - before
         except BaseException as e:  # noqa: BLE001 - reported to the starter, which exits
             self.failure = e
             log.exception("model load / warm-up failed")
@@ -252,21 +256,30 @@ class ModelWorker:
         finally:
             self.started.set()
         while (batch := self._queue.get()) is not None:
-            # Its busy time, and the watchdog's clock, start once the device is this model's.
-            self.waiting = batch if self._device else None
-            with self._device.turn(batch.due) if self._device else contextlib.nullcontext():
-                self.waiting = None
-                t0 = time.perf_counter()
-                self.running = (batch, time.monotonic())
-                batch.started = self.running[1]
-                try:
-                    # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
-                    out = self.runner.run(batch)
-                    if isinstance(out, np.ndarray):
-                        out = np.ascontiguousarray(out, dtype=np.float32)
-                except Exception as e:  # one bad batch fails its own requests, not the server
-                    log.exception("batch of %d rows failed", batch.rows)
-                    out = e
-                self.running = None
-                busy_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                # Its busy time, and the watchdog's clock, start once the device is this model's.
+                with self._device.turn(batch.due) if self._device else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    self.running = (batch, time.monotonic())
+                    batch.started = self.running[1]
+                    try:
+                        # contiguous float32 (a no-op for every runner but a strided view, e.g. CLS pooling)
+                        out = self.runner.run(batch)
+                        if isinstance(out, np.ndarray):
+                            out = np.ascontiguousarray(out, dtype=np.float32)
+                    except Exception as e:  # one bad batch fails its own requests, not the server
+                        log.exception("batch of %d rows failed", batch.rows)
+                        out = e
+                    self.running = None
+            except DeviceLost as e:  # never ran: reported failed, its tokens leave the backlog
+                out, t0 = e, time.perf_counter()
+            busy_s = time.perf_counter() - t0
             self._report(batch, out, busy_s)
+
+
+def reserved_bytes() -> int:
+    """What torch's allocator holds on every GPU (0 before any CUDA work: nothing can be held)."""
+    if not torch.cuda.is_initialized():
+        return 0
+    return sum(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count()))

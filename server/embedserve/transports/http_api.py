@@ -252,6 +252,10 @@ def install_routes(app: FastAPI, hub: Hub) -> None:
         _model_routes(own, view)
         refusals(own, {r.path for r in own.routes}, http_models.service_of(view))
         router.include_router(own, prefix=prefix)
+        for route in [r for r in own.routes if r.path == "/"]:  # the prefix itself is TEI's root (a client's base URL)
+            router.add_api_route(prefix, route.endpoint, methods=list(route.methods), include_in_schema=False,
+                                 response_model=route.response_model,
+                                 response_model_exclude_none=route.response_model_exclude_none)
         app.state.budgets.update({prefix + path: b for path, b in
                                   budgets(s, view.service.tokenizer.max_length).items()})
     app.include_router(router)

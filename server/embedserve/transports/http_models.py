@@ -7,7 +7,7 @@ model."""
 
 from __future__ import annotations
 
-from embedserve.errors import NotReady
+from embedserve.errors import NotReady, UnknownModel
 
 PREFIX = "/models/"
 MODEL_KEY = "embedfleet.model"  # the scope's note of the model a request was resolved to (its metrics' label)
@@ -36,10 +36,12 @@ class Addressed:
     def model(self, name: str | None, request=None) -> "Addressed":
         """The model a payload names (none: this one); UnknownModel naming the served ones (and
         `request`'s metrics then name no model: a caller's unknown name is no series)."""
-        if not name or name == self.served_name:
+        if name is None or name == self.served_name:
             return self
         if request is not None:
             request.scope[MODEL_KEY] = ""
+        if not name:  # a payload that names "" names no served model (gRPC's empty field is unset)
+            raise UnknownModel(name, list(self.hub.models))
         return Addressed(self.hub, self.hub.model(name))
 
 

@@ -150,7 +150,7 @@ def test_a_models_drain_counts_the_device_time_other_models_queued():
     from embedserve.admission.policy import Policy, decide
 
     others = [0.0]
-    e = Estimator(clock=lambda: 0.0, elsewhere_s=lambda: others[0])
+    e = Estimator(clock=lambda: 0.0, elsewhere=lambda: (others[0], 0.0))
     e.seed_service_rate(1000.0)
     e.enqueued(100)
     assert e.snapshot().drain_s == pytest.approx(0.1) and e.queued_s() == pytest.approx(0.1)
@@ -163,3 +163,6 @@ def test_a_models_drain_counts_the_device_time_other_models_queued():
     assert not decide(snap, 10, policy, 0.5).admit  # 0.4 s ahead of it, all models' work, over 0.35
     others[0] = 0.2
     assert decide(e.snapshot(), 10, policy, 0.5).admit
+    # The others' demand takes 60% of the device: this model's capacity beside them is 40% of its rate.
+    e.elsewhere = lambda: (0.0, 0.6)
+    assert e.snapshot().capacity_rate == pytest.approx(400)

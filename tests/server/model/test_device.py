@@ -70,3 +70,38 @@ def test_fit_counts_the_margin_and_says_the_numbers():
     said = misfit_message({"a": 4 * GIB, "b": 6 * GIB}, device)
     assert said == MISFIT_PREFIX + "a 4.00 GiB + b 6.00 GiB + margin 1.00 GiB = 11.00 GiB > device 10.00 GiB"
     assert "c (out of memory while loading)" in misfit_message({"a": 4 * GIB}, device, failed="c")
+
+
+def test_a_lost_device_turns_every_waiter_away():
+    """A hung batch holds the device for good: whoever waits for a turn, or asks later, is told."""
+    import pytest
+
+    from embedserve.model.device import DeviceLost
+
+    device, outcome = Device(), []
+    holding = threading.Event()
+
+    def hang():
+        with device.turn(0.0):
+            holding.set()
+            threading.Event().wait(5)  # the hung kernel, as long as the test lasts
+
+    def wait():
+        try:
+            with device.turn(1.0):
+                outcome.append("ran")
+        except DeviceLost:
+            outcome.append("lost")
+
+    threading.Thread(target=hang, daemon=True).start()
+    holding.wait()
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while not device._waiting:  # queued behind the hung batch
+        threading.Event().wait(0.001)
+    device.lose()
+    waiter.join(5)
+    assert outcome == ["lost"]
+    with pytest.raises(DeviceLost):
+        with device.turn(2.0):
+            pass
