@@ -260,7 +260,12 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
     interval = now - history.demand[-1][0] if history.demand else 0.0
     window_s = max(TREND_WINDOW_S, 4 * interval)
     kept = tuple(p for p in history.demand if p[0] > now - window_s) + ((now, tuple(offered_by_model.items())),)
-    demand_points = tuple((t, loads.busy(loads.point(v), caps)) for t, v in kept)
+    # A model no longer read (renamed in a rollout, or an old server's unlabelled one) keeps its
+    # last capacity while its points are in the window: converted to 0, its fall and the new
+    # model's rise read as a ramp.
+    trend_caps = {m: c for m, c in {**known, **caps}.items()
+                  if m in caps or any(m in loads.point(v) for _, v in kept)}
+    demand_points = tuple((t, loads.busy(loads.point(v), trend_caps)) for t, v in kept)
     # Look-ahead is for sustained ramps (a few % per start-up, see ramp()), and capped.
     # Capacity decided now is ready in startup_s; capacity decided at the next step, an interval
     # later: until then, what we decide now has to carry the load.
@@ -285,7 +290,7 @@ def decide(samples: list[PodSample], current: int, policy: Policy, history: Hist
         past = history.recommendations or (((now, current),) if policy.scale_down_stabilization_s else ())
         recs = tuple(r for r in past if r[0] >= horizon) + ((now, recommendation),)
         return History(recs, kept, capacity, startup_s, pods, startups=measured_startups,
-                       served=frozenset(served), capacities=tuple(caps.items()))
+                       served=frozenset(served), capacities=tuple(trend_caps.items()))
 
     if capacity is None:  # nothing measured yet: hold (within bounds)
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
@@ -377,7 +382,9 @@ def removal_marks(samples: list[PodSample], annotations: dict[str, dict], remove
     clearing."""
     unready = sum(1 for s in samples if not s.ready)
     ranked = sorted((s for s in samples if s.ready and s.scraped and s.name in annotations),
-                    key=lambda s: (loads.drain_s(s.readings()), sum(r.queued_tokens for r in s.readings()), s.name))
+                    # a queue of a model with no rate yet cannot be timed: not the idlest
+                    key=lambda s: (any(r.queued_tokens > 0 and r.service_rate <= 0 for r in s.readings()),
+                                   loads.drain_s(s.readings()), sum(r.queued_tokens for r in s.readings()), s.name))
     going = {s.name for s in ranked[:max(0, removed - unready)]}
     out: dict[str, dict[str, str | None]] = {}
     for name, own in annotations.items():

@@ -322,7 +322,7 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
     owner = owner_of(body)
     autoscaled = spec["autoscaling"]["mode"] == "operator"
     pods = cluster.pods(owner.namespace, render.selector(owner.name))
-    outcome.misfit = status.misfit(pods)
+    outcome.misfit = status.misfit(pods, ((deployment or {}).get("spec") or {}).get("template"))
 
     def compute(fresh: dict) -> dict:
         previous = fresh.get("status") or {}

@@ -292,9 +292,11 @@ def waiting(pods: list[dict]) -> str | None:
                             if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
         if unscheduled:
             return f"its pod {pod['metadata']['name']} is not scheduled: {unscheduled.get('message') or unscheduled.get('reason', '')}"
-        for c in st.get("containerStatuses") or []:
+        # Several models: each but the last fetched by an init container, the main one waiting
+        # (PodInitializing) meanwhile; what stops an init container is the news.
+        for c in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
             w = (c.get("state") or {}).get("waiting") or {}
-            if w.get("reason") and w["reason"] != "ContainerCreating":
+            if w.get("reason") and w["reason"] not in ("ContainerCreating", "PodInitializing"):
                 return f"its pod {pod['metadata']['name']} is waiting: {w['reason']} {w.get('message', '')}".rstrip()
     return None
 

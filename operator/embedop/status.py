@@ -208,14 +208,26 @@ def task_mismatch(wanted: str | None, served: str | None, generation: int | None
                      generation, previous, now)
 
 
-def misfit(pods: list[dict]) -> str | None:
+def _env(container: dict) -> list[tuple]:
+    return [(e.get("name"), e.get("value")) for e in container.get("env") or []]
+
+
+def misfit(pods: list[dict], template: dict | None = None) -> str | None:
     """The message of a server pod whose models do not fit its device (its server container's
     termination message, MISFIT_PREFIX and the numbers; Kubernetes' default terminationMessagePath,
     which the server writes before it exits 1), with the pod's name; None when no pod says so. The
     container's last termination counts while it is not ready again (crash-looping on it), its
-    present one always; pods being deleted not at all."""
+    present one always; pods being deleted not at all, nor, given the Deployment's pod `template`,
+    pods of an older one (their server's env differs: a fixed spec's rollout replaces them one by
+    one, minutes apart, and they would keep saying what no longer holds)."""
+    wanted = next((_env(c) for c in ((template or {}).get("spec") or {}).get("containers") or []
+                   if c.get("name") == SERVER_CONTAINER), None)
     for pod in pods:
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        own = next((_env(c) for c in (pod.get("spec") or {}).get("containers") or []
+                    if c.get("name") == SERVER_CONTAINER), None)
+        if wanted is not None and own is not None and own != wanted:
             continue
         for c in (pod.get("status") or {}).get("containerStatuses") or []:
             if c.get("name") != SERVER_CONTAINER:

@@ -116,9 +116,11 @@ def test_a_pods_drain_is_every_models_queued_device_time():
                                                ModelSample("new", 0.0, queued_tokens=10.0)))
     assert demand.drain_s(pod.readings()) == pytest.approx(0.2 + 0.1)
     idle = PodSample("q", True, True, models=(ModelSample("dense", 2000.0, queued_tokens=800.0),))
+    timed = PodSample("p", True, True, models=pod.models[:2])
     # The idlest pod by device time goes first (0.3 s queued against 0.4 s), not the one of fewer tokens.
-    marks = autoscale.removal_marks([pod, idle], {"p": {}, "q": {}}, 1, None)
-    assert list(marks) == ["p"]
+    assert list(autoscale.removal_marks([timed, idle], {"p": {}, "q": {}}, 1, None)) == ["p"]
+    # A queue that cannot be timed (a model with no rate yet) is not idle: that pod goes last.
+    assert list(autoscale.removal_marks([pod, idle], {"p": {}, "q": {}}, 1, None)) == ["q"]
 
 
 # -- Reading an exposition per model.
@@ -279,7 +281,7 @@ def test_a_service_of_several_models_with_the_real_operator(emulator, tmp_path):
 
         emulator.request("POST", pods, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-1", "namespace": NS, "labels": render.labels(name)},
-            "spec": {"containers": [{"name": "server", "image": "embedserve"}]},
+            "spec": {"containers": d["spec"]["template"]["spec"]["containers"]},  # a pod of the present template
             "status": {"phase": "Running", "podIP": "10.9.9.9", "conditions": [{"type": "Ready", "status": "False"}],
                        "containerStatuses": [{"name": "server", "ready": False, "restartCount": 2, "image": "embedserve",
                                               "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
@@ -292,3 +294,25 @@ def test_a_service_of_several_models_with_the_real_operator(emulator, tmp_path):
         assert c["status"] == "True" and c["message"].startswith(misfit) and f"{name}-1" in c["message"]
         emulator.request("DELETE", f"{pods}/{name}-1")
         eventually(lambda: degraded()["reason"] != "ModelsDoNotFit", timeout=60)
+
+
+def test_a_model_renamed_in_a_rollout_is_no_ramp():
+    """A rolling update that renames the model (spec.model changed, a spec.models entry renamed,
+    a server upgraded from the unlabelled series): pod by pod the old name's load moves to the new
+    one, the fleet's device time steady. Each name's points keep its capacity while they are in
+    the trend's window: read as a fall and a rise, converted at 0, they were a ramp and a pod more."""
+    def renamed(pod: PodSample, model: str) -> PodSample:
+        return dataclasses.replace(pod, models=(dataclasses.replace(pod.readings()[0], model=model),))
+
+    history, now, totals, desired = History(), 1000.0, {}, []
+    for step in range(12):
+        samples = []
+        for i in range(4):
+            name = f"p{i}"
+            totals[name] = totals.get(name, 0.0) + 0.7 * 15
+            moved = i < step - 4  # from step 5 on, one pod a step serves the renamed model
+            samples.append(renamed(one_model(name, 0.7, 0.0, totals[name]), "new" if moved else "old"))
+        d = decide(samples, 4, POLICY, history, now)
+        desired.append(d.desired)
+        history, now = d.history, now + 15
+    assert set(desired) == {4}, desired  # 4 pods busy 0.7 each at a target of 0.7: 4 throughout

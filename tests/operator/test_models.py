@@ -239,6 +239,21 @@ def test_a_pod_whose_models_do_not_fit_is_read_from_its_termination_message(pod,
         assert message.startswith(MISFIT) and "svc-1" in message
 
 
+def test_only_pods_of_the_present_template_say_the_models_do_not_fit():
+    """A fixed spec's rollout replaces the crash-looping pods one by one, minutes apart: theirs
+    (an older template's server env) no longer say anything of the service."""
+    template = {"spec": {"containers": [{"name": "server", "env": [{"name": "MODELS", "value": "[new]"}]}]}}
+
+    def of(env_value):
+        pod = kubelet_pod(last=terminated(MISFIT))
+        pod["spec"] = {"containers": [{"name": "server", "env": [{"name": "MODELS", "value": env_value}]}]}
+        return pod
+
+    assert status.misfit([of("[old]")], template) is None
+    assert status.misfit([of("[new]")], template).startswith(MISFIT)
+    assert status.misfit([of("[old]")]).startswith(MISFIT)  # no template known: every pod counts
+
+
 def test_models_that_do_not_fit_make_the_service_degraded_with_the_numbers():
     deployment = {"spec": {"replicas": 2}, "status": {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}}
     misfit = status.misfit([kubelet_pod(last=terminated(MISFIT))])
