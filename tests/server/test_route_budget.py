@@ -223,7 +223,7 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
     ignores them, one that does meets the budget)."""
     if method != "POST":
         return {"no body": b""}
-    own = "/" + path.split("/", 3)[3] if path.startswith("/models/") else path  # a model's prefix: its path's
+    own = "/" + (path.split("/", 3) + [""])[3] if path.startswith("/models/") else path  # a model's prefix: its path's
     limit = http_api.budgets(Settings.from_env({}), max_length).get(own, budget.DEFAULT)
     max_chars = max_length * CHARS_PER_TOKEN_BOUND
     out = {}

@@ -132,6 +132,10 @@ def test_models_are_addressed_by_name_and_the_unknown_refused(pods, entries):
     assert status == 400 and "rerank" in body["error"]["message"]
     assert post(shared.http, "/models/rerank/embed", {"inputs": "x"})[0] == 400
     assert post(shared.http, "/models/sparse/embed_sparse", {"inputs": "x"})[0] == 200
+    # The prefix alone is its TEI root (a client's base URL), with that route's body budget (over 64 KiB).
+    big = ["a retrieval stack on one device " * 100] * 40
+    status, rows = post(shared.http, "/models/dense", {"inputs": big})
+    assert status == 200 and len(rows) == 40
     with pytest.raises(grpc.RpcError) as e:
         stub(shared).Rerank(pb.RerankRequest(query="q", texts=["x"], model="dense"))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

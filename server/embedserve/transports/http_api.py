@@ -256,8 +256,9 @@ def install_routes(app: FastAPI, hub: Hub) -> None:
             router.add_api_route(prefix, route.endpoint, methods=list(route.methods), include_in_schema=False,
                                  response_model=route.response_model,
                                  response_model_exclude_none=route.response_model_exclude_none)
-        app.state.budgets.update({prefix + path: b for path, b in
-                                  budgets(s, view.service.tokenizer.max_length).items()})
+        own_budgets = budgets(s, view.service.tokenizer.max_length)
+        app.state.budgets.update({prefix + path: b for path, b in own_budgets.items()})
+        app.state.budgets[prefix] = own_budgets["/"]  # the prefix alone is its "/"
     app.include_router(router)
     app.openapi_schema = None  # regenerate with the new routes
 

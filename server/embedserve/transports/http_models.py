@@ -52,8 +52,10 @@ def names(hub) -> list[str]:
 
 
 def api_paths(paths: frozenset[str], served: list[str]) -> frozenset[str]:
-    """`paths` and each of them under every model's prefix (`served`: `names`)."""
-    return paths | {PREFIX + name + path for name in served for path in paths}
+    """`paths` and each of them under every model's prefix (`served`: `names`), "/" also as the
+    prefix alone (a client's base URL)."""
+    return paths | {PREFIX + name + path for name in served for path in paths} | \
+        {PREFIX + name for name in served if "/" in paths}
 
 
 def model_of(scope, served: list[str], default: str) -> str:
