@@ -18,7 +18,7 @@ from embedserve.config import Settings, served_model_name
 from embedserve.lifecycle import settle_heap, watch_loop_lag
 from embedserve.metrics import Metrics
 from embedserve.model.device import Device, ModelsDoNotFit, fits, misfit_message
-from embedserve.model_stack import ModelStack, attention_field, policy_from  # noqa: F401 - their old home
+from embedserve.model_stack import ModelStack
 from embedserve.transports.listeners import Transports
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,6 @@ class Server:
 
     def drain_s(self) -> float:
         """The pod's backlog in seconds of device time, every model's (transports/drain.py)."""
-        if self.device is None:
-            return self.default.estimator.drain_s()
         return sum(m.estimator.queued_s() for m in self.models.values())
 
     def health_fields(self) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from embedserve.app import attention_field
+from embedserve.model_stack import attention_field
 from embedserve.client import decode_embeddings
 from embedserve.config import Settings
 from embedserve.model.batches import Batch

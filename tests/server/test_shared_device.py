@@ -234,17 +234,17 @@ def test_a_hung_device_fails_every_models_requests():
         s = stub(server)
         hung = infer_request([101, HANG_TOKEN, 102])
         hung.model = "a"
-        t0 = time.monotonic()
         first = s.Infer.future(hung, timeout=30)
+        deadline = time.monotonic() + 60
         while server.health()[1]["models"][0]["gpu_queue_depth"] == 0:  # a's batch handed to its worker
+            assert time.monotonic() < deadline, "a's batch never reached its worker"
             time.sleep(0.01)
         with pytest.raises(grpc.RpcError) as e:  # b's rows wait for a turn the hung batch never gives
             s.Embed(pb.EmbedRequest(texts=["behind the hung batch"], model="b"), timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             first.result()
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - t0 < 15
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # not DEADLINE_EXCEEDED: none waited out its deadline
         assert server.health()[0] == 503
     finally:
         server.stop()
