@@ -227,9 +227,11 @@ class Settings:
     served_model_name: str = ""
     """SERVED_MODEL_NAME: the model id HTTP clients use (default: from MODEL_PATH)."""
     task: str = "auto"
-    """TASK: auto, embed, classify, rerank or sparse (auto: sparse for a sentence-transformers
-    SparseEncoder; rerank for a CrossEncoder, or a *ForSequenceClassification checkpoint of one
-    label; classify for one of several labels; else embed)."""
+    """TASK: auto, embed, classify, rerank, sparse, multivector or bgem3 (auto: sparse for a
+    sentence-transformers SparseEncoder; multivector for a MultiVectorEncoder or PyLate model;
+    bgem3 for a checkpoint with BGE-M3's sparse_linear.pt and colbert_linear.pt; rerank for a
+    CrossEncoder, or a *ForSequenceClassification checkpoint of one label; classify for one of
+    several labels; else embed)."""
     trust_remote_code: bool = False
     """TRUST_REMOTE_CODE: let model repos run their own code."""
     tokenization_workers: int = 2
@@ -333,7 +335,7 @@ class Settings:
             max_concurrent_requests=s.int("MAX_CONCURRENT_REQUESTS", d.max_concurrent_requests, low=1),
             http_body_timeout_s=s.float("HTTP_BODY_TIMEOUT_S", d.http_body_timeout_s, positive=True),
             served_model_name=s.str("SERVED_MODEL_NAME", d.served_model_name),
-            task=s.choice("TASK", d.task, ("auto", "embed", "classify", "rerank", "sparse")),
+            task=s.choice("TASK", d.task, model_list.TASKS),
             trust_remote_code=s.bool("TRUST_REMOTE_CODE", d.trust_remote_code),
             tokenization_workers=s.int("TOKENIZATION_WORKERS", d.tokenization_workers, low=1),
             watchdog_multiple=s.float("WATCHDOG_MULTIPLE", d.watchdog_multiple, positive=True),

@@ -22,7 +22,9 @@ from typing import Mapping
 from embedserve.env_reader import ConfigError, EnvReader
 from embedserve.errors import UnknownModel
 
-TASKS = ("auto", "embed", "classify", "rerank", "sparse")
+# TASK's values, and a MODELS entry's `task`; auto: read from the model's files (prepare).
+TASKS = ("auto", "embed", "classify", "rerank", "sparse", "multivector", "bgem3")
+
 # What a name may be: it appears in URL paths (/models/<name>/...), gRPC fields, metric labels.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # The one-model variables an entry replaces: set beside MODELS, they would be silently ignored.

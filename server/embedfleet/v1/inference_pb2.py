@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65mbedfleet/v1/inference.proto\x12\rembedfleet.v1\"\xa4\x01\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x13\n\x0bprompt_name\x18\x02 \x01(\t\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12)\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\x15\n\x08truncate\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x06 \x01(\tB\x0b\n\t_truncate\"\x96\x01\n\x0cInferRequest\x12\x11\n\tinput_ids\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ttention_mask\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\ndimensions\x18\x04 \x01(\x05\x12)\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\r\n\x05model\x18\x06 \x01(\t\"p\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tquantized\x18\x03 \x01(\x0c\x12)\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\"t\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x15\n\x08truncate\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\nraw_scores\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x0b\n\t_truncate\" \n\x0eRerankResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\"Z\n\x13\x45mbedSparseResponse\x12\x0f\n\x07indices\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x0f\n\x07offsets\x18\x03 \x03(\x03\x12\x11\n\tdimension\x18\x04 \x01(\x03\"#\n\x12HealthCheckRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc3\x04\n\x13HealthCheckResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pting_requests\x18\x02 \x01(\x08\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12#\n\x1bservice_rate_tokens_per_sec\x18\x04 \x01(\x01\x12#\n\x1b\x61rrival_rate_tokens_per_sec\x18\x05 \x01(\x01\x12\x1f\n\x17\x65stimated_drain_time_ms\x18\x06 \x01(\x01\x12\"\n\x1ap95_server_side_latency_ms\x18\x07 \x01(\x01\x12\x17\n\x0fgpu_queue_depth\x18\x08 \x01(\x03\x12\x1b\n\x13\x65mbedding_dimension\x18\t \x01(\x03\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x12\x0f\n\x07pooling\x18\x0e \x01(\t\x12\x11\n\tnormalize\x18\x0f \x01(\x08\x12\x12\n\nmax_length\x18\x10 \x01(\x03\x12\x0f\n\x07prompts\x18\x11 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x12 \x01(\t\x12\x1a\n\x12sustained_overload\x18\x13 \x01(\x08\x12\x0c\n\x04task\x18\x14 \x01(\t\x12\x16\n\x0equantize_range\x18\x15 \x01(\x01\x12\x1c\n\x14quantize_calibration\x18\x16 \x01(\t\x12\x0e\n\x06models\x18\x17 \x03(\t\"`\n\x13QuantizationRequest\x12\x12\n\ndimensions\x18\x01 \x01(\x05\x12\x17\n\nnormalized\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x03 \x01(\tB\r\n\x0b_normalized\"{\n\x14QuantizationResponse\x12\x16\n\x0equantize_range\x18\x01 \x01(\x01\x12\x13\n\x0b\x63\x61libration\x18\x02 \x01(\t\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12\x12\n\nnormalized\x18\x04 \x01(\x08\x12\x0e\n\x06ranges\x18\x05 \x01(\x0c*C\n\x08\x45ncoding\x12\t\n\x05\x46LOAT\x10\x00\x12\x08\n\x04INT8\x10\x01\x12\t\n\x05UINT8\x10\x02\x12\n\n\x06\x42INARY\x10\x03\x12\x0b\n\x07UBINARY\x10\x04\x32\xd9\x03\n\tInference\x12\x42\n\x05\x45mbed\x12\x1b.embedfleet.v1.EmbedRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12\x42\n\x05Infer\x12\x1b.embedfleet.v1.InferRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12T\n\x0bHealthCheck\x12!.embedfleet.v1.HealthCheckRequest\x1a\".embedfleet.v1.HealthCheckResponse\x12\x45\n\x06Rerank\x12\x1c.embedfleet.v1.RerankRequest\x1a\x1d.embedfleet.v1.RerankResponse\x12N\n\x0b\x45mbedSparse\x12\x1b.embedfleet.v1.EmbedRequest\x1a\".embedfleet.v1.EmbedSparseResponse\x12W\n\x0cQuantization\x12\".embedfleet.v1.QuantizationRequest\x1a#.embedfleet.v1.QuantizationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65mbedfleet/v1/inference.proto\x12\rembedfleet.v1\"\xdf\x01\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x13\n\x0bprompt_name\x18\x02 \x01(\t\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12)\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\x15\n\x08truncate\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tlong_text\x18\x07 \x01(\t\x12&\n\x07outputs\x18\x08 \x03(\x0e\x32\x15.embedfleet.v1.OutputB\x0b\n\t_truncate\"\x96\x01\n\x0cInferRequest\x12\x11\n\tinput_ids\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ttention_mask\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\ndimensions\x18\x04 \x01(\x05\x12)\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\r\n\x05model\x18\x06 \x01(\t\"\xdd\x01\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tquantized\x18\x03 \x01(\x0c\x12)\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\x32\n\x06sparse\x18\x05 \x01(\x0b\x32\".embedfleet.v1.EmbedSparseResponse\x12\x37\n\x0bmultivector\x18\x06 \x01(\x0b\x32\".embedfleet.v1.MultiVectorResponse\"\x93\x01\n\x12MultiVectorRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x10\n\x08is_query\x18\x02 \x01(\x08\x12\x15\n\x08truncate\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12)\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\x12\r\n\x05model\x18\x05 \x01(\tB\x0b\n\t_truncate\"\x88\x01\n\x13MultiVectorResponse\x12\x0f\n\x07vectors\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\x12\x11\n\tdimension\x18\x03 \x01(\x03\x12\x11\n\tquantized\x18\x04 \x01(\x0c\x12)\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x17.embedfleet.v1.Encoding\"t\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x15\n\x08truncate\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\nraw_scores\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x0b\n\t_truncate\" \n\x0eRerankResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\"Z\n\x13\x45mbedSparseResponse\x12\x0f\n\x07indices\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x0f\n\x07offsets\x18\x03 \x03(\x03\x12\x11\n\tdimension\x18\x04 \x01(\x03\"#\n\x12HealthCheckRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc3\x04\n\x13HealthCheckResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pting_requests\x18\x02 \x01(\x08\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12#\n\x1bservice_rate_tokens_per_sec\x18\x04 \x01(\x01\x12#\n\x1b\x61rrival_rate_tokens_per_sec\x18\x05 \x01(\x01\x12\x1f\n\x17\x65stimated_drain_time_ms\x18\x06 \x01(\x01\x12\"\n\x1ap95_server_side_latency_ms\x18\x07 \x01(\x01\x12\x17\n\x0fgpu_queue_depth\x18\x08 \x01(\x03\x12\x1b\n\x13\x65mbedding_dimension\x18\t \x01(\x03\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x17\n\x0freserved_tokens\x18\r \x01(\x03\x12\x0f\n\x07pooling\x18\x0e \x01(\t\x12\x11\n\tnormalize\x18\x0f \x01(\x08\x12\x12\n\nmax_length\x18\x10 \x01(\x03\x12\x0f\n\x07prompts\x18\x11 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x12 \x01(\t\x12\x1a\n\x12sustained_overload\x18\x13 \x01(\x08\x12\x0c\n\x04task\x18\x14 \x01(\t\x12\x16\n\x0equantize_range\x18\x15 \x01(\x01\x12\x1c\n\x14quantize_calibration\x18\x16 \x01(\t\x12\x0e\n\x06models\x18\x17 \x03(\t\"`\n\x13QuantizationRequest\x12\x12\n\ndimensions\x18\x01 \x01(\x05\x12\x17\n\nnormalized\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x03 \x01(\tB\r\n\x0b_normalized\"{\n\x14QuantizationResponse\x12\x16\n\x0equantize_range\x18\x01 \x01(\x01\x12\x13\n\x0b\x63\x61libration\x18\x02 \x01(\t\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12\x12\n\nnormalized\x18\x04 \x01(\x08\x12\x0e\n\x06ranges\x18\x05 \x01(\x0c*0\n\x06Output\x12\t\n\x05\x44\x45NSE\x10\x00\x12\n\n\x06SPARSE\x10\x01\x12\x0f\n\x0bMULTIVECTOR\x10\x02*C\n\x08\x45ncoding\x12\t\n\x05\x46LOAT\x10\x00\x12\x08\n\x04INT8\x10\x01\x12\t\n\x05UINT8\x10\x02\x12\n\n\x06\x42INARY\x10\x03\x12\x0b\n\x07UBINARY\x10\x04\x32\xb4\x04\n\tInference\x12\x42\n\x05\x45mbed\x12\x1b.embedfleet.v1.EmbedRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12\x42\n\x05Infer\x12\x1b.embedfleet.v1.InferRequest\x1a\x1c.embedfleet.v1.EmbedResponse\x12T\n\x0bHealthCheck\x12!.embedfleet.v1.HealthCheckRequest\x1a\".embedfleet.v1.HealthCheckResponse\x12\x45\n\x06Rerank\x12\x1c.embedfleet.v1.RerankRequest\x1a\x1d.embedfleet.v1.RerankResponse\x12N\n\x0b\x45mbedSparse\x12\x1b.embedfleet.v1.EmbedRequest\x1a\".embedfleet.v1.EmbedSparseResponse\x12W\n\x0cQuantization\x12\".embedfleet.v1.QuantizationRequest\x1a#.embedfleet.v1.QuantizationResponse\x12Y\n\x10\x45mbedMultiVector\x12!.embedfleet.v1.MultiVectorRequest\x1a\".embedfleet.v1.MultiVectorResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'embedfleet.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODING']._serialized_start=1568
-  _globals['_ENCODING']._serialized_end=1635
+  _globals['_OUTPUT']._serialized_start=2026
+  _globals['_OUTPUT']._serialized_end=2074
+  _globals['_ENCODING']._serialized_start=2076
+  _globals['_ENCODING']._serialized_end=2143
   _globals['_EMBEDREQUEST']._serialized_start=49
-  _globals['_EMBEDREQUEST']._serialized_end=213
-  _globals['_INFERREQUEST']._serialized_start=216
-  _globals['_INFERREQUEST']._serialized_end=366
-  _globals['_EMBEDRESPONSE']._serialized_start=368
-  _globals['_EMBEDRESPONSE']._serialized_end=480
-  _globals['_RERANKREQUEST']._serialized_start=482
-  _globals['_RERANKREQUEST']._serialized_end=598
-  _globals['_RERANKRESPONSE']._serialized_start=600
-  _globals['_RERANKRESPONSE']._serialized_end=632
-  _globals['_EMBEDSPARSERESPONSE']._serialized_start=634
-  _globals['_EMBEDSPARSERESPONSE']._serialized_end=724
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=726
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=761
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=764
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1343
-  _globals['_QUANTIZATIONREQUEST']._serialized_start=1345
-  _globals['_QUANTIZATIONREQUEST']._serialized_end=1441
-  _globals['_QUANTIZATIONRESPONSE']._serialized_start=1443
-  _globals['_QUANTIZATIONRESPONSE']._serialized_end=1566
-  _globals['_INFERENCE']._serialized_start=1638
-  _globals['_INFERENCE']._serialized_end=2111
+  _globals['_EMBEDREQUEST']._serialized_end=272
+  _globals['_INFERREQUEST']._serialized_start=275
+  _globals['_INFERREQUEST']._serialized_end=425
+  _globals['_EMBEDRESPONSE']._serialized_start=428
+  _globals['_EMBEDRESPONSE']._serialized_end=649
+  _globals['_MULTIVECTORREQUEST']._serialized_start=652
+  _globals['_MULTIVECTORREQUEST']._serialized_end=799
+  _globals['_MULTIVECTORRESPONSE']._serialized_start=802
+  _globals['_MULTIVECTORRESPONSE']._serialized_end=938
+  _globals['_RERANKREQUEST']._serialized_start=940
+  _globals['_RERANKREQUEST']._serialized_end=1056
+  _globals['_RERANKRESPONSE']._serialized_start=1058
+  _globals['_RERANKRESPONSE']._serialized_end=1090
+  _globals['_EMBEDSPARSERESPONSE']._serialized_start=1092
+  _globals['_EMBEDSPARSERESPONSE']._serialized_end=1182
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1184
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1219
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1222
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1801
+  _globals['_QUANTIZATIONREQUEST']._serialized_start=1803
+  _globals['_QUANTIZATIONREQUEST']._serialized_end=1899
+  _globals['_QUANTIZATIONRESPONSE']._serialized_start=1901
+  _globals['_QUANTIZATIONRESPONSE']._serialized_end=2024
+  _globals['_INFERENCE']._serialized_start=2146
+  _globals['_INFERENCE']._serialized_end=2710
 # @@protoc_insertion_point(module_scope)

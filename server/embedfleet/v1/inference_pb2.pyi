@@ -2,10 +2,16 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DENSE: _ClassVar[Output]
+    SPARSE: _ClassVar[Output]
+    MULTIVECTOR: _ClassVar[Output]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -14,6 +20,9 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UINT8: _ClassVar[Encoding]
     BINARY: _ClassVar[Encoding]
     UBINARY: _ClassVar[Encoding]
+DENSE: Output
+SPARSE: Output
+MULTIVECTOR: Output
 FLOAT: Encoding
 INT8: Encoding
 UINT8: Encoding
@@ -21,20 +30,24 @@ BINARY: Encoding
 UBINARY: Encoding
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("texts", "prompt_name", "dimensions", "encoding", "truncate", "model")
+    __slots__ = ("texts", "prompt_name", "dimensions", "encoding", "truncate", "model", "long_text", "outputs")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LONG_TEXT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     prompt_name: str
     dimensions: int
     encoding: Encoding
     truncate: bool
     model: str
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    long_text: str
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ..., long_text: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
 
 class InferRequest(_message.Message):
     __slots__ = ("input_ids", "attention_mask", "shape", "dimensions", "encoding", "model")
@@ -53,16 +66,48 @@ class InferRequest(_message.Message):
     def __init__(self, input_ids: _Optional[bytes] = ..., attention_mask: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "shape", "quantized", "encoding")
+    __slots__ = ("embeddings", "shape", "quantized", "encoding", "sparse", "multivector")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZED_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    MULTIVECTOR_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     quantized: bytes
     encoding: Encoding
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., quantized: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    sparse: EmbedSparseResponse
+    multivector: MultiVectorResponse
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., quantized: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Union[EmbedSparseResponse, _Mapping]] = ..., multivector: _Optional[_Union[MultiVectorResponse, _Mapping]] = ...) -> None: ...
+
+class MultiVectorRequest(_message.Message):
+    __slots__ = ("texts", "is_query", "truncate", "encoding", "model")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    IS_QUERY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    is_query: bool
+    truncate: bool
+    encoding: Encoding
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., is_query: _Optional[bool] = ..., truncate: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class MultiVectorResponse(_message.Message):
+    __slots__ = ("vectors", "offsets", "dimension", "quantized", "encoding")
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    vectors: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    dimension: int
+    quantized: bytes
+    encoding: Encoding
+    def __init__(self, vectors: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ..., dimension: _Optional[int] = ..., quantized: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("query", "texts", "truncate", "raw_scores", "model")

@@ -64,6 +64,11 @@ class InferenceStub:
                 request_serializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.SerializeToString,
                 response_deserializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.FromString,
                 _registered_method=True)
+        self.EmbedMultiVector = channel.unary_unary(
+                '/embedfleet.v1.Inference/EmbedMultiVector',
+                request_serializer=embedfleet_dot_v1_dot_inference__pb2.MultiVectorRequest.SerializeToString,
+                response_deserializer=embedfleet_dot_v1_dot_inference__pb2.MultiVectorResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -115,6 +120,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedMultiVector(self, request, context):
+        """Token vectors (a multi-vector / ColBERT model, task multivector): per text a matrix of
+        tokens x dimension, queries and documents prepared as the model declares them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +160,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Quantization,
                     request_deserializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.FromString,
                     response_serializer=embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.SerializeToString,
+            ),
+            'EmbedMultiVector': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedMultiVector,
+                    request_deserializer=embedfleet_dot_v1_dot_inference__pb2.MultiVectorRequest.FromString,
+                    response_serializer=embedfleet_dot_v1_dot_inference__pb2.MultiVectorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class Inference:
             '/embedfleet.v1.Inference/Quantization',
             embedfleet_dot_v1_dot_inference__pb2.QuantizationRequest.SerializeToString,
             embedfleet_dot_v1_dot_inference__pb2.QuantizationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedMultiVector(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedfleet.v1.Inference/EmbedMultiVector',
+            embedfleet_dot_v1_dot_inference__pb2.MultiVectorRequest.SerializeToString,
+            embedfleet_dot_v1_dot_inference__pb2.MultiVectorResponse.FromString,
             options,
             channel_credentials,
             insecure,
