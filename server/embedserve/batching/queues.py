@@ -15,7 +15,6 @@ import torch
 
 from embedserve.batching.decisions import BucketView
 from embedserve.model.batches import Batch
-from embedserve.model.sparse_rows import SparseRows
 
 
 class PendingRequest:
@@ -26,7 +25,7 @@ class PendingRequest:
     def __init__(self, rows: int, dim: int, future: asyncio.Future, trace=None):
         self.rows, self.dim = rows, dim
         self.trace = trace  # a traced request's stamps (embedserve.tracing.Recorder), else None
-        self.out: np.ndarray | list | None = None  # allocated at a first delivery of only some rows (sparse: the pieces)
+        self.out: np.ndarray | list | None = None  # allocated at a first delivery of only some rows (ragged: the pieces)
         self.remaining = rows
         self.future = future
         self.chunks: list[Chunk] = []  # its rows' chunks, as queued (BucketQueues.add)
@@ -46,11 +45,13 @@ class PendingRequest:
             self.remaining = 0
             self.future.set_result(values)
             return
-        if isinstance(values, SparseRows):  # SPLADE: the pieces stay sparse until the last one
+        if not isinstance(values, np.ndarray):
+            # Ragged rows (SPLADE's SparseRows, multi-vector TokenRows, ...): the pieces stay as
+            # they came until the last one, then the type gathers them in the request's order.
             self.out = (self.out or []) + [(positions, values)]
             self.remaining -= len(positions)
             if self.remaining == 0:
-                self.future.set_result(SparseRows.gather(self.out, self.rows, values.dim))
+                self.future.set_result(type(values).gather(self.out, self.rows, values.dim))
             return
         if self.out is None:
             self.out = np.empty((self.rows, self.dim), dtype=np.float32)
