@@ -110,8 +110,9 @@ ONE_MODEL = model_fields(
     "The hub revision of a repo id model (MODEL_REVISION): a branch, tag or commit; default main. A revision a cache "
     "has fetched is read back with no hub call (a branch stays at the commit first fetched): set this to move a fleet "
     "to another commit.",
-    "What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), sparse (SPLADE "
-    "vectors) or classify (labels). Unset: the server infers it from the model's files. status.task says what the pods "
+    "What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder or an LLM "
+    "reranker), sparse (SPLADE vectors), classify (labels), multivector (token vectors of a ColBERT model, MaxSim "
+    "reranking) or bgem3 (BGE-M3's dense, sparse and ColBERT vectors from one pass). Unset: the server infers it from the model's files. status.task says what the pods "
     "serve; a disagreement with this is the TaskMismatch condition.",
     "How token states become one vector. Unset fields serve the model as its authors declared it (sentence-transformers "
     "modules.json, 1_Pooling, Dense, Normalize), as SentenceTransformer(model).encode does.")
@@ -136,7 +137,7 @@ MODELS = {
         **model_fields(
             "What the servers load for it: a HuggingFace repo id, an s3://bucket/prefix URI, or a directory inside the image.",
             "The hub revision of a repo id model: a branch, tag or commit; default main (as spec.modelRevision).",
-            "What it serves: embed, rerank, sparse or classify. Unset: the server infers it from the model's files. "
+            "What it serves: embed, rerank, sparse, classify, multivector or bgem3 (as spec.task). Unset: the server infers it from the model's files. "
             "status.models says what each serves; a disagreement is the TaskMismatch condition.",
             "How its token states become one vector (as spec.pooling). Unset fields: as the model declares."),
     }, required=["name", "model"]),
@@ -301,7 +302,7 @@ STATUS = obj("Observed state, written by the operator.", {
     "estimatedDrainMs": number("Largest backlog drain time among the replicas: a pod's device time queued (with spec.models, the sum over its models of queued tokens over service rate), in ms."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),
-    "task": string("The task the pods serve (embed, rerank, sparse or classify), from the task label of their "
+    "task": string("The task the pods serve (embed, rerank, sparse, classify, multivector or bgem3), from the task label of their "
                    "embedfleet_model_info (mode operator, where the operator scrapes them); with spec.models, each "
                    "model's task in their order, joined by commas (e.g. embed,sparse,rerank)."),
     "modelSummary": string("What the service serves, for the Model column: spec.model, or spec.models' count and "

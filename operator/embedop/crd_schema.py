@@ -76,7 +76,7 @@ def int_or_percent(description: str, default) -> dict:
 
 
 # What a server may be told to serve (its TASK setting, besides auto: the server infers it).
-TASKS = ("embed", "rerank", "sparse", "classify")
+TASKS = ("embed", "classify", "rerank", "sparse", "multivector", "bgem3")  # the server's order (model_list.TASKS)
 POOLING_PATTERN = r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"
 
 
