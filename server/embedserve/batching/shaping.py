@@ -58,6 +58,7 @@ class Texts(NamedTuple):
     prompt: str
     key: int
     query: str | None = None
+    side: str = ""  # a multi-vector request's: "query" or "document" (embedserve.batching.multivector_tokenization)
 
 
 def content_key(*parts) -> int:
@@ -107,9 +108,9 @@ def chars(r: Texts) -> int:
 
 async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts) -> tuple[np.ndarray, np.ndarray]:
     if chars(r) <= INLINE_CHARS:  # a thread hop costs more than the work
-        return tokenizer.encode(r.texts, r.truncate, r.prompt, r.query)
+        return tokenizer.encode(r.texts, r.truncate, r.prompt, r.query, r.side)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt, r.query)
+    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt, r.query, r.side)
 
 
 def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,11 +158,14 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
 
 # What to call instead, by the task a server does.
 _USE = {"classify": "POST /classify", "rerank": "Rerank, POST /rerank or /v1/rerank", "embed": "Embed or /v1/embeddings",
-        "sparse": "EmbedSparse or POST /embed_sparse"}
+        "sparse": "EmbedSparse or POST /embed_sparse",
+        "multivector": "EmbedMultiVector or POST /embed_multivector (and Rerank, POST /rerank or /v1/rerank: MaxSim)"}
+# Tasks a server serves besides its own: a multi-vector model reranks (MaxSim).
+_ALSO = {"multivector": ("rerank",)}
 
 
 def require_task(served: str, task: str) -> None:
-    if task != served:
+    if task != served and task not in _ALSO.get(served, ()):
         raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {_USE.get(served, served)}")
 
 
@@ -211,12 +215,18 @@ class PreTokenized(InFlight):
     limits: Limits
     activation: str = ""  # rerank: the cross-encoder's (embedserve.model.activation)
     head: Head | None = None  # prompts, normalize, truncate_dim (None: the simulated device's tests)
+    task: str = "embed"
 
     async def rerank(self, query: str, texts, caller: Caller = Caller(), truncate: bool | None = None,
                      raw_scores: bool = False) -> Result:
         """(query, text) pairs → one score per text, in order: the model's logit, through its
         activation unless `raw_scores`. The pairs are rows like any others (admitted in real tokens,
         bucketed, batched, possibly over several batches)."""
+        if self.task == "multivector":  # late interaction: MaxSim of the two sides' token vectors
+            from embedserve.batching import multivector_shaping  # it builds on this module
+
+            with self._tracked():
+                return await multivector_shaping.maxsim_rerank(self, query, texts, caller, truncate)
         with self._tracked():
             out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
         # The activation sees each pair's row ([n, 1]), as CrossEncoder applies it: a declared
@@ -245,6 +255,16 @@ class PreTokenized(InFlight):
         batching), each text's row as SparseRows: made sparse per batch on the model worker
         (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
         return await self.embed_texts(texts, caller, truncate, prompt_name)
+
+    async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
+                                truncate: bool | None = None) -> Result:
+        """A multi-vector model's token vectors (task multivector): queries or documents, each
+        text's as embedserve.model.token_rows.TokenRows (embedserve.batching.multivector_shaping)."""
+        from embedserve.batching import multivector_shaping  # it builds on this module
+
+        with self._tracked():
+            return await self._texts(multivector_shaping.multivector_request(texts, self.limits, self.head, truncate,
+                                                                             is_query), caller)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:
