@@ -18,6 +18,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
+from embedserve.model.maxsim import maxsim
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
@@ -91,6 +92,17 @@ def pairs_request(query, texts, limits: Limits, truncate: bool | None, head: Hea
     texts = validate_texts(texts, limits.max_texts)
     query = (head.prompt(None) if head else "") + query
     return Texts(texts, truncate, "", content_key("rerank", truncate, *read([query, *texts], limits)), query)
+
+
+def multivector_request(texts, limits: Limits, head: Head | None, truncate: bool | None, is_query: bool) -> Texts:
+    """A multi-vector (ColBERT) model's texts of one side (embedserve.batching.multivector_tokenization
+    reads `side`). The side's prompt as MultiVectorEncoder.encode_query / encode_document pick it:
+    the model's "query" or "document" prompt (its prefix), else none, never the default prompt."""
+    truncate = limits.truncate if truncate is None else truncate
+    texts = validate_texts(texts, limits.max_texts)
+    side = "query" if is_query else "document"
+    prompt = (head.prompts if head else {}).get(side) or ""
+    return Texts(texts, truncate, prompt, content_key(side, truncate, prompt, *read(texts, limits)), side=side)
 
 
 def read(texts: list[str], limits: Limits) -> list[str]:
@@ -223,10 +235,8 @@ class PreTokenized(InFlight):
         activation unless `raw_scores`. The pairs are rows like any others (admitted in real tokens,
         bucketed, batched, possibly over several batches)."""
         if self.task == "multivector":  # late interaction: MaxSim of the two sides' token vectors
-            from embedserve.batching import multivector_shaping  # it builds on this module
-
             with self._tracked():
-                return await multivector_shaping.maxsim_rerank(self, query, texts, caller, truncate)
+                return await self._maxsim(query, texts, caller, truncate)
         with self._tracked():
             out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
         # The activation sees each pair's row ([n, 1]), as CrossEncoder applies it: a declared
@@ -259,12 +269,30 @@ class PreTokenized(InFlight):
     async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
                                 truncate: bool | None = None) -> Result:
         """A multi-vector model's token vectors (task multivector): queries or documents, each
-        text's as embedserve.model.token_rows.TokenRows (embedserve.batching.multivector_shaping)."""
-        from embedserve.batching import multivector_shaping  # it builds on this module
-
+        text's as embedserve.model.token_rows.TokenRows (prefix and expansion by side at
+        tokenization, embedserve.batching.multivector_tokenization)."""
         with self._tracked():
-            return await self._texts(multivector_shaping.multivector_request(texts, self.limits, self.head, truncate,
-                                                                             is_query), caller)
+            return await self._texts(multivector_request(texts, self.limits, self.head, truncate, is_query), caller)
+
+    async def _maxsim(self, query: str, texts, caller: Caller, truncate: bool | None) -> Result:
+        """Rerank on a multi-vector model: the query's token vectors and the texts' (as documents;
+        two requests, computed together) → MaxSim scores in text order; usage counts both."""
+        if not isinstance(query, str) or not query or query.isspace():
+            raise InvalidInput("query is empty or whitespace only")
+        documents = multivector_request(texts, self.limits, self.head, truncate, False)
+        asked = asyncio.ensure_future(self._texts(multivector_request([query], self.limits, self.head, truncate, True),
+                                                  caller))
+        asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # read when the documents fail first
+        try:
+            docs = await self._texts(documents, caller)
+        except BaseException:
+            asked.cancel()
+            raise
+        try:
+            q = await asked
+        except InvalidInput as e:  # the query's own refusal, named as the field it came in
+            raise InvalidInput(str(e).replace("texts[0]", "query")) from None
+        return Result(maxsim(q.rows.row(0), docs.rows), q.tokens + docs.tokens)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def build_colbert(out: Path, model_dir: str, *, attend: bool = False, strategy: str = "fixed", length: int = 12,
                   dim: int = 16, prompts: dict[str, str] | None = None, document_length: int | None = None,
-                  skiplist: list[str] | None = None) -> str:
+                  skiplist: list[str] | None = None, max_seq_length: int | None = None) -> str:
     """Saved through MultiVectorEncoder(modules=[Transformer, Dense, MultiVectorMask, Normalize])."""
     import torch
     from sentence_transformers import MultiVectorEncoder
@@ -28,7 +28,7 @@ def build_colbert(out: Path, model_dir: str, *, attend: bool = False, strategy: 
     raw = out / "raw"
     BertModel(config).eval().save_pretrained(raw)
     tok.save_pretrained(raw)
-    transformer = Transformer(str(raw), document_length=document_length,
+    transformer = Transformer(str(raw), document_length=document_length, max_seq_length=max_seq_length,
                               query_expansion={"strategy": strategy, "attend": attend, "length": length})
     dense = Dense(32, dim, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
     mask = MultiVectorMask(skiplist_words=list(string.punctuation) if skiplist is None else skiplist)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embedserve.config import Settings
-from embedserve.batching.multivector_shaping import maxsim, side_prompt
+from embedserve.model.maxsim import maxsim
 from embedserve.model.batches import Batch
 from embedserve.model.declared import DeclarationError
 from embedserve.model.encoder import Encoder, Placement
@@ -30,7 +30,7 @@ def served(path: str, texts: list[str], is_query: list[bool]) -> tuple[TokenRows
     m = prepare(settings)
     assert m.task == "multivector"  # TASK=auto
     encoder = Encoder(path, settings, Placement(torch.device("cpu"), torch.float32, False, False), [], m.task, m.head)
-    rows = [m.tokenizer.encode([t], prompt=side_prompt(m.head, q), side="query" if q else "document")
+    rows = [m.tokenizer.encode([t], prompt=m.head.prompts.get("query" if q else "document", ""), side="query" if q else "document")
             for t, q in zip(texts, is_query)]
     width = max(ids.shape[1] for ids, _ in rows)
     ids = np.full((len(rows), width), m.tokenizer.pad_id, dtype=np.int64)
@@ -82,7 +82,7 @@ def test_pylate_format_matches_what_multi_vector_encoder_loads(tmp_path, model_d
     reference = MultiVectorEncoder(path, device="cpu")
     assert_equal_tokens(got, reference.encode_query(QUERIES) + reference.encode_document(DOCUMENTS))
     m = prepare(Settings(model_path=path))
-    ids, _ = m.tokenizer.encode(["hello"], prompt=side_prompt(m.head, True), side="query")
+    ids, _ = m.tokenizer.encode(["hello"], prompt=m.head.prompts["query"], side="query")
     assert int(ids[0, 1]) & 0xFFFFFF == 30522  # "[Q] " read as the one token PyLate added
 
 
