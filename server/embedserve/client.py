@@ -142,6 +142,18 @@ def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np
     return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def decode_multivector(response: pb.MultiVectorResponse) -> list[np.ndarray]:
+    """MultiVectorResponse → per text, its [tokens, dimension] matrix: float32, or the encoding's
+    bytes (int8, uint8: [tokens, dimension]; binary (int8), ubinary (uint8): [tokens, ceil(dimension / 8)])."""
+    dim, bounds = int(response.dimension), list(response.offsets)
+    if response.quantized or response.encoding != pb.FLOAT:
+        dtype, packed = _QUANTIZED[response.encoding]
+        flat = np.frombuffer(response.quantized, dtype=dtype).reshape(-1, (dim + 7) // 8 if packed else dim)
+    else:
+        flat = np.frombuffer(response.vectors, dtype="<f4").reshape(-1, dim)
+    return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def _pem(path: str | None) -> bytes | None:
     if path is None:
         return None
@@ -275,6 +287,15 @@ class Client:
         """A sparse (SPLADE) model: per text, its non-zero vocabulary ids and their weights."""
         request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name, model=model or self.model)
         return decode_sparse(await self._call("EmbedSparse", request, metadata))
+
+    async def embed_multivector(self, texts: list[str], is_query: bool = False, encoding: str = "float",
+                                truncate: bool | None = None, metadata=None, model: str = "") -> list[np.ndarray]:
+        """A multi-vector (ColBERT) model: per text, its token vectors ([tokens, dimension]), as
+        queries (`is_query`: the query prefix, expanded to the query length) or documents (the
+        document prefix, the skiplist's tokens left out). `encoding`: as embed's, per token vector."""
+        request = pb.MultiVectorRequest(texts=texts, is_query=is_query, encoding=_encoding(encoding),
+                                        model=model or self.model, truncate=truncate)
+        return decode_multivector(await self._call("EmbedMultiVector", request, metadata))
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
                     encoding: str = "float", metadata=None, model: str = "") -> np.ndarray:

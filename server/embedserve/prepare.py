@@ -14,7 +14,9 @@ from embedserve.config import Settings
 from embedserve.model.declared import Head
 from embedserve.model.encoder import task_of
 from embedserve.model.source import resolve
+from embedserve.batching import multivector_tokenization
 from embedserve.batching.tokenization import TextTokenizer, vocab_ids
+from embedserve.model import colbert
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     model_dir: str
-    task: str  # embed | classify | rerank | sparse
+    task: str  # embed | classify | rerank | sparse | multivector
     labels: list[str]  # classify: the label of each logit
     head: Head
     buckets: tuple[int, ...]
@@ -50,7 +52,10 @@ def prepare(s: Settings) -> Prepared:
     said = declared.read(model_dir)
     st_config = declared.st_config(model_dir)
     task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
-                                       sparse=said.splade is not None)
+                                       sparse=said.splade is not None, multivector=said.multivector is not None)
+    if said.multivector is not None:  # PyLate's prefixes made tokens first: the tokenizer serialized below has them
+        colbert.register_prefixes(hf_tok, said.multivector.prefixes)
+        said = dataclasses.replace(said, multivector=said.multivector.resolved(hf_tok))
     act = ""
     if task == "rerank":
         try:
@@ -75,7 +80,8 @@ def prepare(s: Settings) -> Prepared:
     for note in notes:
         log.info("%s", note)
     log.info("serving as declared: %s", head.describe())
-    tokenizer = TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case)
+    tokenizer = (multivector_tokenization.for_model(hf_tok, head.max_length, s.truncate, head.lower_case, head.multivector)
+                 if task == "multivector" else TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case))
     exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(

@@ -76,7 +76,7 @@ class Intake:
         self.estimator.learn_chars_per_token(chars, tokens)
 
     def _encoded(self, requests: list[Texts]) -> list:
-        batch = [(r.texts, r.truncate, r.prompt, r.query) for r in requests]
+        batch = [(r.texts, r.truncate, r.prompt, r.query, r.side) for r in requests]
         try:
             return self.tokenizer.encode_each(batch)
         except Exception:  # texts the tokenizer cannot read broke the whole call: each alone

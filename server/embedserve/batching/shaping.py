@@ -18,6 +18,7 @@ from embedserve.model.declared import Head
 from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
+from embedserve.model.maxsim import maxsim
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
@@ -58,6 +59,7 @@ class Texts(NamedTuple):
     prompt: str
     key: int
     query: str | None = None
+    side: str = ""  # a multi-vector request's: "query" or "document" (embedserve.batching.multivector_tokenization)
 
 
 def content_key(*parts) -> int:
@@ -92,6 +94,17 @@ def pairs_request(query, texts, limits: Limits, truncate: bool | None, head: Hea
     return Texts(texts, truncate, "", content_key("rerank", truncate, *read([query, *texts], limits)), query)
 
 
+def multivector_request(texts, limits: Limits, head: Head | None, truncate: bool | None, is_query: bool) -> Texts:
+    """A multi-vector (ColBERT) model's texts of one side (embedserve.batching.multivector_tokenization
+    reads `side`). The side's prompt as MultiVectorEncoder.encode_query / encode_document pick it:
+    the model's "query" or "document" prompt (its prefix), else none, never the default prompt."""
+    truncate = limits.truncate if truncate is None else truncate
+    texts = validate_texts(texts, limits.max_texts)
+    side = "query" if is_query else "document"
+    prompt = (head.prompts if head else {}).get(side) or ""
+    return Texts(texts, truncate, prompt, content_key(side, truncate, prompt, *read(texts, limits)), side=side)
+
+
 def read(texts: list[str], limits: Limits) -> list[str]:
     """What the tokenizer reads of each text: its first max_length × CHARS_PER_TOKEN_BOUND
     characters (tokenization cuts the rest). A request's key is taken over these: hashing a
@@ -107,9 +120,9 @@ def chars(r: Texts) -> int:
 
 async def tokenize(tokenizer: TextTokenizer, executor: Executor | None, r: Texts) -> tuple[np.ndarray, np.ndarray]:
     if chars(r) <= INLINE_CHARS:  # a thread hop costs more than the work
-        return tokenizer.encode(r.texts, r.truncate, r.prompt, r.query)
+        return tokenizer.encode(r.texts, r.truncate, r.prompt, r.query, r.side)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt, r.query)
+    return await loop.run_in_executor(executor, tokenizer.encode, r.texts, r.truncate, r.prompt, r.query, r.side)
 
 
 def id_lists(rows: list[list[int]], limits: Limits, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,11 +170,14 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
 
 # What to call instead, by the task a server does.
 _USE = {"classify": "POST /classify", "rerank": "Rerank, POST /rerank or /v1/rerank", "embed": "Embed or /v1/embeddings",
-        "sparse": "EmbedSparse or POST /embed_sparse"}
+        "sparse": "EmbedSparse or POST /embed_sparse",
+        "multivector": "EmbedMultiVector or POST /embed_multivector (and Rerank, POST /rerank or /v1/rerank: MaxSim)"}
+# Tasks a server serves besides its own: a multi-vector model reranks (MaxSim).
+_ALSO = {"multivector": ("rerank",)}
 
 
 def require_task(served: str, task: str) -> None:
-    if task != served:
+    if task != served and task not in _ALSO.get(served, ()):
         raise WrongTask(f"this server's model does {served} (TASK={served}), not {task}: use {_USE.get(served, served)}")
 
 
@@ -211,12 +227,16 @@ class PreTokenized(InFlight):
     limits: Limits
     activation: str = ""  # rerank: the cross-encoder's (embedserve.model.activation)
     head: Head | None = None  # prompts, normalize, truncate_dim (None: the simulated device's tests)
+    task: str = "embed"
 
     async def rerank(self, query: str, texts, caller: Caller = Caller(), truncate: bool | None = None,
                      raw_scores: bool = False) -> Result:
         """(query, text) pairs → one score per text, in order: the model's logit, through its
         activation unless `raw_scores`. The pairs are rows like any others (admitted in real tokens,
         bucketed, batched, possibly over several batches)."""
+        if self.task == "multivector":  # late interaction: MaxSim of the two sides' token vectors
+            with self._tracked():
+                return await self._maxsim(query, texts, caller, truncate)
         with self._tracked():
             out = await self._texts(pairs_request(query, texts, self.limits, truncate, self.head), caller)
         # The activation sees each pair's row ([n, 1]), as CrossEncoder applies it: a declared
@@ -245,6 +265,34 @@ class PreTokenized(InFlight):
         batching), each text's row as SparseRows: made sparse per batch on the model worker
         (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
         return await self.embed_texts(texts, caller, truncate, prompt_name)
+
+    async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
+                                truncate: bool | None = None) -> Result:
+        """A multi-vector model's token vectors (task multivector): queries or documents, each
+        text's as embedserve.model.token_rows.TokenRows (prefix and expansion by side at
+        tokenization, embedserve.batching.multivector_tokenization)."""
+        with self._tracked():
+            return await self._texts(multivector_request(texts, self.limits, self.head, truncate, is_query), caller)
+
+    async def _maxsim(self, query: str, texts, caller: Caller, truncate: bool | None) -> Result:
+        """Rerank on a multi-vector model: the query's token vectors and the texts' (as documents;
+        two requests, computed together) → MaxSim scores in text order; usage counts both."""
+        if not isinstance(query, str) or not query or query.isspace():
+            raise InvalidInput("query is empty or whitespace only")
+        documents = multivector_request(texts, self.limits, self.head, truncate, False)
+        asked = asyncio.ensure_future(self._texts(multivector_request([query], self.limits, self.head, truncate, True),
+                                                  caller))
+        asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # read when the documents fail first
+        try:
+            docs = await self._texts(documents, caller)
+        except BaseException:
+            asked.cancel()
+            raise
+        try:
+            q = await asked
+        except InvalidInput as e:  # the query's own refusal, named as the field it came in
+            raise InvalidInput(str(e).replace("texts[0]", "query")) from None
+        return Result(maxsim(q.rows.row(0), docs.rows), q.tokens + docs.tokens)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                           prompt_name: str | None = None) -> Result:

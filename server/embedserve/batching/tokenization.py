@@ -92,12 +92,12 @@ class TextTokenizer:
         return self.encode(texts, truncate, "", query)
 
     def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "",
-               query: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+               query: str | None = None, side: str = "") -> tuple[np.ndarray, np.ndarray]:
         """→ ids [n, longest] int32 (pad id after each row), lengths [n], the prompt's tokens
         included. Over-long texts are cut (truncate, default TRUNCATE) or refused, and texts the
         tokenizer cannot read (a lone surrogate: JSON may carry one) are an InvalidInput too."""
         try:
-            (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt, query)])
+            (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt, query, side)])
         except (TypeError, ValueError) as e:  # the Rust tokenizer's refusal of a str it cannot read
             raise unreadable(e) from None
         if isinstance(result, InvalidInput):
@@ -110,7 +110,8 @@ class TextTokenizer:
         one array), or the InvalidInput it would raise. One text at a time, a tokenizer between
         requests runs with its tables out of the CPU's caches: ~40 us for a short query inside a
         busy server, ~12 us in a loop. A request with a query (not None) is rerank's: its texts are
-        encoded as (query, text) pairs (pair_rows)."""
+        encoded as (query, text) pairs (pair_rows). A fifth field, a multi-vector request's side,
+        is read by embedserve.batching.multivector_tokenization (here: none)."""
         out: list = [None] * len(requests)
         for truncate in (True, False):
             singles, owners = [], []  # owners: (request, its pairs' rows or None, its texts)

@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 
 from embedserve import metrics, tracing
-from embedserve.frontends import ipc
+from embedserve.frontends import ipc, token_rows_ipc
+from embedserve.model.token_rows import TokenRows
 from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
 
@@ -59,7 +60,9 @@ class ModelDoor:
         except KNOWN as e:
             reply = to_wire(e)
         else:
-            if model.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
+            if isinstance(result.rows, TokenRows):  # token vectors (multivector): offsets and vectors
+                reply, data = token_rows_ipc.reply(result.rows, result.tokens)
+            elif model.task == "sparse":  # CSR from the worker on (embedserve.model.sparse_rows)
                 csr = result.rows
                 reply = {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}
                 data = csr.to_bytes()
@@ -83,6 +86,7 @@ def model_hello(m) -> tuple[dict, bytes]:
     if head:
         head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
         head.pop("splade", None)
+        head.pop("multivector", None)  # a multi-vector model's: its prompts are in `prompts`, its lengths in the tokenizer's spec
     q = m.quantization  # int8/uint8's ranges: the calibration's vectors travel in the payload
     calibration = q.calibration if q.calibrated else np.zeros((0, 0), dtype=np.float32)
     return ({"name": m.name, "task": m.task, "labels": m.labels, "activation": m.activation, "head": head,

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from embedserve import __version__, logs, model_list, tracing
-from embedserve.frontends import ipc
+from embedserve.frontends import ipc, token_rows_ipc
+from embedserve.batching.multivector_tokenization import from_spec
 from embedserve.config import Settings, served_model_name
 from embedserve.model.declared import Head
 from embedserve.errors import NotReady, from_wire
@@ -78,6 +79,8 @@ class RemoteService(PreTokenized):
             trace.answered()
         if "error" in reply:
             raise from_wire(reply)
+        if (tokens := token_rows_ipc.rows_of(reply, data)) is not None:  # task multivector: token vectors
+            return Result(tokens, reply["tokens"])
         if "nnz" in reply:  # task sparse: CSR (embedserve.model.sparse_rows)
             return Result(SparseRows.from_bytes(data, reply["rows"], reply["nnz"], reply["dim"]), reply["tokens"])
         return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])
@@ -96,7 +99,7 @@ class RemoteModel:
     def said(self, hello: dict, calibration, link: ipc.Link, settings: Settings, executor) -> None:
         """What the model process said of it (its part of the hello, its calibration's bytes)."""
         head = Head(**{**hello["head"], "pooling": tuple(hello["head"]["pooling"]), "dense": ()}) if hello["head"] else None
-        tokenizer = TextTokenizer(**hello["tokenizer"], truncate=settings.truncate)
+        tokenizer = from_spec(hello["tokenizer"], settings.truncate)  # a multi-vector model's: by side
         self.task, self.labels, self.head = hello["task"], hello["labels"], head
         self.model_dimension = hello["model_dimension"]
         self.quantization = quantization_from(hello["quantization"], calibration)

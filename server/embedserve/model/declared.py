@@ -17,6 +17,7 @@ from pathlib import Path
 # Pooling modes sentence-transformers offers for encoders (its names; "last" is our old alias),
 # kept with the settings that name them.
 from embedserve.config import POOLING_ALIASES as ALIASES, POOLING_MODES
+from embedserve.model import colbert
 
 _LEGACY_POOLING = {  # sentence-transformers < 6 saved one boolean per mode, in this order
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
@@ -57,6 +58,7 @@ class Declared:
     # `truncate_dim` in config_sentence_transformers.json, beside the prompts.
     truncate_dim: int | None = None
     splade: "Splade | None" = None  # a SparseEncoder (MLM transformer + SpladePooling)
+    multivector: "colbert.MultiVector | None" = None  # a MultiVectorEncoder, or PyLate's ColBERT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Head:
     default_prompt_name: str | None
     truncate_dim: int | None = None  # dimensions served by default (None: all)
     splade: Splade | None = None  # task sparse: how the MLM logits are pooled
+    multivector: "colbert.MultiVector | None" = None  # task multivector: its token vectors' declaration
 
     def prompt(self, name: str | None) -> str:
         """The text put before each input: `name`'s prompt, else the default one, else none.
@@ -105,7 +108,7 @@ class Head:
 
     def describe(self) -> dict:
         splade = self.splade
-        return {"pooling": f"splade_{splade.strategy}" if splade else "+".join(self.pooling),
+        return {"pooling": f"splade_{splade.strategy}" if splade else "tokens" if self.multivector else "+".join(self.pooling),
                 "normalize": self.normalize, "max_length": self.max_length,
                 "dense_layers": len(self.dense), "prompts": sorted(self.prompts),
                 "default_prompt_name": self.default_prompt_name or "", "truncate_dim": self.truncate_dim or 0}
@@ -171,6 +174,13 @@ def read(model_dir: str | Path) -> Declared:
     st = _json(root / "config_sentence_transformers.json") or {}
     if (splade := _splade(modules, root, st)) is not None:
         return dataclasses.replace(_prompted(root, st), splade=splade, pooling=())
+    try:
+        multivector = colbert.read(root, modules, st)
+    except colbert.Unserved as e:
+        raise DeclarationError(str(e)) from None
+    if multivector is not None:  # its prompts: the query and document prefixes (PyLate's composed in)
+        return dataclasses.replace(_prompted(root, {**st, "prompts": multivector.prompts}),
+                                   multivector=multivector, pooling=(), normalize=multivector.normalize)
     pooling, include_prompt, dense, normalize = ("mean",), True, [], False
     unsupported = []
     for i, module in enumerate(modules):
@@ -221,6 +231,11 @@ def for_task(declared: Declared, task: str) -> Declared:
         return dataclasses.replace(declared, splade=Splade(), pooling=())
     if task != "sparse" and declared.splade is not None:
         raise DeclarationError(f"TASK={task}: this model is a SparseEncoder (SPLADE), served as TASK=sparse")
+    if task == "multivector" and declared.multivector is None:
+        raise DeclarationError("TASK=multivector: this model declares no multi-vector modules (a sentence-transformers "
+                               "MultiVectorEncoder, or PyLate's ColBERT)")
+    if task != "multivector" and declared.multivector is not None:
+        raise DeclarationError(f"TASK={task}: this model is a multi-vector (ColBERT) model, served as TASK=multivector")
     return declared
 
 
@@ -233,6 +248,8 @@ def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_
     → (head, log lines)."""
     notes = []
     modes = declared.pooling
+    if declared.multivector is not None and (pooling or normalize is not None):
+        raise DeclarationError("POOLING and NORMALIZE do not apply to a multi-vector model (its token vectors, as declared)")
     if declared.splade is not None and (pooling or normalize):
         raise DeclarationError("POOLING and NORMALIZE do not apply to a SparseEncoder (SPLADE pooling, never normalized)")
     if pooling:
@@ -253,5 +270,6 @@ def resolve(declared: Declared, pooling: str, normalize: bool | None, tokenizer_
         notes.append("no sentence-transformers modules.json: mean pooling, no normalization "
                      "(as SentenceTransformer serves a plain checkpoint)")
     head = Head(modes, norm, declared.dense, min(model_max, largest_bucket), declared.do_lower_case,
-                dict(declared.prompts), declared.default_prompt_name, declared.truncate_dim, declared.splade)
+                dict(declared.prompts), declared.default_prompt_name, declared.truncate_dim, declared.splade,
+                declared.multivector)
     return head, notes

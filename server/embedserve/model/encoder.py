@@ -17,7 +17,9 @@ from embedserve.model.declared import Head
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
 from embedserve.model.sparse_rows import SparseRows, to_csr
+from embedserve.model.token_rows import TokenRows
 from embedserve.model.splade import splade_pool
+from embedserve.model.token_head import TokenHead, kept_rows
 from embedserve.model.batches import Batch
 
 log = logging.getLogger(__name__)
@@ -97,11 +99,14 @@ class Encoder:
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
         self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
         self.splade = head.splade if task == "sparse" else None
+        # multivector: token vectors (embedserve.model.token_head), its declaration's settings.
+        self.tokens = TokenHead.declared(head.multivector).to(placement.device).eval() if task == "multivector" else None
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
         self.dim = (int(self.model.config.num_labels) if task in SCORING else
-                    int(self.model.config.vocab_size) if self.splade else self.pooler.output_dim(hidden))
+                    int(self.model.config.vocab_size) if self.splade else
+                    self.tokens.output_dim(hidden) if self.tokens else self.pooler.output_dim(hidden))
         # A cross-encoder (rerank) of token types reads its pairs' second segments as type 1.
         types = int(getattr(self.model.config, "type_vocab_size", 1) or 1)
         self.sep_id = sep_id if task == "rerank" and types > 1 and sep_id is not None else None
@@ -186,10 +191,12 @@ class Encoder:
             return self.model(input_ids=ids, attention_mask=mask, **types).logits.float()
         if self.splade is not None:
             return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
+        if self.tokens is not None:
+            return self.tokens(self.model, ids, mask)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.pooler(hidden, ids, mask)
 
-    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows:
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | TokenRows:
         dev = self.placement.device
         if isinstance(batch, PackedBatch) != (self.attention == "packed"):
             raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
@@ -203,7 +210,10 @@ class Encoder:
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
-            out = self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+            out = self._forward(*tensors, *extra)[: batch.rows].cpu()
+        if self.tokens is not None:  # each row's kept token vectors only, cut out on the worker's thread
+            return kept_rows(out)
+        out = out.numpy()
         # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
         # holds its rows dense (embedserve.model.sparse_rows).
         return to_csr(out) if self.splade is not None else out
@@ -230,8 +240,10 @@ def token_types(ids: torch.Tensor, mask: torch.Tensor, sep_id: int) -> torch.Ten
     return ((before > 0) & mask.bool()).to(ids.dtype)
 
 
-def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False) -> str:
+def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False,
+            multivector: bool = False) -> str:
     """TASK auto → what the checkpoint is: a declared SparseEncoder (`sparse`) is sparse; a
+    declared MultiVectorEncoder or PyLate ColBERT model (`multivector`) is multivector; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
     classifies; anything else embeds. TASK=rerank
@@ -250,6 +262,8 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
         return requested
     if sparse:
         return "sparse"
+    if multivector:
+        return "multivector"
     if classifier:
         return "rerank" if labels == 1 else "classify"
     return "embed"

@@ -15,7 +15,7 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import addresses, drain, encodings, grpc_budget, outcomes
+from embedserve.transports import addresses, drain, encodings, grpc_budget, multivector_wire, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -82,6 +82,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                   prompt_name=request.prompt_name or None)
 
         return await self._call("EmbedSparse", request, context, run, lambda m: self._sparse_response, task="sparse")
+
+    async def EmbedMultiVector(self, request, context):
+        """A multi-vector (ColBERT) model's token vectors, of queries or documents (is_query)."""
+        truncate = request.truncate if request.HasField("truncate") else None
+
+        def respond(model):
+            encoding = _encoding(request.encoding)
+            multivector_wire.check_encoding(encoding, json_text=False)
+            normalized = bool(model.service.head and model.service.head.normalize)
+            return lambda rows: multivector_wire.multivector_response(rows, encoding, model.quantization, normalized,
+                                                                      self._max_reply_bytes)
+
+        return await self._call(
+            "EmbedMultiVector", request, context,
+            lambda s, who: s.embed_multivector(request.texts, request.is_query, who, truncate), respond,
+            task="multivector")
 
     async def Rerank(self, request, context):
         truncate = request.truncate if request.HasField("truncate") else None

@@ -20,7 +20,7 @@ from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
-from embedserve.transports import (budget, encodings, http_classify, http_models, http_quantization, http_rerank, http_sparse, http_tei,
+from embedserve.transports import (budget, encodings, http_classify, http_models, http_multivector, http_quantization, http_rerank, http_sparse, http_tei,
                                    json_reply, outcomes)
 from embedserve.transports.http_models import Addressed
 from embedserve.transports.http_errors import error_reply
@@ -186,7 +186,7 @@ STARTING_RETRY_AFTER_S = 5
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
-                       "/v1/rerank", http_quantization.PATH)) | http_tei.PATHS
+                       "/v1/rerank", http_quantization.PATH, http_multivector.PATH)) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 BODY_PATHS = API_PATHS - {"/v1/models"}  # routes that read a JSON body (their budget: install_routes)
 ID_PATHS = frozenset(("/decode",))  # of which token ids only
@@ -243,7 +243,7 @@ def install_routes(app: FastAPI, hub: Hub) -> None:
     for task, view in {v.task: v for v in reversed(views[1:])}.items():  # the first of each task
         if task == "embed" and "/v1/embeddings" not in installed:
             _openai_route(router, view, http_models.service_of(view))
-        elif task == "rerank" and "/v1/rerank" not in installed:
+        elif task in ("rerank", "multivector") and "/v1/rerank" not in installed:
             http_rerank.install_v1(router, view, http_models.service_of(view), _caller, ERRORS, _error)
     refusals(router, {r.path for r in router.routes}, http_models.service_of(default))
     for view in views if http_models.names(hub) else ():
@@ -273,6 +273,10 @@ def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
                             _prompt_field(server, PROMPT_DOC), ERRORS)
     elif server.task == "rerank":
         http_rerank.install(router, server, service, _caller, ERRORS, _error)
+    elif server.task == "multivector":  # its token vectors, and rerank by MaxSim (/ is its embedding route)
+        http_multivector.install(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
+                                 ERRORS)
+        http_rerank.install(router, server, service, _caller, ERRORS, _error, root=False)
     else:
         _embed_routes(router, server, service)
     http_tei.install_tokenizer(router, server, service, lambda description: _prompt_field(server, description), ERRORS)
@@ -282,7 +286,7 @@ def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
 # Each task's own paths. A server answers another task's with 400 naming what to use (WrongTask),
 # not 404: the caller reached the right service for the wrong model.
 TASK_PATHS = {"embed": ("/embed", "/v1/embeddings", "/similarity"), "classify": ("/classify",),
-              "rerank": ("/rerank", "/v1/rerank"), "sparse": ("/embed_sparse",)}
+              "rerank": ("/rerank", "/v1/rerank"), "sparse": ("/embed_sparse",), "multivector": (http_multivector.PATH,)}
 
 
 def refusals(router: APIRouter, installed: set[str], service) -> None:

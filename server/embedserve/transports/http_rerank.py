@@ -107,10 +107,10 @@ def _echo_fits(texts: list[str], limit: int) -> None:
 
 
 def install(router: APIRouter, server: Hub, service: Callable, caller: Callable, errors: dict,
-            error: Callable) -> None:
+            error: Callable, root: bool = True) -> None:
     """A reranking server's routes (another task's paths answer 400: http_api.refusals).
     `caller`, `errors`, `error`: http_api's request → Caller, error responses for the schema, and
-    JSON error response."""
+    JSON error response. `root`: TEI's / is rerank's too (a multi-vector server's / embeds)."""
     most = min(MAX_ITEMS, server.settings.max_texts_per_request)
     tei_request = create_model("TeiRerankRequest", __base__=TeiRerankRequest, texts=(
         _items(Text, most), Field(description=TeiRerankRequest.model_fields["texts"].description)))
@@ -123,7 +123,7 @@ def install(router: APIRouter, server: Hub, service: Callable, caller: Callable,
         return [Rank(index=i, score=s, text=body.texts[i] if body.return_text else None) for i, s in ranked(out.rows)]
 
     rerank.__annotations__.update(body=tei_request, request=Request)  # classes made here, not names
-    for path, summary in (("/rerank", "Rerank"), ("/", "Rerank (TEI's /)")):
+    for path, summary in (("/rerank", "Rerank"), ("/", "Rerank (TEI's /)"))[: 2 if root else 1]:
         router.post(path, response_model=list[Rank], response_model_exclude_none=True, responses=errors,
                     summary=summary)(rerank)
 

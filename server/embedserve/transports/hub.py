@@ -33,6 +33,10 @@ class Service(Protocol):
                            prompt_name: str | None = None) -> Result:
         """Task sparse: rows as embedserve.model.sparse_rows.SparseRows."""
 
+    async def embed_multivector(self, texts: list[str], is_query: bool, caller: Caller = ...,
+                                truncate: bool | None = None) -> Result:
+        """Task multivector: rows as embedserve.model.token_rows.TokenRows."""
+
     async def infer(self, input_ids: bytes, attention_mask: bytes, shape, caller: Caller = ...) -> Result: ...
 
     async def infer_ids(self, rows: list[list[int]], caller: Caller = ...) -> Result: ...
@@ -50,7 +54,7 @@ class Model(Protocol):
 
     served_name: str  # its id on every transport (OpenAI's `model`, gRPC's `model`, /models/<name>/)
     service: Service | None  # None until the model is ready
-    task: str  # embed, classify, rerank or sparse
+    task: str  # embed, classify, rerank, sparse or multivector
     labels: list[str]  # a classifier's, in output order
     activation: str  # classify, rerank: the logits' activation (embedserve.model.activation)
     head: Head | None  # how the model is served (prompts, normalize), once known
