@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from embedserve.model import activation, declared
+from embedserve.model import activation, declared, llm_prompt, llm_rerank
 from embedserve.model import simulated
 from embedserve.config import Settings
 from embedserve.model.declared import Head
@@ -51,15 +51,17 @@ def prepare(s: Settings) -> Prepared:
     hf_tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=s.trust_remote_code)
     said = declared.read(model_dir)
     st_config = declared.st_config(model_dir)
+    score = None if sim else llm_rerank.read(model_dir, config, hf_tok, s.task)  # an LLM reranker's answer tokens
     task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
-                                       sparse=said.splade is not None, multivector=said.multivector is not None)
+                                       sparse=said.splade is not None, multivector=said.multivector is not None,
+                                       llm_reranker=score is not None)
     if said.multivector is not None:  # PyLate's prefixes made tokens first: the tokenizer serialized below has them
         colbert.register_prefixes(hf_tok, said.multivector.prefixes)
         said = dataclasses.replace(said, multivector=said.multivector.resolved(hf_tok))
     act = ""
     if task == "rerank":
         try:
-            act, act_notes = activation.resolve(st_config, config.to_dict(), int(config.num_labels))
+            act, act_notes = activation.resolve(st_config, config.to_dict(), 1 if score else int(config.num_labels))
         except activation.ActivationError as e:
             raise declared.DeclarationError(str(e)) from None
         for note in act_notes:
@@ -80,8 +82,12 @@ def prepare(s: Settings) -> Prepared:
     for note in notes:
         log.info("%s", note)
     log.info("serving as declared: %s", head.describe())
+    # An LLM reranker: its answer tokens in the head (the Encoder reads them), its pairs as prompts.
+    head, pair_prompt = (llm_prompt.for_model(model_dir, hf_tok, config.model_type, dataclasses.replace(
+        head, logit_score=score)) if score else (head, None))
     tokenizer = (multivector_tokenization.for_model(hf_tok, head.max_length, s.truncate, head.lower_case, head.multivector)
-                 if task == "multivector" else TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case))
+                 if task == "multivector" else
+                 TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case, pair_prompt))
     exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):
         raise declared.DeclarationError(

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, normalizers
 # more than this are tokenized differently, and those are cut either way.
 from embedserve.config import CHARS_PER_TOKEN_BOUND
 from embedserve.errors import InvalidInput
+from embedserve.batching.prompted_pairs import Pieces, PromptedPairs
 
 # Characters per token a text may show: from a symbol or CJK character split into byte tokens, to
 # the bound at which texts are cut before tokenizing anyway.
@@ -45,9 +46,11 @@ def _lowercasing(tok: Tokenizer) -> None:
 
 class TextTokenizer:
     def __init__(self, tokenizer_json: str, pad_id: int, vocab_size: int, max_length: int, truncate: bool,
-                 lower_case: bool = False):
+                 lower_case: bool = False, pair_prompt: dict | None = None):
         """`tokenizer_json`: the model's Rust tokenizer, serialized (a front end gets it from the
-        model process: no model files, no transformers, no torch there)."""
+        model process: no model files, no transformers, no torch there). `pair_prompt`: an LLM
+        reranker's chat-template pieces (embedserve.batching.prompted_pairs.Pieces as a dict):
+        its pairs are rows of that prompt instead of the tokenizer's pair encoding."""
         # Private copies with our settings instead of the model repo's: no padding; one cuts at
         # max_length, the other one past it, to detect over-long input.
         def copy(limit: int) -> Tokenizer:
@@ -75,15 +78,19 @@ class TextTokenizer:
             self.pair_specials = sum(map(len, self._template))
         except Exception:  # noqa: BLE001 - such a model never reranks (rerank needs a pair encoding)
             self._template, self.pair_specials = None, 2 * self.specials
+        self._prompted = PromptedPairs(Pieces(**pair_prompt), self._bare, max_length) if pair_prompt else None
+        if self._prompted is not None:  # a pair's own tokens are the prompt's
+            self.pair_specials = self._prompted.overhead
         self.pad_id, self.vocab_size = pad_id, vocab_size
         self.spec = {"tokenizer_json": tokenizer_json, "pad_id": pad_id, "vocab_size": vocab_size,
-                     "max_length": max_length, "lower_case": lower_case}
+                     "max_length": max_length, "lower_case": lower_case, "pair_prompt": pair_prompt}
 
     @classmethod
-    def from_hf(cls, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False) -> "TextTokenizer":
+    def from_hf(cls, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False,
+                pair_prompt: dict | None = None) -> "TextTokenizer":
         pad = hf_tokenizer.pad_token_id
         return cls(hf_tokenizer.backend_tokenizer.to_str(), int(pad if pad is not None else 0), len(hf_tokenizer),
-                   max_length, truncate, lower_case)
+                   max_length, truncate, lower_case, pair_prompt)
 
     def encode_pairs(self, query: str, texts: list[str], truncate: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(query, text) pairs → what `encode` returns, one row per text: the Rust tokenizer's pair
@@ -122,7 +129,9 @@ class TextTokenizer:
                     prepared = self._prepared(request_texts, truncate, prompt)
                     if query and query[0] is not None:
                         (q,) = self._prepared([query[0]], truncate, "", "query")
-                        owners.append((i, self.pair_rows(q, prepared, truncate), len(prepared)))
+                        rows = (self._prompted.rows(q, prepared, truncate, groups) if self._prompted is not None
+                                else self.pair_rows(q, prepared, truncate))
+                        owners.append((i, rows, len(prepared)))
                         continue
                 except InvalidInput as e:
                     out[i] = e

@@ -87,6 +87,7 @@ def model_hello(m) -> tuple[dict, bytes]:
         head["dense"] = []  # the model process runs the head; front ends only read prompts and lengths
         head.pop("splade", None)
         head.pop("multivector", None)  # a multi-vector model's: its prompts are in `prompts`, its lengths in the tokenizer's spec
+        head.pop("logit_score", None)  # an LLM reranker's answer tokens: the model process scores
     q = m.quantization  # int8/uint8's ranges: the calibration's vectors travel in the payload
     calibration = q.calibration if q.calibrated else np.zeros((0, 0), dtype=np.float32)
     return ({"name": m.name, "task": m.task, "labels": m.labels, "activation": m.activation, "head": head,

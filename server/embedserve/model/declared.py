@@ -86,6 +86,8 @@ class Head:
     truncate_dim: int | None = None  # dimensions served by default (None: all)
     splade: Splade | None = None  # task sparse: how the MLM logits are pooled
     multivector: "colbert.MultiVector | None" = None  # task multivector: its token vectors' declaration
+    # An LLM reranker's answer tokens (embedserve.model.llm_rerank.LogitScore; None: not one).
+    logit_score: object | None = None
 
     def prompt(self, name: str | None) -> str:
         """The text put before each input: `name`'s prompt, else the default one, else none.
@@ -187,6 +189,8 @@ def read(model_dir: str | Path) -> Declared:
         kind = module["type"].rsplit(".", 1)[-1]
         path = root / module.get("path", "")
         if kind == "Transformer" and i == 0:
+            continue
+        if kind == "LogitScore":  # an LLM reranker's score: read by embedserve.model.llm_rerank
             continue
         if kind == "Pooling":
             config = _json(path / "config.json") or {}

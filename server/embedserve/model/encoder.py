@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import torch
 
-from embedserve.model import varlen
+from embedserve.model import llm_rerank, varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
@@ -76,14 +76,17 @@ class Encoder:
 
     def __init__(self, model_dir: str, settings: Settings, placement: Placement, exclude_ids: list[int],
                  task: str = "embed", head: Head | None = None, sep_id: int | None = None):
-        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         self.placement = placement
         self.settings = settings
         self.task = task
         if placement.device.type == "cuda":  # cuda:N: this (the worker's) thread loads and captures there
             torch.cuda.set_device(placement.device)
-        loader = (AutoModelForSequenceClassification if task in SCORING else
+        # An LLM reranker (embedserve.model.llm_rerank): a causal LM, scored from its LM head's rows.
+        self.logit_score = head.logit_score if head is not None and task == "rerank" else None
+        loader = (AutoModelForCausalLM if self.logit_score is not None else
+                  AutoModelForSequenceClassification if task in SCORING else
                   AutoModelForMaskedLM if task == "sparse" else AutoModel)
 
         def load(**extra):
@@ -104,7 +107,7 @@ class Encoder:
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
-        self.dim = (int(self.model.config.num_labels) if task in SCORING else
+        self.dim = (1 if self.logit_score is not None else int(self.model.config.num_labels) if task in SCORING else
                     int(self.model.config.vocab_size) if self.splade else
                     self.tokens.output_dim(hidden) if self.tokens else self.pooler.output_dim(hidden))
         # A cross-encoder (rerank) of token types reads its pairs' second segments as type 1.
@@ -113,6 +116,8 @@ class Encoder:
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
+        if self.logit_score is not None:
+            llm_rerank.check(self.model, self.logit_score, placement.device, placement.dtype)
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
@@ -171,7 +176,9 @@ class Encoder:
             return f"packed rows fail on this model ({type(e).__name__}: {e})"
         # Per row, the error's length relative to the vector's: blind to scale (unnormalized
         # models) and to where in the vector bf16 rounds; attending across rows is far above it.
-        error = float(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max())
+        # One score per row (an LLM reranker's) has no scale of its own near 0: the rows' largest.
+        scale = want.norm(dim=-1) if want.shape[-1] > 1 else want.abs().max().expand(want.shape[0])
+        error = float(((got - want).norm(dim=-1) / scale.clamp(min=1e-6)).max())
         tolerance = 5e-2 if self.placement.dtype in varlen.HALF else 1e-4
         if not error <= tolerance:  # NaN fails too
             return f"packed rows differ from padded rows by {error:.3g} (relative, per row; > {tolerance})"
@@ -180,12 +187,17 @@ class Encoder:
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_len: int) -> torch.Tensor:
         """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
+        if self.logit_score is not None:
+            return llm_rerank.packed(self.model, self.logit_score, ids, positions + self.position_offset, cu_seqlens,
+                                     max_len)
         hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
                             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
                             max_length_k=max_len).last_hidden_state[0]
         return self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.logit_score is not None:
+            return llm_rerank.padded(self.model, self.logit_score, ids, mask)
         if self.task in SCORING:
             types = {} if self.sep_id is None else {"token_type_ids": token_types(ids, mask, self.sep_id)}
             return self.model(input_ids=ids, attention_mask=mask, **types).logits.float()
@@ -241,13 +253,16 @@ def token_types(ids: torch.Tensor, mask: torch.Tensor, sep_id: int) -> torch.Ten
 
 
 def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False,
-            multivector: bool = False) -> str:
+            multivector: bool = False, llm_reranker: bool = False) -> str:
     """TASK auto → what the checkpoint is: a declared SparseEncoder (`sparse`) is sparse; a
     declared MultiVectorEncoder or PyLate ColBERT model (`multivector`) is multivector; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
-    classifies; anything else embeds. TASK=rerank
+    classifies; anything else embeds. An LLM reranker (`llm_reranker`: declared, or TASK=rerank on a
+    *ForCausalLM: embedserve.model.llm_rerank.read decides) reranks. TASK=rerank
     on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
+    if llm_reranker:
+        return "rerank"
     labels = int(getattr(config, "num_labels", 0) or 0)
     architectures = getattr(config, "architectures", None) or []
     classifier = any(a.endswith("ForSequenceClassification") for a in architectures)

@@ -48,11 +48,13 @@ def unsupported(config, task: str, device_type: str, dtype: torch.dtype,
                 capability: tuple[int, int] | None = None, longest: int = 512) -> str | None:
     """Why this model cannot run packed rows on this device (None: it can); `longest`: the longest
     row served (the largest bucket). Pure."""
-    if task != "embed":
+    architectures = getattr(config, "architectures", None) or []
+    # An LLM reranker reads its rows' last tokens, as last-token pooling does (embedserve.model.llm_rerank).
+    llm_reranker = task == "rerank" and any(a.endswith("ForCausalLM") for a in architectures)
+    if task != "embed" and not llm_reranker:
         head = {"classify": "a classifier's head", "sparse": "SPLADE's masked-LM head"}.get(task, f"a {task} head")
         return f"packed rows serve embeddings; {head} reads padded rows"
     kind = getattr(config, "model_type", "")
-    architectures = getattr(config, "architectures", None) or []
     if kind not in CAUSAL and (kind in DECODER_TYPES or any(a.endswith("ForCausalLM") for a in architectures)):
         return (f"model type {kind!r} is a decoder this server does not pack (packed rows: "
                 f"{', '.join(POSITION_OFFSET)})")
