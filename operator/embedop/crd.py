@@ -111,7 +111,7 @@ ONE_MODEL = model_fields(
     "has fetched is read back with no hub call (a branch stays at the commit first fetched): set this to move a fleet "
     "to another commit.",
     "What the servers serve (TASK): embed (vectors), rerank (query-document scores of a cross-encoder), sparse (SPLADE "
-    "vectors) or classify (labels). Unset: the server infers it from the model's files. status.task says what the pods "
+    "vectors), classify (labels) or bgem3 (BGE-M3: dense, sparse and ColBERT vectors of one pass). Unset: the server infers it from the model's files. status.task says what the pods "
     "serve; a disagreement with this is the TaskMismatch condition.",
     "How token states become one vector. Unset fields serve the model as its authors declared it (sentence-transformers "
     "modules.json, 1_Pooling, Dense, Normalize), as SentenceTransformer(model).encode does.")
@@ -301,7 +301,7 @@ STATUS = obj("Observed state, written by the operator.", {
     "estimatedDrainMs": number("Largest backlog drain time among the replicas: a pod's device time queued (with spec.models, the sum over its models of queued tokens over service rate), in ms."),
     "lastScaleTime": string("When the operator last changed the replica count.", format="date-time"),
     "lastScaleReason": string("Why it did."),
-    "task": string("The task the pods serve (embed, rerank, sparse or classify), from the task label of their "
+    "task": string("The task the pods serve (embed, rerank, sparse, classify or bgem3), from the task label of their "
                    "embedfleet_model_info (mode operator, where the operator scrapes them); with spec.models, each "
                    "model's task in their order, joined by commas (e.g. embed,sparse,rerank)."),
     "modelSummary": string("What the service serves, for the Model column: spec.model, or spec.models' count and "

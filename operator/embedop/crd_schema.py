@@ -76,7 +76,7 @@ def int_or_percent(description: str, default) -> dict:
 
 
 # What a server may be told to serve (its TASK setting, besides auto: the server infers it).
-TASKS = ("embed", "rerank", "sparse", "classify")
+TASKS = ("embed", "rerank", "sparse", "classify", "bgem3")
 POOLING_PATTERN = r"^(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens)(\+(cls|mean|max|lasttoken|weightedmean|mean_sqrt_len_tokens))*$"
 
 

@@ -142,6 +142,25 @@ def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np
     return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+class M3Result(NamedTuple):
+    """Client.embed_m3: each output asked, None where not asked."""
+    dense: np.ndarray | None  # [texts, dimensions]
+    sparse: list[tuple[np.ndarray, np.ndarray]] | None  # per text (vocabulary ids, weights)
+    colbert: list[np.ndarray] | None  # per text [tokens, dim]
+
+
+def decode_multivector(response: pb.MultiVectorResponse) -> list[np.ndarray]:
+    """MultiVectorResponse → per text its token vectors: float32 [tokens, dimension], or the
+    encoding's rows as decode_embeddings gives them."""
+    bounds, dim = list(response.offsets), int(response.dimension)
+    if response.encoding == pb.FLOAT:
+        vectors = np.frombuffer(response.vectors, dtype="<f4").reshape(-1, dim)
+    else:
+        dtype, packed = _QUANTIZED[response.encoding]
+        vectors = np.frombuffer(response.quantized, dtype=dtype).reshape(-1, (dim + 7) // 8 if packed else dim)
+    return [vectors[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def _pem(path: str | None) -> bytes | None:
     if path is None:
         return None
@@ -275,6 +294,22 @@ class Client:
         """A sparse (SPLADE) model: per text, its non-zero vocabulary ids and their weights."""
         request = pb.EmbedRequest(texts=texts, prompt_name=prompt_name, model=model or self.model)
         return decode_sparse(await self._call("EmbedSparse", request, metadata))
+
+    async def embed_m3(self, texts: list[str], outputs=("dense", "sparse", "colbert"), dimensions: int = 0,
+                       encoding: str = "float", prompt_name: str = "", metadata=None, model: str = "") -> "M3Result":
+        """A BGE-M3 model (task bgem3): the `outputs` asked ("dense", "sparse", "colbert") of one
+        pass; the others None in the result. dense as `embed` returns it; sparse as `embed_sparse`;
+        colbert per text its token vectors ([tokens, dim] float32, or in `encoding` as dense rows)."""
+        names = {"dense": pb.DENSE, "sparse": pb.SPARSE, "colbert": pb.MULTIVECTOR}
+        unknown = [o for o in outputs if o not in names]
+        if unknown:
+            raise ValueError(f"outputs {unknown}: expected any of {', '.join(names)}")
+        request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name,
+                                  model=model or self.model, outputs=[names[o] for o in outputs])
+        response = await self._call("Embed", request, metadata)
+        return M3Result(decode_embeddings(response) if "dense" in outputs else None,
+                        decode_sparse(response.sparse) if "sparse" in outputs else None,
+                        decode_multivector(response.multivector) if "colbert" in outputs else None)
 
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
                     encoding: str = "float", metadata=None, model: str = "") -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from embedserve.model import activation, declared
+from embedserve.model import activation, declared, m3
 from embedserve.model import simulated
 from embedserve.config import Settings
 from embedserve.model.declared import Head
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     model_dir: str
-    task: str  # embed | classify | rerank | sparse
+    task: str  # embed | classify | rerank | sparse | bgem3
     labels: list[str]  # classify: the label of each logit
     head: Head
     buckets: tuple[int, ...]
@@ -50,7 +50,10 @@ def prepare(s: Settings) -> Prepared:
     said = declared.read(model_dir)
     st_config = declared.st_config(model_dir)
     task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
-                                       sparse=said.splade is not None)
+                                       sparse=said.splade is not None, m3=m3.has_heads(model_dir))
+    if task == "bgem3" and not m3.has_heads(model_dir):
+        raise declared.DeclarationError(f"TASK=bgem3 needs BGE-M3's heads beside the checkpoint: {m3.SPARSE_FILE} "
+                                        f"and {m3.COLBERT_FILE} (state dicts saved with torch.save)")
     act = ""
     if task == "rerank":
         try:
@@ -72,6 +75,10 @@ def prepare(s: Settings) -> Prepared:
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
         getattr(config, "max_position_embeddings", None), s.buckets[-1])
+    if task == "bgem3":  # its dense vector is CLS, normalized (embedserve.model.m3), whatever else is declared
+        head = dataclasses.replace(head, pooling=("cls",), normalize=True, dense=())
+        notes = [n for n in notes if "modules.json" not in n] + ["bgem3: dense = CLS, normalized; sparse and ColBERT "
+                                                                 "from sparse_linear.pt and colbert_linear.pt"]
     for note in notes:
         log.info("%s", note)
     log.info("serving as declared: %s", head.describe())

@@ -130,7 +130,7 @@ def test_every_task_is_accepted(task):
     obj = load("minimal.yaml")
     obj["spec"]["task"] = task
     jsonschema.validate(obj, strict(schema()))
-    assert schema()["properties"]["spec"]["properties"]["task"]["enum"] == ["embed", "rerank", "sparse", "classify"]
+    assert schema()["properties"]["spec"]["properties"]["task"]["enum"] == ["embed", "rerank", "sparse", "classify", "bgem3"]
 
 
 @pytest.mark.parametrize("label, mutate, message", BAD, ids=[b[0] for b in BAD])

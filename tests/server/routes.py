@@ -10,7 +10,7 @@ import json
 
 import starlette.routing
 
-TASKS = ("embed", "classify", "rerank", "sparse")
+TASKS = ("embed", "classify", "rerank", "sparse", "bgem3")
 
 
 def walk(routes, prefix: str = ""):

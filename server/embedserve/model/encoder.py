@@ -14,6 +14,8 @@ from embedserve.model import varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
+from embedserve.model.m3 import M3Heads, unused_ids
+from embedserve.model.m3_rows import M3Rows
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
 from embedserve.model.sparse_rows import SparseRows, to_csr
@@ -97,11 +99,14 @@ class Encoder:
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
         self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
         self.splade = head.splade if task == "sparse" else None
+        # BGE-M3 (task bgem3): its sparse and ColBERT heads beside the encoder (embedserve.model.m3).
+        self.m3 = self._m3_heads(model_dir) if task == "bgem3" else None
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
         self.dim = (int(self.model.config.num_labels) if task in SCORING else
-                    int(self.model.config.vocab_size) if self.splade else self.pooler.output_dim(hidden))
+                    int(self.model.config.vocab_size) if self.splade else
+                    hidden if self.m3 is not None else self.pooler.output_dim(hidden))
         # A cross-encoder (rerank) of token types reads its pairs' second segments as type 1.
         types = int(getattr(self.model.config, "type_vocab_size", 1) or 1)
         self.sep_id = sep_id if task == "rerank" and types > 1 and sep_id is not None else None
@@ -172,6 +177,15 @@ class Encoder:
             return f"packed rows differ from padded rows by {error:.3g} (relative, per row; > {tolerance})"
         return None
 
+    def _m3_heads(self, model_dir: str) -> M3Heads:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=self.settings.trust_remote_code)
+        self.m3_unused = np.asarray(unused_ids(tokenizer), dtype=np.int64)
+        self.m3_vocab = int(self.model.config.vocab_size)
+        heads = M3Heads.load(model_dir, int(self.model.config.hidden_size))
+        return heads.to(self.placement.device, self.placement.dtype).eval()
+
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_len: int) -> torch.Tensor:
         """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
@@ -187,9 +201,9 @@ class Encoder:
         if self.splade is not None:
             return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return self.pooler(hidden, ids, mask)
+        return self.m3(hidden, mask) if self.m3 is not None else self.pooler(hidden, ids, mask)
 
-    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows:
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | M3Rows:
         dev = self.placement.device
         if isinstance(batch, PackedBatch) != (self.attention == "packed"):
             raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
@@ -202,8 +216,12 @@ class Encoder:
                 tensors = tuple(t.pin_memory() for t in tensors)
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
+            out = self._forward(*tensors, *extra)
+            if self.m3 is not None:  # padded rows only (varlen declines the task)
+                return self.m3.unpack(out, batch.input_ids, batch.attention_mask, batch.rows, self.m3_vocab,
+                                      self.m3_unused)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
-            out = self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+            out = out[: batch.rows].cpu().numpy()
         # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
         # holds its rows dense (embedserve.model.sparse_rows).
         return to_csr(out) if self.splade is not None else out
@@ -230,11 +248,11 @@ def token_types(ids: torch.Tensor, mask: torch.Tensor, sep_id: int) -> torch.Ten
     return ((before > 0) & mask.bool()).to(ids.dtype)
 
 
-def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False) -> str:
+def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False, m3: bool = False) -> str:
     """TASK auto → what the checkpoint is: a declared SparseEncoder (`sparse`) is sparse; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
-    classifies; anything else embeds. TASK=rerank
+    classifies; BGE-M3's head files beside an encoder (`m3`) make it bgem3; anything else embeds. TASK=rerank
     on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
     labels = int(getattr(config, "num_labels", 0) or 0)
     architectures = getattr(config, "architectures", None) or []
@@ -250,6 +268,8 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
         return requested
     if sparse:
         return "sparse"
+    if m3 and not classifier:
+        return "bgem3"
     if classifier:
         return "rerank" if labels == 1 else "classify"
     return "embed"
