@@ -230,8 +230,8 @@ def check_batches(plan: WarmupPlan, result: WarmupResult) -> Iterator[Batch | Pa
 
 
 def first_row(out: np.ndarray | SparseRows | M3Rows) -> np.ndarray:
-    if isinstance(out, M3Rows):  # task bgem3: its dense vector and its first token's ColBERT vector
-        return np.concatenate([out.dense[0], out.colbert.row(0)[:1].ravel()]).astype(np.float64)
+    if isinstance(out, M3Rows):  # task bgem3: its dense vector, first ColBERT vector and lexical weights (each head's)
+        return np.concatenate([out.dense[0], out.colbert.row(0)[:1].ravel(), out.sparse.row(0)[1]]).astype(np.float64)
     if isinstance(out, SparseRows):
         row = np.zeros(out.dim, dtype=np.float64)
         indices, values = out.row(0)

@@ -17,7 +17,7 @@ data item (and leaves out "embedding" when dense is not asked). Vectors in the r
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import numpy as np
 from fastapi import APIRouter
@@ -113,20 +113,24 @@ def colbert_json(tokens, i: int, encoding: str, quantization) -> str:
 
 
 def items(rows: M3Rows, dense_rows: np.ndarray | None, asked: tuple[str, ...], encoding: str, quantization,
-          limit: int, dense_key: str = DENSE, prefix: Callable[[int], str] = lambda i: "") -> list[str]:
+          limit: int, dense_key: str = DENSE, prefix: Callable[[int], str] = lambda i: "") -> Iterator[str]:
     """Each input's JSON object (its asked keys; dense as `dense_key`, from `dense_rows`: the
-    dense vectors cut to the asked dimensions); `prefix(i)`: fields written first."""
+    dense vectors cut to the asked dimensions); `prefix(i)`: fields written first. Refused at
+    once if too large; then made an input at a time, as json_reply.Reply writes them (the event
+    loop gets its turns between them: one input's ColBERT vectors are hundreds of rows)."""
     _size_check(rows, asked, encodings.JSON_FLOAT_BYTES if encoding == encodings.FLOAT else 5, limit)
-    dense = list(json_reply.vectors(dense_rows, encoding, quantization, True)) if DENSE in asked else None
-    out = []
-    for i in range(len(rows)):
-        parts = [] if dense is None else [f'"{dense_key}":{dense[i]}']
-        if SPARSE in asked:
-            parts.append(f'"sparse":{sparse_json(rows.sparse, i)}')
-        if COLBERT in asked:
-            parts.append(f'"colbert":{colbert_json(rows.colbert, i, encoding, quantization)}')
-        out.append("{" + prefix(i) + ",".join(parts) + "}")
-    return out
+    dense = json_reply.vectors(dense_rows, encoding, quantization, True) if DENSE in asked else None
+
+    def each() -> Iterator[str]:
+        for i in range(len(rows)):
+            parts = [] if dense is None else [f'"{dense_key}":{next(dense)}']
+            if SPARSE in asked:
+                parts.append(f'"sparse":{sparse_json(rows.sparse, i)}')
+            if COLBERT in asked:
+                parts.append(f'"colbert":{colbert_json(rows.colbert, i, encoding, quantization)}')
+            yield "{" + prefix(i) + ",".join(parts) + "}"
+
+    return each()
 
 
 def install_sparse(router, server, service: Callable, caller: Callable, inputs, prompt_field, errors: dict) -> None:

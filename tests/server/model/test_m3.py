@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from embedserve.config import ConfigError, Settings
+from embedserve.model import warm_start
 from embedserve.model.batches import Batch
 from embedserve.model.declared import DeclarationError
 from embedserve.model.encoder import Encoder, choose_placement, task_of
@@ -72,6 +73,10 @@ def test_one_padded_pass_equals_flagembedding_formulas(m3_dir):
     assert [len(out.colbert.row(i)) for i in range(len(rows))] == [len(r) - 1 for r in rows]
     assert not np.isin(out.sparse.indices, [0, 1, 2, 3]).any()
     assert len(out.sparse.values) > len(TEXTS)  # the check is not vacuous: weights were kept
+    # warm start's probe and output check read the three outputs
+    probe = warm_start.probe_of(out)
+    assert probe["dim"] == 32 + 32 + len(out.sparse.row(0)[1]) and np.isfinite(probe["norm"])
+    assert warm_start.output_problem(out, Batch(ids, mask, len(rows), 0, []), enc.dim) is None
 
 
 def test_lexical_weights_keep_each_ids_largest_positive_weight_and_leave_specials_out():
