@@ -163,3 +163,12 @@ def test_an_embedding_model_refuses_other_outputs(default_server):
     name = default_server.health()[1]["models"][0]["name"]
     status, body = post(default_server, "/v1/embeddings", {"input": "x", "model": name, "outputs": ["dense"]})
     assert status == 200 and len(body["data"]) == 1
+
+
+def test_the_client_names_an_unknown_output_before_any_call():
+    async def go():
+        async with Client("127.0.0.1:1") as c:  # nothing listens: the check comes first
+            with pytest.raises(ValueError, match="'tokens'.*dense, sparse, colbert"):
+                await c.embed_m3(["x"], outputs=["tokens"])
+
+    asyncio.run(go())
