@@ -142,6 +142,14 @@ def decode_sparse(response: pb.EmbedSparseResponse) -> list[tuple[np.ndarray, np
     return [(indices[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+class M3Result(NamedTuple):
+    """Client.embed_m3: each output asked, None where not asked."""
+    dense: np.ndarray | None  # [texts, dimensions]
+    sparse: list[tuple[np.ndarray, np.ndarray]] | None  # per text (vocabulary ids, weights)
+    colbert: list[np.ndarray] | None  # per text [tokens, dim]
+
+
+
 def decode_multivector(response: pb.MultiVectorResponse) -> list[np.ndarray]:
     """MultiVectorResponse → per text, its [tokens, dimension] matrix: float32, or the encoding's
     bytes (int8, uint8: [tokens, dimension]; binary (int8), ubinary (uint8): [tokens, ceil(dimension / 8)])."""

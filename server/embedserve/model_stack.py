@@ -130,7 +130,9 @@ class ModelStack:
             self.quantization = await in_daemon_thread(calibrate.calibrated, s, m, self.engine.dim, sim_rate,
                                                        name="calibrate")
         elif s.quantize_calibrated:
-            log.info("QUANTIZE_RANGE=calibrated: a %s server has no int8/uint8 encodings, nothing to calibrate", self.task)
+            log.info("QUANTIZE_RANGE=calibrated: a %s server %s", self.task,
+                     "quantizes over the fixed range (calibration is an embed model's)" if self.task == "bgem3"
+                     else "has no int8/uint8 encodings, nothing to calibrate")
         self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),

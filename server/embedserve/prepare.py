@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from embedserve.model import activation, declared, llm_prompt, llm_rerank
+from embedserve.model import activation, declared, llm_prompt, llm_rerank, m3
 from embedserve.model import simulated
 from embedserve.config import Settings
 from embedserve.model.declared import Head
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     model_dir: str
-    task: str  # embed | classify | rerank | sparse | multivector
+    task: str  # embed | classify | rerank | sparse | multivector | bgem3
     labels: list[str]  # classify: the label of each logit
     head: Head
     buckets: tuple[int, ...]
@@ -54,7 +54,10 @@ def prepare(s: Settings) -> Prepared:
     score = None if sim else llm_rerank.read(model_dir, config, hf_tok, s.task)  # an LLM reranker's answer tokens
     task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
                                        sparse=said.splade is not None, multivector=said.multivector is not None,
-                                       llm_reranker=score is not None)
+                                       llm_reranker=score is not None, m3=m3.has_heads(model_dir))
+    if task == "bgem3" and not m3.has_heads(model_dir):
+        raise declared.DeclarationError(f"TASK=bgem3 needs BGE-M3's heads beside the checkpoint: {m3.SPARSE_FILE} "
+                                        f"and {m3.COLBERT_FILE} (state dicts saved with torch.save)")
     if said.multivector is not None:  # PyLate's prefixes made tokens first: the tokenizer serialized below has them
         colbert.register_prefixes(hf_tok, said.multivector.prefixes)
         said = dataclasses.replace(said, multivector=said.multivector.resolved(hf_tok))
@@ -79,6 +82,10 @@ def prepare(s: Settings) -> Prepared:
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
         getattr(config, "max_position_embeddings", None), s.buckets[-1])
+    if task == "bgem3":  # its dense vector is CLS, normalized (embedserve.model.m3), whatever else is declared
+        head = dataclasses.replace(head, pooling=("cls",), normalize=True, dense=())
+        notes = [n for n in notes if "modules.json" not in n] + ["bgem3: dense = CLS, normalized; sparse and ColBERT "
+                                                                 "from sparse_linear.pt and colbert_linear.pt"]
     for note in notes:
         log.info("%s", note)
     log.info("serving as declared: %s", head.describe())

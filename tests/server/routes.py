@@ -10,7 +10,7 @@ import json
 
 import starlette.routing
 
-TASKS = ("embed", "classify", "rerank", "sparse", "multivector")
+TASKS = ("embed", "classify", "rerank", "sparse", "multivector", "bgem3")
 
 
 def walk(routes, prefix: str = ""):

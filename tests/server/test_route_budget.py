@@ -59,6 +59,7 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from tests.server.model.multivector_models import build_colbert
+    from tests.server.model.m3_models import build_m3
     from tests.server.model.sparse_models import build_splade
 
     root = tmp_path_factory.mktemp("budget-models")
@@ -75,6 +76,7 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
     out["sparse"] = {"MODEL_PATH": build_splade(root / "sparse", model_dir), "TASK": "sparse"}
     out["multivector"] = {"MODEL_PATH": build_colbert(root / "multivector", model_dir, max_seq_length=256),
                           "TASK": "multivector"}
+    out["bgem3"] = {"MODEL_PATH": build_m3(root / "bgem3")}  # auto: its head files make it bgem3
     (dense, _), (ranker, _) = SHARED  # the simulated embedder and the tiny reranker on one device
     out["shared"] = {"MODELS": json.dumps([{"name": dense, "model": "sim:5000000"},
                                            {"name": ranker, "model": out["rerank"]["MODEL_PATH"], "task": "rerank"}])}
@@ -306,11 +308,12 @@ def services() -> list:
             if not m.client_streaming and not m.server_streaming]
 
 
-# Each task's server in one process; with front ends, an embedding server, a sparse one and a
-# multi-vector one (the shapes of answer a front end gets from the model process: dense rows, CSR
-# rows, token vectors).
-SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse", "multivector")] + \
-    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("multivector", "FRONTENDS=2"), ("shared", "one process")]
+# Each task's server in one process; with front ends, an embedding server, a sparse one, a
+# multi-vector one and a BGE-M3 one (the shapes of answer a front end gets from the model process:
+# dense rows, CSR rows, token vectors, the three outputs of bgem3).
+SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse", "multivector", "bgem3")] + \
+    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("multivector", "FRONTENDS=2"), ("bgem3", "FRONTENDS=2"),
+     ("shared", "one process")]
 # Routes with the same handler on every task's server (the tokenizer's, the docs, another task's
 # refusals): sent their bodies once per mode, on the first server of that mode that runs.
 covered: set[tuple[str, str, str, str]] = set()

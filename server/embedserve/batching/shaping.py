@@ -19,6 +19,7 @@ from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
 from embedserve.model.maxsim import maxsim
+from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
@@ -37,8 +38,8 @@ ID_ROW_BOUND = 16
 
 
 class Result(NamedTuple):
-    rows: np.ndarray | SparseRows  # [n, dim] float32: embeddings, or logits when the task is classify
-    # or rerank ([n, 1]); rerank's scores: [n]; SparseRows from embed_sparse
+    rows: np.ndarray | SparseRows | M3Rows  # [n, dim] float32: embeddings, or logits when the task is classify
+    # or rerank ([n, 1]); rerank's scores: [n]; SparseRows from embed_sparse; task bgem3: M3Rows
     tokens: int  # real tokens computed (usage)
 
 
@@ -171,9 +172,11 @@ def cut(ids: np.ndarray, lengths: np.ndarray, limits: Limits) -> tuple[np.ndarra
 # What to call instead, by the task a server does.
 _USE = {"classify": "POST /classify", "rerank": "Rerank, POST /rerank or /v1/rerank", "embed": "Embed or /v1/embeddings",
         "sparse": "EmbedSparse or POST /embed_sparse",
-        "multivector": "EmbedMultiVector or POST /embed_multivector (and Rerank, POST /rerank or /v1/rerank: MaxSim)"}
-# Tasks a server serves besides its own: a multi-vector model reranks (MaxSim).
-_ALSO = {"multivector": ("rerank",)}
+        "multivector": "EmbedMultiVector or POST /embed_multivector (and Rerank, POST /rerank or /v1/rerank: MaxSim)",
+        "bgem3": "Embed (its outputs), /embed, /v1/embeddings or /embed_sparse"}
+# Tasks a server serves besides its own: a multi-vector model reranks (MaxSim); a BGE-M3 server's
+# one pass also answers the embed and sparse tasks' calls (embedserve.model.m3).
+_ALSO = {"multivector": ("rerank",), "bgem3": ("embed", "sparse")}
 
 
 def require_task(served: str, task: str) -> None:
@@ -264,7 +267,8 @@ class PreTokenized(InFlight):
         """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
         batching), each text's row as SparseRows: made sparse per batch on the model worker
         (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
-        return await self.embed_texts(texts, caller, truncate, prompt_name)
+        result = await self.embed_texts(texts, caller, truncate, prompt_name)
+        return result._replace(rows=result.rows.sparse) if isinstance(result.rows, M3Rows) else result
 
     async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
                                 truncate: bool | None = None) -> Result:

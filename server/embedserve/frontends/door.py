@@ -13,6 +13,7 @@ from embedserve.frontends import ipc, token_rows_ipc
 from embedserve.model.token_rows import TokenRows
 from embedserve.errors import KNOWN, NotReady, to_wire
 from embedserve.admission.gate import Caller
+from embedserve.model.m3_rows import M3Rows
 
 
 DRAIN_CAP_S = 1e6  # an infinite drain (no service rate yet) as JSON can carry it: past drain.UNKNOWN_MS
@@ -66,6 +67,9 @@ class ModelDoor:
                 csr = result.rows
                 reply = {"rows": csr.shape[0], "dim": csr.dim, "nnz": len(csr.values), "tokens": result.tokens}
                 data = csr.to_bytes()
+            elif isinstance(result.rows, M3Rows):  # task bgem3: its three outputs (embedserve.model.m3_rows)
+                reply, data = result.rows.wire()
+                reply["tokens"] = result.tokens
             else:
                 out = np.ascontiguousarray(result.rows, dtype="<f4")
                 reply, data = {"rows": out.shape[0], "dim": out.shape[1], "tokens": result.tokens}, out.tobytes()

@@ -28,6 +28,7 @@ from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics, idle_signal
 from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
 from embedserve.model.calibration import digest
+from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
 from embedserve.transports.encodings import Quantization
@@ -81,6 +82,8 @@ class RemoteService(PreTokenized):
             raise from_wire(reply)
         if (tokens := token_rows_ipc.rows_of(reply, data)) is not None:  # task multivector: token vectors
             return Result(tokens, reply["tokens"])
+        if "m3" in reply:  # task bgem3: dense, sparse and ColBERT rows (embedserve.model.m3_rows)
+            return Result(M3Rows.from_wire(reply, data), reply["tokens"])
         if "nnz" in reply:  # task sparse: CSR (embedserve.model.sparse_rows)
             return Result(SparseRows.from_bytes(data, reply["rows"], reply["nnz"], reply["dim"]), reply["tokens"])
         return Result(np.frombuffer(data, dtype="<f4").reshape(reply["rows"], reply["dim"]), reply["tokens"])

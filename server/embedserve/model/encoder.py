@@ -14,6 +14,8 @@ from embedserve.model import llm_rerank, varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
+from embedserve.model.m3 import M3Heads, unused_ids
+from embedserve.model.m3_rows import M3Rows
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
 from embedserve.model.sparse_rows import SparseRows, to_csr
@@ -104,12 +106,15 @@ class Encoder:
         self.splade = head.splade if task == "sparse" else None
         # multivector: token vectors (embedserve.model.token_head), its declaration's settings.
         self.tokens = TokenHead.declared(head.multivector).to(placement.device).eval() if task == "multivector" else None
+        # BGE-M3 (task bgem3): its sparse and ColBERT heads beside the encoder (embedserve.model.m3).
+        self.m3 = self._m3_heads(model_dir) if task == "bgem3" else None
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
         self.dim = (1 if self.logit_score is not None else int(self.model.config.num_labels) if task in SCORING else
                     int(self.model.config.vocab_size) if self.splade else
-                    self.tokens.output_dim(hidden) if self.tokens else self.pooler.output_dim(hidden))
+                    self.tokens.output_dim(hidden) if self.tokens else
+                    hidden if self.m3 is not None else self.pooler.output_dim(hidden))
         # A cross-encoder (rerank) of token types reads its pairs' second segments as type 1.
         types = int(getattr(self.model.config, "type_vocab_size", 1) or 1)
         self.sep_id = sep_id if task == "rerank" and types > 1 and sep_id is not None else None
@@ -184,6 +189,15 @@ class Encoder:
             return f"packed rows differ from padded rows by {error:.3g} (relative, per row; > {tolerance})"
         return None
 
+    def _m3_heads(self, model_dir: str) -> M3Heads:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=self.settings.trust_remote_code)
+        self.m3_unused = np.asarray(unused_ids(tokenizer), dtype=np.int64)
+        self.m3_vocab = int(self.model.config.vocab_size)
+        heads = M3Heads.load(model_dir, int(self.model.config.hidden_size))
+        return heads.to(self.placement.device, self.placement.dtype).eval()
+
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_len: int) -> torch.Tensor:
         """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
@@ -206,9 +220,9 @@ class Encoder:
         if self.tokens is not None:
             return self.tokens(self.model, ids, mask)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return self.pooler(hidden, ids, mask)
+        return self.m3(hidden, mask) if self.m3 is not None else self.pooler(hidden, ids, mask)
 
-    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | TokenRows:
+    def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | TokenRows | M3Rows:
         dev = self.placement.device
         if isinstance(batch, PackedBatch) != (self.attention == "packed"):
             raise TypeError(f"a {type(batch).__name__} for an encoder of {self.attention} rows")
@@ -221,8 +235,12 @@ class Encoder:
                 tensors = tuple(t.pin_memory() for t in tensors)
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
+            out = self._forward(*tensors, *extra)
+            if self.m3 is not None:  # padded rows only (varlen declines the task)
+                return self.m3.unpack(out, batch.input_ids, batch.attention_mask, batch.rows, self.m3_vocab,
+                                      self.m3_unused)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
-            out = self._forward(*tensors, *extra)[: batch.rows].cpu()
+            out = out[: batch.rows].cpu()
         if self.tokens is not None:  # each row's kept token vectors only, cut out on the worker's thread
             return kept_rows(out)
         out = out.numpy()
@@ -253,13 +271,14 @@ def token_types(ids: torch.Tensor, mask: torch.Tensor, sep_id: int) -> torch.Ten
 
 
 def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = False,
-            multivector: bool = False, llm_reranker: bool = False) -> str:
+            multivector: bool = False, llm_reranker: bool = False, m3: bool = False) -> str:
     """TASK auto → what the checkpoint is: a declared SparseEncoder (`sparse`) is sparse; a
     declared MultiVectorEncoder or PyLate ColBERT model (`multivector`) is multivector; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
-    classifies; anything else embeds. An LLM reranker (`llm_reranker`: declared, or TASK=rerank on a
-    *ForCausalLM: embedserve.model.llm_rerank.read decides) reranks. TASK=rerank
+    classifies; BGE-M3's head files beside an encoder (`m3`) make it bgem3; anything else embeds.
+    An LLM reranker (`llm_reranker`: declared, or TASK=rerank on a *ForCausalLM:
+    embedserve.model.llm_rerank.read decides) reranks. TASK=rerank
     on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
     if llm_reranker:
         return "rerank"
@@ -279,6 +298,8 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
         return "sparse"
     if multivector:
         return "multivector"
+    if m3 and not classifier:
+        return "bgem3"
     if classifier:
         return "rerank" if labels == 1 else "classify"
     return "embed"

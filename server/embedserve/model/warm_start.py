@@ -42,6 +42,7 @@ import numpy as np
 
 from embedserve.model.batches import Batch, PackedBatch, PackSpec, random_packed
 from embedserve.model.shapes import LADDER, bucket_row_limit, served_shapes
+from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.model.token_rows import TokenRows
 from embedserve.model.warm_key import SCHEMA
@@ -229,9 +230,11 @@ def check_batches(plan: WarmupPlan, result: WarmupResult) -> Iterator[Batch | Pa
         yield dummy_batch(length, rows, plan, rng)
 
 
-def first_row(out: np.ndarray | SparseRows | TokenRows) -> np.ndarray:
+def first_row(out: np.ndarray | SparseRows | TokenRows | M3Rows) -> np.ndarray:
     if isinstance(out, TokenRows):  # its first text's token vectors, end to end
         return np.asarray(out.row(0), dtype=np.float64).ravel()
+    if isinstance(out, M3Rows):  # task bgem3: its dense vector, first ColBERT vector and lexical weights (each head's)
+        return np.concatenate([out.dense[0], out.colbert.row(0)[:1].ravel(), out.sparse.row(0)[1]]).astype(np.float64)
     if isinstance(out, SparseRows):
         row = np.zeros(out.dim, dtype=np.float64)
         indices, values = out.row(0)
@@ -263,7 +266,8 @@ def probe_differs(now: dict, stored: dict) -> str | None:
 
 
 def output_problem(out: object, batch: Batch | PackedBatch, dim: int) -> str | None:
-    values = out.values if isinstance(out, SparseRows) else out.vectors if isinstance(out, TokenRows) else out
+    values = (out.values if isinstance(out, SparseRows) else out.vectors if isinstance(out, TokenRows) else
+              out.dense if isinstance(out, M3Rows) else out)
     shape = getattr(out, "shape", None)
     if shape is None or len(shape) != 2 or shape[0] < batch.rows or shape[1] != dim:
         return f"a batch of {batch.rows} rows gave an output of shape {shape}, expected ({batch.rows}, {dim})"

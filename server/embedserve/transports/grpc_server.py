@@ -15,7 +15,7 @@ from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve import logs, tracing
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, ReplyTooLarge, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
-from embedserve.transports import addresses, drain, encodings, grpc_budget, multivector_wire, outcomes
+from embedserve.transports import addresses, drain, encodings, grpc_budget, m3_reply, multivector_wire, outcomes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _HEALTH_FIELDS = set(pb.HealthCheckResponse.DESCRIPTOR.fields_by_name)
@@ -64,7 +64,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._call(
             "Embed", request, context,
             lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None),
-            lambda m: self._embedding(request, m, len(request.texts)),
+            lambda m: self._embedding(request, m, len(request.texts), m3_reply.wanted(request.outputs, m.task)),
         )
 
     async def Infer(self, request, context):
@@ -196,16 +196,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The pod's backlog as the answer leaves, for the caller's balancing (drain.py)."""
         return ((drain.HEADER, drain.drain_ms(self._drain_s())),)
 
-    def _embedding(self, request, model, rows: int) -> Callable:
+    def _embedding(self, request, model, rows: int, asked: tuple[str, ...] = ("dense",)) -> Callable:
         """Embed's and Infer's rows → response; the encoding, the dimensions and the answer's size
-        (MAX_REPLY_BYTES) refused before any work."""
+        (MAX_REPLY_BYTES) refused before any work. `asked`: a bgem3 model's outputs (m3_reply)."""
         encoding = _encoding(request.encoding)
         model_dim, head = model.model_dimension, model.service.head
         encodings.check_dimensions(request.dimensions, model_dim)
         if model_dim:
             dims = encodings.output_dimensions(request.dimensions, head.truncate_dim if head else None, model_dim)
             encodings.check_reply(rows, dims, encoding, False, self._max_reply_bytes)
-        return lambda out: self._response(out, head, request.dimensions, encoding, model.quantization)
+        return m3_reply.grpc_finish(asked, lambda out: self._response(out, head, request.dimensions, encoding,
+                                                                      model.quantization),
+                                    encoding, model.quantization, self._max_reply_bytes)
 
     def _sparse_response(self, rows) -> pb.EmbedSparseResponse:
         """The sparse rows, once their size is known: within MAX_REPLY_BYTES, else refused."""

@@ -20,8 +20,9 @@ from embedserve.config import Settings
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
-from embedserve.transports import (budget, encodings, http_classify, http_models, http_multivector, http_quantization, http_rerank, http_sparse, http_tei,
-                                   json_reply, outcomes)
+from embedserve.transports import (budget, encodings, http_classify, http_models, http_multivector, http_quantization, http_rerank,
+                                   http_sparse, http_tei, json_reply, m3_reply, outcomes)
+from embedserve.model.m3_rows import dense_of
 from embedserve.transports.http_models import Addressed
 from embedserve.transports.http_errors import error_reply
 from embedserve.transports.hub import Hub
@@ -279,6 +280,9 @@ def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
         http_rerank.install(router, server, service, _caller, ERRORS, _error, root=False)
     else:
         _embed_routes(router, server, service)
+    if server.task == "bgem3":  # BGE-M3's lexical weights, as a sparse model answers them (TEI's shape)
+        m3_reply.install_sparse(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
+                                _prompt_field(server, PROMPT_DOC), ERRORS)
     http_tei.install_tokenizer(router, server, service, lambda description: _prompt_field(server, description), ERRORS)
     return {r.path for r in router.routes}
 
@@ -327,17 +331,22 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
         prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
         dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description),
-        inputs=(Union[Text, texts(s.max_texts_per_request)], ...))
+        inputs=(Union[Text, texts(s.max_texts_per_request)], ...), outputs=m3_reply.outputs_field())
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
         svc = service()
         inputs = _texts(body.inputs)
+        asked = m3_reply.wanted(body.outputs, server.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding)  # before any work
-        rows = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name)).rows
+        out = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name)).rows
+        rows = dense_of(out)
         rows = _l2(rows) if body.normalize and not normalized else rows
         rows = encodings.truncated(rows, dims, normalized or body.normalize)
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")
+        if asked != (m3_reply.DENSE,):
+            await reply.array(m3_reply.items(out, rows, asked, body.encoding, server.quantization, s.max_reply_bytes))
+            return reply.response()
         await reply.array(json_reply.vectors(rows, body.encoding, server.quantization, normalized or body.normalize))
         return reply.response()
 
@@ -358,7 +367,8 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         server, EmbeddingsRequest.model_fields["prompt_name"].description),
         dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
         input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request,
-                                server.service.tokenizer.vocab_size), Field(description=INPUT_DOC)))
+                                server.service.tokenizer.vocab_size), Field(description=INPUT_DOC)),
+        outputs=m3_reply.outputs_field())
 
     async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""
@@ -369,17 +379,22 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         if ids and body.prompt_name:
             raise InvalidInput("prompt_name applies to texts, not to token ids")
         inputs = ([inp] if isinstance(inp[0], int) else inp) if ids else _texts(inp)
+        asked = m3_reply.wanted(body.outputs, m.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(m, len(inputs), body.dimensions, body.encoding_format)  # before any work
         if ids:
             result = await svc.infer_ids(inputs, _caller(request))
         else:
             result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name)
         normalized = bool(m.head and m.head.normalize)
-        rows = encodings.truncated(result.rows, dims, normalized)
+        rows = encodings.truncated(dense_of(result.rows), dims, normalized)
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")
         await reply.add('{"object":"list","data":')
-        await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
-                          enumerate(json_reply.vectors(rows, body.encoding_format, m.quantization, normalized)))
+        if asked != (m3_reply.DENSE,):
+            await reply.array(m3_reply.items(result.rows, rows, asked, body.encoding_format, m.quantization,
+                                             s.max_reply_bytes, "embedding", lambda i: f'"object":"embedding","index":{i},'))
+        else:
+            await reply.array(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in
+                              enumerate(json_reply.vectors(rows, body.encoding_format, m.quantization, normalized)))
         await reply.add(f',"model":{json_reply.dumps(m.served_name)},"usage":{{"prompt_tokens":{result.tokens},'
                         f'"total_tokens":{result.tokens}}}}}')
         return reply.response()

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, create_model
 from embedserve.batching.shaping import ID_ROW_BOUND, INLINE_CHARS
 from embedserve.batching.tokenization import validate_texts
 from embedserve.errors import InvalidInput
+from embedserve.model.m3_rows import dense_of
 from embedserve.transports import encodings, json_reply
 from embedserve.transports.hub import Hub
 from embedserve.transports.schema import MAX_ITEMS, Text, Texts, texts
@@ -184,7 +185,7 @@ def install(router: APIRouter, server: Hub, service: Callable, embed: Callable, 
     async def similar(inputs: SimilarityInput, truncate: bool | None, prompt_name: str | None, request: Request):
         texts = [inputs.source_sentence, *inputs.sentences]
         svc = service()
-        rows = (await svc.embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows
+        rows = dense_of((await svc.embed_texts(texts, caller(request), truncate, prompt_name=prompt_name)).rows)
         # Over the vectors served by default: a declared truncate_dim's first dimensions.
         dims = encodings.output_dimensions(None, svc.head.truncate_dim if svc.head else None, rows.shape[1])
         return cosines(rows[:, :dims])
