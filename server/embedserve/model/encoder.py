@@ -95,7 +95,8 @@ class Encoder:
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
-        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
+        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude,
+                             norms=settings.long_texts == "window" and task == "embed").to(placement.device).eval()
         self.splade = head.splade if task == "sparse" else None
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
@@ -204,6 +205,8 @@ class Encoder:
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
             out = self._forward(*tensors, *extra)[: batch.rows].cpu().numpy()
+        if self.pooler.norms and self.splade is None and self.task not in SCORING:  # LONG_TEXTS=window (Pooler.head)
+            batch.norms, out = out[:, -1].copy(), np.ascontiguousarray(out[:, :-1])
         # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
         # holds its rows dense (embedserve.model.sparse_rows).
         return to_csr(out) if self.splade is not None else out
