@@ -3,6 +3,7 @@ translate wire formats and map the errors of embedserve.errors to their status c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from concurrent.futures import Executor
@@ -137,7 +138,12 @@ class EmbeddingService(PreTokenized):
         request.norms = np.ones(len(lengths), dtype=np.float32)
         out = await self._wait(request, t0)
         normalize = self.head.normalize if self.head else True  # the simulated device normalizes
-        return Result(windows.pool(out, request.norms, lengths, owners, texts, normalize), request.tokens)
+        args = (out, request.norms, lengths, owners, texts, normalize)
+        if len(lengths) <= windows.INLINE_ROWS:
+            return Result(windows.pool(*args), request.tokens)
+        # Thousands of windows (512 texts of MAX_TOKENS_PER_TEXT): numpy off the loop (it drops the GIL).
+        loop = asyncio.get_running_loop()
+        return Result(await loop.run_in_executor(self.executor, windows.pool, *args), request.tokens)
 
     async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller,
                    owners: np.ndarray | None = None) -> Result:

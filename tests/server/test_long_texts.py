@@ -166,3 +166,20 @@ def test_front_ends_window_too(reference):
         assert reply["usage"]["prompt_tokens"] == tokens + reference.tokens("short")
     finally:
         server.stop()
+
+
+def test_settings_bound_windowed_texts_and_the_limits_follow():
+    from embedserve.config import ConfigError, Settings, text_tokens
+    from embedserve.transports import http_api
+
+    off, window = Settings.from_env({}), Settings.from_env({"LONG_TEXTS": "window"})
+    assert text_tokens(off, 256) == 256 and text_tokens(window, 256) == 8192
+    assert text_tokens(Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "100"}), 256) == 256
+    with pytest.raises(ConfigError, match="LONG_TEXTS=window"):
+        Settings.from_env({"MAX_TOKENS_PER_TEXT": "4096"})
+    # The message limits follow the characters a windowed text is read to (capped as ever).
+    assert window.max_message_bytes > off.max_message_bytes
+    small = Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "2048", "MAX_TEXTS_PER_REQUEST": "4"})
+    assert small.max_message_bytes == 4 * 2048 * 16 * 4 + 2**20
+    assert http_api.budgets(small, 256)["/embed"].body_bytes > http_api.budgets(
+        Settings.from_env({"MAX_TEXTS_PER_REQUEST": "4"}), 256)["/embed"].body_bytes

@@ -42,6 +42,7 @@ from embedserve.batching.tokenization import GROUP_CHARS, TextTokenizer, unreada
 
 WINDOW = "window"
 OVERLAP = 4  # consecutive windows share a quarter of a window's text tokens
+INLINE_ROWS = 256  # windows pooled on the event loop (~1 ms); more on a thread (service)
 
 
 class Windows(NamedTuple):
@@ -187,14 +188,16 @@ def pool(vectors: np.ndarray, norms: np.ndarray | None, lengths: np.ndarray, own
     out[owners[single]] = vectors[single]  # one window: its row, untouched
     many = ~single
     if many.any():
-        u = vectors[many].astype(np.float64)
-        if norms is not None and normalize:
-            u *= norms[many].astype(np.float64)[:, None]
         weights = lengths[many].astype(np.float64)
-        sums = np.zeros((texts, vectors.shape[1]), dtype=np.float64)
-        np.add.at(sums, owners[many], u * weights[:, None])
-        whose = np.flatnonzero(counts > 1)
-        pooled = sums[whose] / np.bincount(owners[many], weights, minlength=texts)[whose, None]
+        if norms is not None and normalize:
+            weights = weights * norms[many]
+        u = vectors[many] * weights[:, None]  # float64
+        # A text's windows are consecutive rows: one segment sum per text (np.add.at was ~0.4 s
+        # for 22 k windows of 384 on the event loop).
+        mine = owners[many]
+        starts = np.flatnonzero(np.r_[True, mine[1:] != mine[:-1]])
+        whose = mine[starts]
+        pooled = np.add.reduceat(u, starts, axis=0) / np.add.reduceat(lengths[many].astype(np.float64), starts)[:, None]
         if normalize:
             pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         out[whose] = pooled
