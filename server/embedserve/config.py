@@ -191,7 +191,9 @@ class Settings:
     max_tokens_per_text: int = 0
     """MAX_TOKENS_PER_TEXT: the most tokens a windowed text is embedded with (past it: cut, or
     refused with truncate false); its characters are read up to this × CHARS_PER_TOKEN_BOUND,
-    and the default message limits (MAX_MESSAGE_BYTES, the HTTP routes' budgets) follow. 0
+    and the default message limits (GRPC_MAX_MESSAGE_BYTES, the HTTP routes' budgets) hold one
+    such text at least (the rest of their bound as ever: the event loop reads a body a few times
+    over, and 32 MiB of escaped characters held it ~0.35 s in json.loads). 0
     (default): 8,192 under LONG_TEXTS=window (OpenAI's limit on one input), never below the
     model's max length; with LONG_TEXTS=off it may not be set (nothing is windowed)."""
     quantize_range: float = 1.0
@@ -376,9 +378,11 @@ class Settings:
         if settings.max_tokens_per_text and settings.long_texts == "off":
             raise ConfigError("MAX_TOKENS_PER_TEXT bounds windowed texts: it needs LONG_TEXTS=window")
         if not settings.max_message_bytes:
-            text_bytes = max(settings.buckets[-1], text_tokens(settings)) * CHARS_PER_TOKEN_BOUND * 4
-            settings = dataclasses.replace(settings, max_message_bytes=min(
-                settings.max_texts_per_request * text_bytes + 2**20, MAX_DEFAULT_REQUEST_BYTES))
+            text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
+            # A windowed text may be read further (MAX_TOKENS_PER_TEXT): a message holds one such text
+            # at least; the rest is the same bound as ever (the loop reads a message a few times over).
+            most = max(settings.max_texts_per_request * text_bytes, text_tokens(settings) * CHARS_PER_TOKEN_BOUND * 4)
+            settings = dataclasses.replace(settings, max_message_bytes=min(most + 2**20, MAX_DEFAULT_REQUEST_BYTES))
         if not settings.http_max_body_bytes:
             settings = dataclasses.replace(settings, http_max_body_bytes=min(2 * settings.max_message_bytes,
                                                                              MAX_DEFAULT_REQUEST_BYTES))

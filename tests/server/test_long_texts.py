@@ -177,9 +177,13 @@ def test_settings_bound_windowed_texts_and_the_limits_follow():
     assert text_tokens(Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "100"}), 256) == 256
     with pytest.raises(ConfigError, match="LONG_TEXTS=window"):
         Settings.from_env({"MAX_TOKENS_PER_TEXT": "4096"})
-    # The message limits follow the characters a windowed text is read to (capped as ever).
-    assert window.max_message_bytes > off.max_message_bytes
-    small = Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "2048", "MAX_TEXTS_PER_REQUEST": "4"})
-    assert small.max_message_bytes == 4 * 2048 * 16 * 4 + 2**20
-    assert http_api.budgets(small, 256)["/embed"].body_bytes > http_api.budgets(
+    # The message limits hold one text as long as a windowed one is read (capped as ever), and
+    # are otherwise what they were: 512 texts of 256 tokens' characters hold 8,192 tokens' too.
+    assert window.max_message_bytes == off.max_message_bytes
+    assert http_api.budgets(window, 256) == http_api.budgets(off, 256)
+    small = Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "4096", "MAX_TEXTS_PER_REQUEST": "4"})
+    assert small.max_message_bytes == 4096 * 16 * 4 + 2**20 > Settings.from_env({"MAX_TEXTS_PER_REQUEST": "4"}).max_message_bytes
+    assert http_api.budgets(small, 256)["/embed"].body_bytes >= 4096 * 16 * 2 > http_api.budgets(
         Settings.from_env({"MAX_TEXTS_PER_REQUEST": "4"}), 256)["/embed"].body_bytes
+    huge = Settings.from_env({"LONG_TEXTS": "window", "MAX_TOKENS_PER_TEXT": "100000"})
+    assert huge.max_message_bytes == off.max_message_bytes  # 1.6 M characters: within 512 texts' bound

@@ -272,8 +272,8 @@ def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dic
         out["longest texts"] = full.SerializeToString()
         mine = {k: v for k, v in (fixed or {}).items() if k in method.input_type.fields_by_name}
         if mine and repeated:  # the longest texts with only the fixed fields beside them (not refused on the others)
-            most = max(1, min(max_texts, (limit - 4096) // (max_chars + 8)))  # as many as the message holds
             for what, text in (("é", "é" * max_chars), ("words", "a " * (max_chars // 2))):
+                most = max(1, min(max_texts, (limit - 4096) // (len(text.encode()) + 8)))  # as many as the message holds
                 out[f"longest texts ({what}), " + ", ".join(mine)] = cls(**{repeated[0].name: [text] * most},
                                                                        **mine).SerializeToString()
     for f in repeated:
