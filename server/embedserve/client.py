@@ -281,13 +281,16 @@ class Client:
             await self.channel.close()
 
     async def embed(self, texts: list[str], dimensions: int = 0, encoding: str = "float",
-                    prompt_name: str = "", metadata=None, model: str = "") -> np.ndarray:
+                    prompt_name: str = "", metadata=None, model: str = "", long_text: str = "",
+                    truncate: bool | None = None) -> np.ndarray:
         """→ float32 [rows, dimensions] (0: the model's default), or quantized (`encoding` int8,
         uint8: [rows, dimensions] of that dtype; binary (int8), ubinary (uint8): [rows, ceil(dimensions / 8)]).
         `metadata`: this call's own, with the Client's (every call takes it); `model`: the served
-        model to use (every call takes it; "": the Client's, else the server's default)."""
+        model to use (every call takes it; "": the Client's, else the server's default);
+        `long_text` "window": texts over the max length embedded whole (a server with
+        LONG_TEXTS=window); `truncate` None: the server's TRUNCATE."""
         request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name,
-                                  model=model or self.model)
+                                  model=model or self.model, long_text=long_text, truncate=truncate)
         return decode_embeddings(await self._call("Embed", request, metadata))
 
     async def embed_sparse(self, texts: list[str], prompt_name: str = "",

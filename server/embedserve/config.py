@@ -20,6 +20,8 @@ PACKAGED_MODEL = "packaged:all-MiniLM-L6-v2"
 POOLING_MODES = ("cls", "mean", "max", "lasttoken", "weightedmean", "mean_sqrt_len_tokens")
 POOLING_ALIASES = {"last": "lasttoken", "mean_sqrt_len": "mean_sqrt_len_tokens"}
 CHARS_PER_TOKEN_BOUND = 16
+# MAX_TOKENS_PER_TEXT's default under LONG_TEXTS=window: OpenAI's limit on one input.
+WINDOWED_TOKENS = 8192
 # The most a request may hold by default, whatever the buckets: the event loop reads a body a few
 # times over (parsing, hashing what the tokenizer reads) at ~1 GB/s, and a probe waits behind it
 # (long-context buckets, 8,192, would otherwise size gRPC's limit at 268 MB).
@@ -180,6 +182,20 @@ class Settings:
     to it, as sentence-transformers does; false refuses them (INVALID_ARGUMENT)."""
     max_texts_per_request: int = 512
     """MAX_TEXTS_PER_REQUEST: most texts (or rows) in one request."""
+    long_texts: str = "off"
+    """LONG_TEXTS: `off` (default): a text over the model's max length is cut (or refused with
+    truncate false), whatever the request asks; `window`: a request may ask for its long texts to
+    be embedded whole (gRPC EmbedRequest.long_text, HTTP `long_text`: "window"): split into
+    windows of the max length, pooled by their token counts (embedserve.batching.windows). A
+    request that does not ask is served as under `off`: no client sees a change it did not ask for."""
+    max_tokens_per_text: int = 0
+    """MAX_TOKENS_PER_TEXT: the most tokens a windowed text is embedded with (past it: cut, or
+    refused with truncate false); its characters are read up to this × CHARS_PER_TOKEN_BOUND,
+    and the default message limits (GRPC_MAX_MESSAGE_BYTES, the HTTP routes' budgets) hold one
+    such text at least (the rest of their bound as ever: the event loop reads a body a few times
+    over, and 32 MiB of escaped characters held it ~0.35 s in json.loads). 0
+    (default): 8,192 under LONG_TEXTS=window (OpenAI's limit on one input), never below the
+    model's max length; with LONG_TEXTS=off it may not be set (nothing is windowed)."""
     quantize_range: float = 1.0
     """QUANTIZE_RANGE: r > 0, the fixed range [-r, r] of every dimension that int8 and uint8
     encodings map onto their 256 levels (sentence-transformers' quantize_embeddings with
@@ -326,6 +342,8 @@ class Settings:
             exclude_tokens=s.str_list("EXCLUDE_TOKENS"),
             truncate=s.bool("TRUNCATE", d.truncate),
             max_texts_per_request=s.int("MAX_TEXTS_PER_REQUEST", d.max_texts_per_request, low=1),
+            long_texts=s.choice("LONG_TEXTS", d.long_texts, ("off", "window")),
+            max_tokens_per_text=s.int("MAX_TOKENS_PER_TEXT", d.max_tokens_per_text),
             # `calibrated`, or r > 0 (read first: keyword arguments are evaluated in order).
             quantize_calibrated=(calibrated := s.str("QUANTIZE_RANGE", "").strip().lower() == "calibrated"),
             quantize_range=d.quantize_range if calibrated else s.float("QUANTIZE_RANGE", d.quantize_range, positive=True),
@@ -357,14 +375,27 @@ class Settings:
         if settings.latency_soft_ms > settings.latency_hard_ms:
             raise ConfigError("LATENCY_SOFT_MS must not exceed LATENCY_HARD_MS")
         _check_guards(settings)
+        if settings.max_tokens_per_text and settings.long_texts == "off":
+            raise ConfigError("MAX_TOKENS_PER_TEXT bounds windowed texts: it needs LONG_TEXTS=window")
         if not settings.max_message_bytes:
             text_bytes = settings.buckets[-1] * CHARS_PER_TOKEN_BOUND * 4
-            settings = dataclasses.replace(settings, max_message_bytes=min(
-                settings.max_texts_per_request * text_bytes + 2**20, MAX_DEFAULT_REQUEST_BYTES))
+            # A windowed text may be read further (MAX_TOKENS_PER_TEXT): a message holds one such text
+            # at least; the rest is the same bound as ever (the loop reads a message a few times over).
+            most = max(settings.max_texts_per_request * text_bytes, text_tokens(settings) * CHARS_PER_TOKEN_BOUND * 4)
+            settings = dataclasses.replace(settings, max_message_bytes=min(most + 2**20, MAX_DEFAULT_REQUEST_BYTES))
         if not settings.http_max_body_bytes:
             settings = dataclasses.replace(settings, http_max_body_bytes=min(2 * settings.max_message_bytes,
                                                                              MAX_DEFAULT_REQUEST_BYTES))
         return settings
+
+
+def text_tokens(s: Settings, max_length: int = 0) -> int:
+    """The most tokens one text is read for (MAX_TOKENS_PER_TEXT): a model's max length, or more
+    for windowed texts (LONG_TEXTS=window). What the cut before tokenizing and the message limits
+    follow. Pure."""
+    if s.long_texts == "off":
+        return max_length
+    return max(s.max_tokens_per_text or WINDOWED_TOKENS, max_length)
 
 
 def _check_guards(s: Settings) -> None:

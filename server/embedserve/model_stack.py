@@ -19,7 +19,7 @@ from embedserve.admission import policy as admission
 from embedserve.admission.estimator import Estimator
 from embedserve.batching.engine import Engine
 from embedserve.batching.shaping import Limits
-from embedserve.config import Settings, served_model_name
+from embedserve.config import Settings, served_model_name, text_tokens
 from embedserve.frontends.count import container_cores
 from embedserve.model import simulated, warm_key, warm_start
 from embedserve.model.declared import Head
@@ -135,7 +135,7 @@ class ModelStack:
                      else "has no int8/uint8 encodings, nothing to calibrate")
         self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
-            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate),
+            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate, s.long_texts, text_tokens(s, m.buckets[-1])),
             executor=self._executor, observer=self.observer, task=self.task, head=None if sim_rate else m.head,
             activation=self.activation,
         )

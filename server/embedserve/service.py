@@ -3,6 +3,7 @@ translate wire formats and map the errors of embedserve.errors to their status c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from concurrent.futures import Executor
@@ -20,6 +21,8 @@ from embedserve.batching.intake import Intake
 from embedserve.batching.shaping import (INLINE_CHARS, Limits, PreTokenized, Result, Texts, chars, cut, require_task,
                                          texts_request, tokenize)
 from embedserve.batching.tokenization import TextTokenizer
+from embedserve.batching import windows
+from embedserve.config import CHARS_PER_TOKEN_BOUND
 
 # The latest rejection keeps /health "overloaded" this long.
 OVERLOADED_HOLD_S = 1.0
@@ -73,11 +76,13 @@ class EmbeddingService(PreTokenized):
         return admission.status(snap, self.policy, self.ready, rejecting)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None) -> Result:
+                          prompt_name: str | None = None, long_text: str = "") -> Result:
         """Texts → one output row per text, in order. `truncate` overrides TRUNCATE;
-        `prompt_name` picks one of the model's declared prompts (default: its default prompt)."""
+        `prompt_name` picks one of the model's declared prompts (default: its default prompt);
+        `long_text` "window": long texts embedded whole (embedserve.batching.windows)."""
         with self._tracked():
-            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name), caller)
+            window = windows.check(long_text, self.limits.long_texts, self.task)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name, window), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
         """Texts, or a Rerank request's pairs (rerank: shaping.PreTokenized), → rows."""
@@ -89,7 +94,13 @@ class EmbeddingService(PreTokenized):
         cpt = self.estimator.chars_per_token
         before = len(r.prompt) if r.query is None else min(len(r.query), max_chars)
         specials = self.tokenizer.specials if r.query is None else self.tokenizer.pair_specials
-        estimate = sum(min(per_text_cap, (before + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
+        if r.window:  # every window's tokens (windows.estimate), read up to MAX_TOKENS_PER_TEXT
+            most = max(self.limits.text_tokens, per_text_cap)
+            reads = most * CHARS_PER_TOKEN_BOUND
+            estimate = sum(windows.estimate(min(most, (before + min(len(t), reads)) / cpt), before / cpt, specials,
+                                            per_text_cap) for t in r.texts)
+        else:
+            estimate = sum(min(per_text_cap, (before + min(len(t), max_chars)) / cpt + specials) for t in r.texts)
         trace = caller.trace
         if trace is not None:
             trace.admitting()
@@ -97,7 +108,7 @@ class EmbeddingService(PreTokenized):
         if trace is not None:
             trace.admitted()
         with self._admitted():
-            if chars(r) <= INLINE_CHARS:  # tokenized with the others admitted meanwhile
+            if chars(r) <= INLINE_CHARS and not r.window:  # tokenized with the others admitted meanwhile
                 request = self.intake.put(r, round(estimate), trace)
                 return Result(await self._wait(request, t0), request.tokens)
             # The estimate stays in the backlog until the real rows replace it, so requests admitted
@@ -105,21 +116,44 @@ class EmbeddingService(PreTokenized):
             self.estimator.enqueued(round(estimate))
             try:
                 started = time.monotonic() if trace is not None else 0.0
-                ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
+                if r.window:
+                    rows = await windows.tokenize(self.tokenizer, self.executor, r.texts, r.prompt, r.truncate,
+                                                  max(self.limits.text_tokens, per_text_cap))
+                    ids, lengths = rows.ids, rows.lengths
+                else:
+                    ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
                 if trace is not None:
                     trace.tokenized(started)
                 request = self.engine.submit(ids, lengths, trace)
             finally:
                 self.estimator.dequeued(round(estimate))
+            if r.window:
+                return await self._pooled(request, t0, lengths, rows.owners, len(r.texts))
             self.estimator.learn_chars_per_token(*self.tokenizer.sample(r.texts, r.prompt, lengths, r.query))
             return Result(await self._wait(request, t0), request.tokens)
 
-    async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
-        """Token rows a front end prepared (FRONTENDS > 1): admitted on their real tokens."""
-        with self._tracked():
-            return await self._rows(ids, lengths, key, caller)
+    async def _pooled(self, request, t0: float, lengths: np.ndarray, owners: np.ndarray, texts: int) -> Result:
+        """A windowed request's rows, computed with each row's norm before Normalize (the
+        engine fills `norms` where the model reports them) → one vector per text."""
+        request.norms = np.ones(len(lengths), dtype=np.float32)
+        out = await self._wait(request, t0)
+        normalize = self.head.normalize if self.head else True  # the simulated device normalizes
+        args = (out, request.norms, lengths, owners, texts, normalize)
+        if len(lengths) <= windows.INLINE_ROWS:
+            return Result(windows.pool(*args), request.tokens)
+        # Thousands of windows (512 texts of MAX_TOKENS_PER_TEXT): numpy off the loop (it drops the GIL).
+        loop = asyncio.get_running_loop()
+        return Result(await loop.run_in_executor(self.executor, windows.pool, *args), request.tokens)
 
-    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+    async def rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller,
+                   owners: np.ndarray | None = None) -> Result:
+        """Token rows a front end prepared (FRONTENDS > 1): admitted on their real tokens.
+        `owners`: a windowed request's, the text of each row (pooled here, where the norms are)."""
+        with self._tracked():
+            return await self._rows(ids, lengths, key, caller, owners)
+
+    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller,
+                    owners: np.ndarray | None = None) -> Result:
         t0 = self.estimator.clock()
         ids, lengths = cut(ids, lengths, self.limits)
         trace = caller.trace
@@ -131,6 +165,8 @@ class EmbeddingService(PreTokenized):
         with self._admitted():
             # The request's bytes are a read-only view: batch assembly copies the rows out of them.
             request = self.engine.submit(ids, lengths, trace)
+            if owners is not None:
+                return await self._pooled(request, t0, lengths, owners, int(owners[-1]) + 1)
             return Result(await self._wait(request, t0), request.tokens)
 
     @contextlib.contextmanager

@@ -30,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from embedfleet.v1 import inference_pb2 as pb
-from embedserve.config import CHARS_PER_TOKEN_BOUND, Settings
+from embedserve.config import CHARS_PER_TOKEN_BOUND, Settings, text_tokens
 from embedserve.transports import budget, http_api
 from tests.conftest import ServerProcess
 from tests.server.frontends.test_frontend import children, kill_front_ends
@@ -40,7 +40,7 @@ MAX_PROBE_S = 1.0
 MAX_STALL_S = 0.25
 MIB = 2**20
 MAX_REPLY = Settings().max_reply_bytes
-MODES = {"one process": {}, "FRONTENDS=2": {"FRONTENDS": "2"}}
+MODES = {"one process": {}, "FRONTENDS=2": {"FRONTENDS": "2"}, "LONG_TEXTS=window": {"LONG_TEXTS": "window"}}
 # Batches big enough that 512 rows do not take many turns of a 2-core CPU.
 CAPS = "16:64,32:64,64:64,128:32,256:16"
 CLEAR = {200, 400, 404, 405, 413, 422}  # answers that say what happened (429/503 never come: admission is out of the way)
@@ -222,15 +222,18 @@ def post(server: ServerProcess, path: str, body: bytes, method: str = "POST", ch
         sock.close()
 
 
-def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int) -> dict[str, bytes]:
+def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int, s: Settings | None = None,
+                windowed: bool = False) -> dict[str, bytes]:
     """The bodies a route is sent: its schema's worst (when it takes one), and the hostile ones
     at the size and item count of its budget (every POST route: a route that reads no body
-    ignores them, one that does meets the budget)."""
+    ignores them, one that does meets the budget). `windowed`: a long_text field asks for windows
+    (the schema's first value is "", the server's way), texts as long as a windowed one is read."""
     if method != "POST":
         return {"no body": b""}
+    s = s or Settings.from_env({})
     own = "/" + (path.split("/", 3) + [""])[3] if path.startswith("/models/") else path  # a model's prefix: its path's
-    limit = http_api.budgets(Settings.from_env({}), max_length).get(own, budget.DEFAULT)
-    max_chars = max_length * CHARS_PER_TOKEN_BOUND
+    limit = http_api.budgets(s, max_length).get(own, budget.DEFAULT)
+    max_chars = text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND
     out = {}
     for name, char, flag, chars in (("longest rows, escaped", "é", True, max_chars),
                                     ("longest rows, truncate false", "!", False, max_chars),
@@ -247,6 +250,8 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
             else:
                 break
             before = largest
+        if windowed:
+            bodies = [b.replace(b'"long_text": ""', b'"long_text": "window"') for b in bodies]
         for i, body in enumerate(bodies):
             if len(body) <= limit.body_bytes:
                 out[f"schema: {name} #{i}"] = body
@@ -254,11 +259,12 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int)
     return out
 
 
-def grpc_messages(method, max_texts: int, max_chars: int, limit: int) -> dict[str, bytes]:
+def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dict | None = None) -> dict[str, bytes]:
     """An RPC's worst requests, from its input message's descriptor: every repeated string at
     MAX_TEXTS_PER_REQUEST texts of max_chars characters, and at one character each up to the
     message limit; strings at max_chars; bytes up to the limit; a packed repeated number of a
-    million values; and a flood of unknown fields (which any message must skip)."""
+    million values; and a flood of unknown fields (which any message must skip). `fixed`: fields
+    set so in every message that has them (long_text "window")."""
     from google.protobuf import message_factory
 
     cls = message_factory.GetMessageClass(method.input_type)
@@ -269,6 +275,12 @@ def grpc_messages(method, max_texts: int, max_chars: int, limit: int) -> dict[st
     if strings:
         full = cls(**{f.name: (["é" * max_chars] * max_texts if f in repeated else "é" * max_chars) for f in strings})
         out["longest texts"] = full.SerializeToString()
+        mine = {k: v for k, v in (fixed or {}).items() if k in method.input_type.fields_by_name}
+        if mine and repeated:  # the longest texts with only the fixed fields beside them (not refused on the others)
+            for what, text in (("é", "é" * max_chars), ("words", "a " * (max_chars // 2))):
+                most = max(1, min(max_texts, (limit - 4096) // (len(text.encode()) + 8)))  # as many as the message holds
+                out[f"longest texts ({what}), " + ", ".join(mine)] = cls(**{repeated[0].name: [text] * most},
+                                                                       **mine).SerializeToString()
     for f in repeated:
         out[f"one-character {f.name}"] = cls(**{f.name: ["a"] * (limit // 3 - 16)}).SerializeToString()
     for f in fields:
@@ -313,7 +325,8 @@ def services() -> list:
 # dense rows, CSR rows, token vectors, the three outputs of bgem3).
 SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse", "multivector", "bgem3")] + \
     [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("multivector", "FRONTENDS=2"), ("bgem3", "FRONTENDS=2"),
-     ("shared", "one process")]
+     ("shared", "one process")] + \
+    [("embed", "LONG_TEXTS=window")]  # every body asks for windows: texts read to MAX_TOKENS_PER_TEXT
 # Routes with the same handler on every task's server (the tokenizer's, the docs, another task's
 # refusals): sent their bodies once per mode, on the first server of that mode that runs.
 covered: set[tuple[str, str, str, str]] = set()
@@ -330,7 +343,8 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
         max_length, served = health["max_length"], json.loads(urllib.request.urlopen(
             server.http + "/v1/models", timeout=10).read())["data"][0]["id"]
         doc = json.loads(urllib.request.urlopen(server.http + "/openapi.json", timeout=10).read())
-        s = Settings.from_env({})
+        s = Settings.from_env(MODES[mode])
+        windowed = mode == "LONG_TEXTS=window"
         with ProbeWatch(server.metrics) as probes:
             measure = Budget(server)
             for path, method, endpoint in sorted(routes[task]):
@@ -339,7 +353,7 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                 covered.add((mode, path, method, endpoint))
                 # A payload's `model`: the one whose prefix the path has (http_models), else the default.
                 named = path.split("/")[2] if path.startswith("/models/") else served
-                bodies = http_bodies(doc, path, method, named, max_length)
+                bodies = http_bodies(doc, path, method, named, max_length, s, windowed)
                 # One of them in 16-byte chunks: a message to the app each, ~1.5 M for this body
                 if method == "POST":
                     chunked = bodies["hostile: one-character strings, at the items"]
@@ -361,7 +375,8 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                                                                ("grpc.max_receive_message_length", -1)]) as channel:
                 for method in services():
                     name = f"/{method.containing_service.full_name}/{method.name}"
-                    messages = grpc_messages(method, s.max_texts_per_request, max_length * CHARS_PER_TOKEN_BOUND, limit)
+                    messages = grpc_messages(method, s.max_texts_per_request, text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND,
+                                             limit, {"long_text": "window"} if windowed else {})
                     if method.name == "Infer":
                         messages["largest valid"] = largest_infer(s.max_texts_per_request, max_length, limit)
                     for what, data in messages.items():

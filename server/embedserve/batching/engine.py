@@ -352,6 +352,8 @@ class Engine:
             for request, positions, rows in batch.routes:
                 if request.trace is not None:
                     request.trace.batch_ran(batch, len(positions), busy_s)
+                if request.norms is not None and batch.norms is not None:  # a windowed request's
+                    request.norms[positions] = batch.norms[rows]
                 request.deliver(positions, out[rows])
         self._failing_changed(was)
         self.look_soon()

@@ -20,7 +20,7 @@ from embedserve.model.batches import Batch
 class PendingRequest:
     """One request's future and, when its rows come back in pieces, the buffer they land in."""
 
-    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens", "trace")
+    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens", "trace", "norms")
 
     def __init__(self, rows: int, dim: int, future: asyncio.Future, trace=None):
         self.rows, self.dim = rows, dim
@@ -30,6 +30,9 @@ class PendingRequest:
         self.future = future
         self.chunks: list[Chunk] = []  # its rows' chunks, as queued (BucketQueues.add)
         self.tokens = 0  # real tokens queued (usage), known once its rows are
+        # A windowed request's (embedserve.batching.windows): each row's norm before the model's
+        # Normalize, filled as its rows come back from a model that reports them (Batch.norms).
+        self.norms: np.ndarray | None = None
 
     @property
     def done(self) -> bool:

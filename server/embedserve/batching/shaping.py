@@ -48,6 +48,8 @@ class Limits:
     max_texts: int
     max_length: int  # tokens per text: the model's max_seq_length, capped by the largest bucket
     truncate: bool
+    long_texts: str = "off"  # LONG_TEXTS: whether a request may have its long texts windowed
+    text_tokens: int = 0  # MAX_TOKENS_PER_TEXT for this model: a windowed text's bound (config.text_tokens)
 
 
 class Texts(NamedTuple):
@@ -61,6 +63,7 @@ class Texts(NamedTuple):
     key: int
     query: str | None = None
     side: str = ""  # a multi-vector request's: "query" or "document" (embedserve.batching.multivector_tokenization)
+    window: bool = False  # long texts embedded whole (embedserve.batching.windows)
 
 
 def content_key(*parts) -> int:
@@ -74,13 +77,18 @@ def content_key(*parts) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | None, prompt_name: str | None) -> Texts:
+def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | None, prompt_name: str | None,
+                  window: bool = False) -> Texts:
     truncate = limits.truncate if truncate is None else truncate
     texts = validate_texts(texts, limits.max_texts)
     try:
         prompt = head.prompt(prompt_name) if head else ""
     except KeyError as e:
         raise InvalidInput(e.args[0]) from None
+    if window:  # read up to MAX_TOKENS_PER_TEXT's characters (windows.rows), keyed apart from a cut request
+        most = max(limits.text_tokens, limits.max_length)
+        return Texts(texts, truncate, prompt, content_key("window", truncate, prompt, *read(texts, limits, most)),
+                     window=True)
     return Texts(texts, truncate, prompt, content_key(truncate, prompt, *read(texts, limits)))
 
 
@@ -106,11 +114,11 @@ def multivector_request(texts, limits: Limits, head: Head | None, truncate: bool
     return Texts(texts, truncate, prompt, content_key(side, truncate, prompt, *read(texts, limits)), side=side)
 
 
-def read(texts: list[str], limits: Limits) -> list[str]:
+def read(texts: list[str], limits: Limits, tokens: int = 0) -> list[str]:
     """What the tokenizer reads of each text: its first max_length × CHARS_PER_TOKEN_BOUND
     characters (tokenization cuts the rest). A request's key is taken over these: hashing a
     25 MB text whole held the event loop ~55 ms for characters no row depends on."""
-    most = limits.max_length * CHARS_PER_TOKEN_BOUND
+    most = (tokens or limits.max_length) * CHARS_PER_TOKEN_BOUND
     return [t if len(t) <= most else t[:most] for t in texts]
 
 
@@ -263,11 +271,11 @@ class PreTokenized(InFlight):
         raise NotImplementedError
 
     async def embed_sparse(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                           prompt_name: str | None = None) -> Result:
+                           prompt_name: str | None = None, long_text: str = "") -> Result:
         """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
         batching), each text's row as SparseRows: made sparse per batch on the model worker
         (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
-        result = await self.embed_texts(texts, caller, truncate, prompt_name)
+        result = await self.embed_texts(texts, caller, truncate, prompt_name, long_text)  # "window": refused (task)
         return result._replace(rows=result.rows.sparse) if isinstance(result.rows, M3Rows) else result
 
     async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
@@ -299,7 +307,7 @@ class PreTokenized(InFlight):
         return Result(maxsim(q.rows.row(0), docs.rows), q.tokens + docs.tokens)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None) -> Result:
+                          prompt_name: str | None = None, long_text: str = "") -> Result:
         raise NotImplementedError
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:

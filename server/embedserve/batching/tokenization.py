@@ -92,6 +92,18 @@ class TextTokenizer:
         return cls(hf_tokenizer.backend_tokenizer.to_str(), int(pad if pad is not None else 0), len(hf_tokenizer),
                    max_length, truncate, lower_case, pair_prompt)
 
+    def bare_ids(self, texts: list[str]) -> list[list[int]]:
+        """Texts → their ids with no special token and no cut (long texts' windows:
+        embedserve.batching.windows, which reads a text in bounded pieces)."""
+        return [e.ids for e in self._bare.encode_batch_fast(texts, add_special_tokens=False)]
+
+    @property
+    def around(self) -> tuple[list[int], list[int]]:
+        """The special ids the post-processor puts before and after one text ([CLS] / [SEP] for BERT)."""
+        empty, first = self._cutting.encode("").ids, self._cutting.encode("a").ids
+        i = next((k for k, (x, y) in enumerate(zip(empty, first)) if x != y), len(empty))
+        return empty[:i], empty[i:]
+
     def encode_pairs(self, query: str, texts: list[str], truncate: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(query, text) pairs → what `encode` returns, one row per text: the Rust tokenizer's pair
         encoding, cut longest first at max_length (CrossEncoder's `truncation="longest_first"`),

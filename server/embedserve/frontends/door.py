@@ -57,7 +57,8 @@ class ModelDoor:
             model = self.server.model(header.get("model"))
             if model.service is None:
                 raise NotReady("server is warming up")
-            result = await model.service.rows(ids, lengths, header["key"], caller)
+            owners = np.asarray(header["owners"], dtype=np.int64) if "owners" in header else None  # windows: their texts
+            result = await model.service.rows(ids, lengths, header["key"], caller, owners)
         except KNOWN as e:
             reply = to_wire(e)
         else:

@@ -20,7 +20,7 @@ import numpy as np
 from embedserve import __version__, logs, model_list, tracing
 from embedserve.frontends import ipc, token_rows_ipc
 from embedserve.batching.multivector_tokenization import from_spec
-from embedserve.config import Settings, served_model_name
+from embedserve.config import Settings, served_model_name, text_tokens
 from embedserve.model.declared import Head
 from embedserve.errors import NotReady, from_wire
 from embedserve.admission.gate import Caller
@@ -31,6 +31,7 @@ from embedserve.model.calibration import digest
 from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching.tokenization import TextTokenizer
+from embedserve.batching import windows
 from embedserve.transports.encodings import Quantization
 from embedserve.transports.listeners import Transports
 
@@ -54,22 +55,31 @@ class RemoteService(PreTokenized):
         require_task(self.task, task)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None) -> Result:
+                          prompt_name: str | None = None, long_text: str = "") -> Result:
         with self._tracked():
-            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name), caller)
+            window = windows.check(long_text, self.limits.long_texts, self.task)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name, window), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
         trace = caller.trace
         started = time.monotonic() if trace is not None else 0.0
-        ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+        owners = None
+        if r.window:  # the windows travel as rows, each with its text: pooled in the model process
+            ids, lengths, owners = await windows.tokenize(self.tokenizer, self.executor, r.texts, r.prompt, r.truncate,
+                                                          max(self.limits.text_tokens, self.limits.max_length))
+        else:
+            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
         if trace is not None:
             trace.tokenized(started)
-        return await self._rows(ids, lengths, r.key, caller)
+        return await self._rows(ids, lengths, r.key, caller, owners)
 
-    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
+    async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller,
+                    owners: np.ndarray | None = None) -> Result:
         ids, lengths = cut(ids, lengths, self.limits)
         header = {"op": "rows", "model": self.model, "key": key, "retry": caller.retry, "deadline": caller.deadline_s,
                   "waits": caller.waits, "hedge": caller.hedge, "rows": ids.shape[0], "width": ids.shape[1], "lengths": lengths.tolist()}
+        if owners is not None:
+            header["owners"] = owners.tolist()
         trace = caller.trace
         if trace is not None:  # the model process stamps admission, queue and batches, and sends them back
             header["trace"] = True
@@ -108,7 +118,8 @@ class RemoteModel:
         self.quantization = quantization_from(hello["quantization"], calibration)
         self.activation = hello.get("activation", "")
         self.service = RemoteService(link, tokenizer, Limits(settings.max_texts_per_request, tokenizer.max_length,
-                                                             settings.truncate),
+                                                             settings.truncate, settings.long_texts,
+                                                             text_tokens(settings, tokenizer.max_length)),
                                      None if hello["simulated"] else head, self.task, executor, self.activation,
                                      hello["name"])
 

@@ -35,6 +35,7 @@ class Batch:
     formed: float = 0.0
     started: float = 0.0  # when the worker began running it (monotonic)
     due: float = 0.0  # when its oldest row has waited its drain budget: a shared device's order (model.device)
+    norms: np.ndarray | None = None  # [rows] each row's norm before Normalize, where the model reports it (LONG_TEXTS=window)
 
     @property
     def padded_tokens(self) -> int:
@@ -85,6 +86,7 @@ class PackedBatch:
     formed: float = 0.0
     started: float = 0.0
     due: float = 0.0
+    norms: np.ndarray | None = None  # as Batch's
 
     @property
     def padded_tokens(self) -> int:

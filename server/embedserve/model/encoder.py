@@ -102,7 +102,8 @@ class Encoder:
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
-        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude).to(placement.device).eval()
+        self.pooler = Pooler(head.pooling, head.dense, head.normalize, exclude,
+                             norms=settings.long_texts == "window" and task == "embed").to(placement.device).eval()
         self.splade = head.splade if task == "sparse" else None
         # multivector: token vectors (embedserve.model.token_head), its declaration's settings.
         self.tokens = TokenHead.declared(head.multivector).to(placement.device).eval() if task == "multivector" else None
@@ -179,6 +180,7 @@ class Encoder:
                     self.model.set_attn_implementation(varlen.NAME)
         except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
             return f"packed rows fail on this model ({type(e).__name__}: {e})"
+        got, want = got[:, : self.dim], want[:, : self.dim]  # not LONG_TEXTS' norm column (Pooler.norms)
         # Per row, the error's length relative to the vector's: blind to scale (unnormalized
         # models) and to where in the vector bf16 rounds; attending across rows is far above it.
         # One score per row (an LLM reranker's) has no scale of its own near 0: the rows' largest.
@@ -244,6 +246,8 @@ class Encoder:
         if self.tokens is not None:  # each row's kept token vectors only, cut out on the worker's thread
             return kept_rows(out)
         out = out.numpy()
+        if self.pooler.norms and self.splade is None and self.task not in SCORING:  # LONG_TEXTS=window (Pooler.head)
+            batch.norms, out = out[:, -1].copy(), np.ascontiguousarray(out[:, :-1])
         # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
         # holds its rows dense (embedserve.model.sparse_rows).
         return to_csr(out) if self.splade is not None else out

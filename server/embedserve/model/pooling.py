@@ -101,9 +101,13 @@ class Pooler(nn.Module):
     """Pooling modes (concatenated), Dense layers, Normalize: everything after the transformer."""
 
     def __init__(self, modes: tuple[str, ...], dense: tuple[Path, ...], normalize: bool,
-                 exclude_ids: torch.Tensor | None = None):
+                 exclude_ids: torch.Tensor | None = None, norms: bool = False):
         super().__init__()
         self.modes, self.normalize = modes, normalize
+        # LONG_TEXTS=window: each row's norm before Normalize, as one more column (`head`), so
+        # windows can be pooled before Normalize (embedserve.batching.windows); off, the forward
+        # is what it always was.
+        self.norms = norms and normalize
         self.dense = nn.Sequential(*(load_dense(p) for p in dense))
         self.register_buffer("exclude", exclude_ids if exclude_ids is not None else torch.zeros(0, dtype=torch.int64))
 
@@ -119,6 +123,8 @@ class Pooler(nn.Module):
     def head(self, pooled: list[torch.Tensor]) -> torch.Tensor:
         """One pooled [rows, H] tensor per mode → concatenated, Dense layers, Normalize."""
         out = self.dense(pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1))
+        if self.norms:  # the same normalized vector, its norm beside it: in the graph, no host sync
+            return torch.cat([F.normalize(out, p=2, dim=-1), torch.linalg.vector_norm(out, dim=-1, keepdim=True)], dim=-1)
         return F.normalize(out, p=2, dim=-1) if self.normalize else out
 
     def output_dim(self, hidden_size: int) -> int:

@@ -64,13 +64,16 @@ DEFAULT = Budget(OVERHEAD_BYTES, 1024)
 
 
 def route_budgets(text_paths: frozenset[str], id_paths: frozenset[str], max_texts: int, max_length: int,
-                  body_cap: int, texts_and_ids: frozenset[str] = frozenset()) -> dict[str, Budget]:
+                  body_cap: int, texts_and_ids: frozenset[str] = frozenset(), text_tokens: int = 0) -> dict[str, Budget]:
     """Each body route's budget: `text_paths` take texts, `id_paths` only token ids (/decode),
     `texts_and_ids` either (/v1/embeddings); `max_length` the model's (tokens per text),
-    `body_cap` HTTP_MAX_BODY_BYTES, the most any route reads. Pure."""
+    `body_cap` HTTP_MAX_BODY_BYTES, the most any route reads; `text_tokens` the most tokens a
+    text is read for, when more than max_length (MAX_TOKENS_PER_TEXT, windowed texts). Pure."""
     fields = 4 * max_texts + 256  # per text a few (an object's member, a row's brackets), and the request's fields
     ids = min(max_texts * max_length, MAX_IDS)
-    text_bytes = min(body_cap, (max_texts + 1) * max_length * CHARS_PER_TOKEN_BOUND * TEXT_BYTES_PER_CHAR
+    # A windowed text read further (MAX_TOKENS_PER_TEXT) fits a body alone; the bound stays the
+    # same otherwise: bodies past it hold the loop in json.loads (TEXT_BYTES_PER_CHAR).
+    text_bytes = min(body_cap, max((max_texts + 1) * max_length, text_tokens) * CHARS_PER_TOKEN_BOUND * TEXT_BYTES_PER_CHAR
                      + OVERHEAD_BYTES)
     id_bytes = min(body_cap, ids * ID_BYTES + OVERHEAD_BYTES)
     budgets = {path: Budget(text_bytes, fields) for path in text_paths}

@@ -63,7 +63,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         truncate = request.truncate if request.HasField("truncate") else None
         return await self._call(
             "Embed", request, context,
-            lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None),
+            lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None,
+                                         long_text=request.long_text),
             lambda m: self._embedding(request, m, len(request.texts), m3_reply.wanted(request.outputs, m.task)),
         )
 
@@ -79,7 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if request.dimensions or request.encoding != pb.FLOAT:
                 raise InvalidInput("dimensions and encoding do not apply to EmbedSparse (sparse rows over the vocabulary)")
             return s.embed_sparse(request.texts, who, request.truncate if request.HasField("truncate") else None,
-                                  prompt_name=request.prompt_name or None)
+                                  prompt_name=request.prompt_name or None, long_text=request.long_text)
 
         return await self._call("EmbedSparse", request, context, run, lambda m: self._sparse_response, task="sparse")
 

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, create_model
 
-from embedserve.config import Settings
+from embedserve.config import Settings, text_tokens
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
@@ -111,6 +111,10 @@ class EmbeddingsRequest(BaseModel):
     user: str | None = None
     prompt_name: str | None = Field(None, description="Extension: one of the model's declared prompts, put "
                                     "before each text (default: its default prompt, if it declares one).")
+    long_text: Literal["", "window"] = Field("", description="Extension: \"window\": texts over the model's max length are "
+                                             "embedded whole, in windows pooled by their token counts (needs "
+                                             "LONG_TEXTS=window; docs/api.md, \"Long texts\"); \"\": cut, or refused "
+                                             "with truncate false.")
 
 
 class TeiEmbedRequest(BaseModel):
@@ -126,6 +130,10 @@ class TeiEmbedRequest(BaseModel):
     encoding: Literal["float", "base64", "int8", "uint8", "binary", "ubinary"] = Field(
         "float", description="Extension: float (lists of floats), base64 (float32 little-endian per row), or "
         "quantized as sentence-transformers' quantize_embeddings over [-QUANTIZE_RANGE, QUANTIZE_RANGE] (lists of ints).")
+    long_text: Literal["", "window"] = Field("", description="Extension: \"window\": texts over the model's max length are "
+                                             "embedded whole, in windows pooled by their token counts (needs "
+                                             "LONG_TEXTS=window; docs/api.md, \"Long texts\"); \"\": cut, or refused "
+                                             "with truncate false.")
 
 
 PROMPT_DOC = ("One of the model's declared prompts, put before each text (default: its default prompt, if "
@@ -202,7 +210,7 @@ def api_paths(hub) -> frozenset[str]:
 def budgets(s: Settings, max_length: int) -> dict[str, budget.Budget]:
     """Each body route's budget (transports/budget.py) for a model of `max_length` tokens."""
     return budget.route_budgets(BODY_PATHS - ID_PATHS - TEXT_OR_ID_PATHS, ID_PATHS, s.max_texts_per_request,
-                                max_length, s.http_max_body_bytes, TEXT_OR_ID_PATHS)
+                                max_length, s.http_max_body_bytes, TEXT_OR_ID_PATHS, text_tokens(s, max_length))
 
 
 def busy(request: Request) -> JSONResponse:
@@ -339,7 +347,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         inputs = _texts(body.inputs)
         asked = m3_reply.wanted(body.outputs, server.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding)  # before any work
-        out = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name)).rows
+        out = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name,
+                                     long_text=body.long_text)).rows
         rows = dense_of(out)
         rows = _l2(rows) if body.normalize and not normalized else rows
         rows = encodings.truncated(rows, dims, normalized or body.normalize)
@@ -376,15 +385,15 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         svc = http_models.use(request, m, "embed")
         inp = body.input
         ids = isinstance(inp, list) and inp and isinstance(inp[0], (int, list))
-        if ids and body.prompt_name:
-            raise InvalidInput("prompt_name applies to texts, not to token ids")
+        if ids and (body.prompt_name or body.long_text):
+            raise InvalidInput(f"{'prompt_name' if body.prompt_name else 'long_text'} applies to texts, not to token ids")
         inputs = ([inp] if isinstance(inp[0], int) else inp) if ids else _texts(inp)
         asked = m3_reply.wanted(body.outputs, m.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(m, len(inputs), body.dimensions, body.encoding_format)  # before any work
         if ids:
             result = await svc.infer_ids(inputs, _caller(request))
         else:
-            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name)
+            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name, long_text=body.long_text)
         normalized = bool(m.head and m.head.normalize)
         rows = encodings.truncated(dense_of(result.rows), dims, normalized)
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")
