@@ -308,6 +308,22 @@ class Client:
                                         model=model or self.model, truncate=truncate)
         return decode_multivector(await self._call("EmbedMultiVector", request, metadata))
 
+    async def embed_m3(self, texts: list[str], outputs=("dense", "sparse", "colbert"), dimensions: int = 0,
+                       encoding: str = "float", prompt_name: str = "", metadata=None, model: str = "") -> "M3Result":
+        """A BGE-M3 model (task bgem3): the `outputs` asked ("dense", "sparse", "colbert") of one
+        pass; the others None in the result. dense as `embed` returns it; sparse as `embed_sparse`;
+        colbert per text its token vectors ([tokens, dim] float32, or in `encoding` as dense rows)."""
+        names = {"dense": pb.DENSE, "sparse": pb.SPARSE, "colbert": pb.MULTIVECTOR}
+        unknown = [o for o in outputs if o not in names]
+        if unknown:
+            raise ValueError(f"outputs {unknown}: expected any of {', '.join(names)}")
+        request = pb.EmbedRequest(texts=texts, dimensions=dimensions, encoding=_encoding(encoding), prompt_name=prompt_name,
+                                  model=model or self.model, outputs=[names[o] for o in outputs])
+        response = await self._call("Embed", request, metadata)
+        return M3Result(decode_embeddings(response) if "dense" in outputs else None,
+                        decode_sparse(response.sparse) if "sparse" in outputs else None,
+                        decode_multivector(response.multivector) if "colbert" in outputs else None)
+
     async def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, dimensions: int = 0,
                     encoding: str = "float", metadata=None, model: str = "") -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype="<i4")
