@@ -106,6 +106,20 @@ def test_task_multivector_refuses_a_model_that_declares_none(model_dir):
         prepare(Settings(model_path=model_dir, task="multivector"))
 
 
+def test_a_stanford_colbert_checkpoint_is_refused_by_name(tmp_path, model_dir):
+    """Its projection at the root (linear.weight) and settings in artifact.metadata: served as a
+    plain BERT it would be mean-pooled noise, so it is refused, saying how to convert it."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "stanford")
+    config = json.loads((tmp_path / "stanford" / "config.json").read_text())
+    (tmp_path / "stanford" / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    (tmp_path / "stanford" / "modules.json").unlink(missing_ok=True)
+    with pytest.raises(DeclarationError, match="HF_ColBERT"):
+        prepare(Settings(model_path=str(tmp_path / "stanford")))
+
+
 def test_another_task_refuses_a_multi_vector_model(tmp_path, model_dir):
     path = build_colbert(tmp_path, model_dir)
     with pytest.raises(DeclarationError, match="TASK=multivector"):
