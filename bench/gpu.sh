@@ -86,7 +86,7 @@ embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.reran
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
 timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/server/model/test_encoder.py tests/server/batching/test_packing.py \
-  tests/server/model/test_varlen.py tests/server/model/test_splade.py > "$out/pytest.txt" 2>&1
+  tests/server/model/test_varlen.py tests/server/model/test_splade.py tests/server/model/test_multivector.py > "$out/pytest.txt" 2>&1
 status=$?
 tail -30 "$out/pytest.txt"
 [ "$status" = 0 ] || fail "the CUDA tests (pytest exit $status: pytest.txt)"

@@ -60,7 +60,10 @@ def prepare(s: Settings) -> Prepared:
                                         f"and {m3.COLBERT_FILE} (state dicts saved with torch.save)")
     if said.multivector is not None:  # PyLate's prefixes made tokens first: the tokenizer serialized below has them
         colbert.register_prefixes(hf_tok, said.multivector.prefixes)
-        said = dataclasses.replace(said, multivector=said.multivector.resolved(hf_tok))
+        try:
+            said = dataclasses.replace(said, multivector=said.multivector.resolved(hf_tok))
+        except colbert.Unserved as e:
+            raise declared.DeclarationError(str(e)) from None
     act = ""
     if task == "rerank":
         try:
@@ -74,6 +77,9 @@ def prepare(s: Settings) -> Prepared:
                                              getattr(config, "function_to_apply", None))
         log.info("classify activation: torch.nn.%s (%s)", act, why)
     architectures = getattr(config, "architectures", None) or []
+    if "HF_ColBERT" in architectures:  # sentence-transformers reads its root linear.weight and artifact.metadata
+        raise declared.DeclarationError("a Stanford-NLP ColBERT checkpoint (HF_ColBERT) is not served as it is: save it "
+                                        "with sentence-transformers' MultiVectorEncoder(path).save(...) and serve that")
     if task == "sparse" and not any(a.endswith("ForMaskedLM") for a in architectures):
         # AutoModelForMaskedLM would load any encoder, with a random MLM head and only a warning.
         raise declared.DeclarationError(f"TASK=sparse needs a masked-LM checkpoint (*ForMaskedLM: SPLADE pools its "

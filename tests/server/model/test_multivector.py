@@ -106,7 +106,70 @@ def test_task_multivector_refuses_a_model_that_declares_none(model_dir):
         prepare(Settings(model_path=model_dir, task="multivector"))
 
 
+def test_a_stanford_colbert_checkpoint_is_refused_by_name(tmp_path, model_dir):
+    """Its projection at the root (linear.weight) and settings in artifact.metadata: served as a
+    plain BERT it would be mean-pooled noise, so it is refused, saying how to convert it."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "stanford")
+    config = json.loads((tmp_path / "stanford" / "config.json").read_text())
+    (tmp_path / "stanford" / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    (tmp_path / "stanford" / "modules.json").unlink(missing_ok=True)
+    with pytest.raises(DeclarationError, match="HF_ColBERT"):
+        prepare(Settings(model_path=str(tmp_path / "stanford")))
+
+
 def test_another_task_refuses_a_multi_vector_model(tmp_path, model_dir):
     path = build_colbert(tmp_path, model_dir)
     with pytest.raises(DeclarationError, match="TASK=multivector"):
         prepare(Settings(model_path=path, task="embed"))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu.sh runs these)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_token_vectors_replayed_from_cuda_graphs_compute_what_the_eager_cpu_model_does(tmp_path, device):
+    """The token head has no host synchronisation: captured in a CUDA graph per static shape
+    (float32), replayed on other rows (queries with unattended expansion tokens, documents with
+    skiplisted ids, a dummy row of padding), it keeps the eager CPU model's tokens and vectors.
+    On CPU: the static-shape path without graphs."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel
+
+    from embedserve.model.colbert import EXPANSION, QUERY, Expansion, MultiVector
+    from embedserve.model.declared import Head
+    from embedserve.model.encoder import choose_placement
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path)
+    dense = tmp_path / "1_Dense"
+    dense.mkdir()
+    save_file({"linear.weight": torch.randn(16, 32)}, str(dense / "model.safetensors"))
+    (dense / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 16, "bias": False,
+                                                   "activation_function": "torch.nn.modules.linear.Identity"}))
+    mv = MultiVector((dense,), True, {}, Expansion(length=8), None, None, (), skiplist_ids=(7, 8), expansion_id=9)
+    head = Head((), True, (), 64, False, {}, None, multivector=mv)
+    settings = Settings.from_env({"DTYPE": "float32", "ATTENTION": "padded", "STATIC_SHAPES": "true"})
+    placement = choose_placement(settings, device == "cuda", True)
+    assert placement.cuda_graphs == (device == "cuda")
+    served = Encoder(str(tmp_path), settings, placement, [], "multivector", head)
+    reference = Encoder(str(tmp_path), Settings(), Placement(torch.device("cpu"), torch.float32, False, False), [],
+                        "multivector", head)
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the first run captures, the second replays on other rows
+        lengths = torch.tensor([8, 31, 12, 0])
+        mask = (torch.arange(32) < lengths[:, None]).long()
+        ids = torch.randint(5, 12, (4, 32), generator=rng) * mask  # ids 7 and 8 (skiplisted) among them
+        ids[0, 5:8] = 9 | EXPANSION  # a query: its last 3 tokens expansion
+        ids[0, 0] |= QUERY
+        batch = Batch(ids, mask, 3, int(lengths.sum()), [])
+        got = served.run(batch)
+        want = reference.run(Batch(ids[:3], mask[:3], 3, batch.real_tokens, []))
+        assert np.array_equal(got.offsets, want.offsets) and np.abs(got.vectors - want.vectors).max() <= 1e-4
+        assert got.offsets[1] == 8  # the query keeps every token, its expansion and skiplisted ids too
+        assert got.offsets[2] - got.offsets[1] < 31  # a document's skiplisted ids are out
