@@ -58,6 +58,7 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
+    from tests.server.model.llm_reranker_models import build as build_llm_rerankers
     from tests.server.model.sparse_models import build_splade
 
     root = tmp_path_factory.mktemp("budget-models")
@@ -72,6 +73,8 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
         tok.save_pretrained(root / task)
         out[task] = {"MODEL_PATH": str(root / task), "TASK": task}
     out["sparse"] = {"MODEL_PATH": build_splade(root / "sparse", model_dir), "TASK": "sparse"}
+    # An LLM reranker (rerank's routes; its pairs are chat-template prompts, tokenized in front ends)
+    out["llm_rerank"] = {"MODEL_PATH": build_llm_rerankers(root / "llm")["st"]}
     (dense, _), (ranker, _) = SHARED  # the simulated embedder and the tiny reranker on one device
     out["shared"] = {"MODELS": json.dumps([{"name": dense, "model": "sim:5000000"},
                                            {"name": ranker, "model": out["rerank"]["MODEL_PATH"], "task": "rerank"}])}
@@ -306,7 +309,9 @@ def services() -> list:
 # Each task's server in one process; with front ends, an embedding server and a sparse one (the
 # two shapes of answer a front end gets from the model process: dense rows, CSR rows).
 SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse")] + \
-    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("shared", "one process")]
+    [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("shared", "one process"), ("llm_rerank", "FRONTENDS=2")]
+# Servers of a model kind that answers another task's routes.
+ROUTES_OF = {"llm_rerank": "rerank"}
 # Routes with the same handler on every task's server (the tokenizer's, the docs, another task's
 # refusals): sent their bodies once per mode, on the first server of that mode that runs.
 covered: set[tuple[str, str, str, str]] = set()
@@ -326,7 +331,7 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
         s = Settings.from_env({})
         with ProbeWatch(server.metrics) as probes:
             measure = Budget(server)
-            for path, method, endpoint in sorted(routes[task]):
+            for path, method, endpoint in sorted(routes[ROUTES_OF.get(task, task)]):
                 if (mode, path, method, endpoint) in covered:  # the same handler, on a server of this mode
                     continue
                 covered.add((mode, path, method, endpoint))
