@@ -151,3 +151,17 @@ async def test_plain_causal_lm_with_task_rerank_over_front_ends_and_packed_rows(
         assert code == 200 and [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable"))
     finally:
         server.stop()
+
+
+def test_plain_causal_lm_under_task_auto_stays_an_embedder(dirs):
+    """The plain checkpoint declares nothing: TASK=auto serves it as a (decoder) embedder, and
+    its rerank routes answer 400 naming the embedding ones."""
+    server = ServerProcess({**SERVER_ENV, "MODEL_PATH": dirs["plain"]}).wait_ready()
+    try:
+        assert server.health()[1]["task"] == "embed"
+        code, body = post(server.http + "/embed", {"inputs": ["the moon", "cheese"]})
+        assert code == 200 and np.array(body).shape == (2, 64)
+        code, body = post(server.http + "/rerank", {"query": QUERY, "texts": TEXTS})
+        assert code == 400 and "does embed" in body["error"]["message"]
+    finally:
+        server.stop()

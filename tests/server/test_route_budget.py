@@ -60,6 +60,7 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
 
     from tests.server.model.multivector_models import build_colbert
     from tests.server.model.m3_models import build_m3
+    from tests.server.model.llm_reranker_models import build as build_llm_rerankers
     from tests.server.model.sparse_models import build_splade
 
     root = tmp_path_factory.mktemp("budget-models")
@@ -77,6 +78,8 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
     out["multivector"] = {"MODEL_PATH": build_colbert(root / "multivector", model_dir, max_seq_length=256),
                           "TASK": "multivector"}
     out["bgem3"] = {"MODEL_PATH": build_m3(root / "bgem3")}  # auto: its head files make it bgem3
+    # An LLM reranker (rerank's routes; its pairs are chat-template prompts, tokenized in front ends)
+    out["llm_rerank"] = {"MODEL_PATH": build_llm_rerankers(root / "llm")["st"]}
     (dense, _), (ranker, _) = SHARED  # the simulated embedder and the tiny reranker on one device
     out["shared"] = {"MODELS": json.dumps([{"name": dense, "model": "sim:5000000"},
                                            {"name": ranker, "model": out["rerank"]["MODEL_PATH"], "task": "rerank"}])}
@@ -326,7 +329,9 @@ def services() -> list:
 SERVERS = [(task, "one process") for task in ("embed", "classify", "rerank", "sparse", "multivector", "bgem3")] + \
     [("embed", "FRONTENDS=2"), ("sparse", "FRONTENDS=2"), ("multivector", "FRONTENDS=2"), ("bgem3", "FRONTENDS=2"),
      ("shared", "one process")] + \
-    [("embed", "LONG_TEXTS=window")]  # every body asks for windows: texts read to MAX_TOKENS_PER_TEXT
+    [("embed", "LONG_TEXTS=window"), ("llm_rerank", "FRONTENDS=2")]  # windows: texts read to MAX_TOKENS_PER_TEXT
+# Servers of a model kind that answers another task's routes.
+ROUTES_OF = {"llm_rerank": "rerank"}
 # Routes with the same handler on every task's server (the tokenizer's, the docs, another task's
 # refusals): sent their bodies once per mode, on the first server of that mode that runs.
 covered: set[tuple[str, str, str, str]] = set()
@@ -347,7 +352,7 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
         windowed = mode == "LONG_TEXTS=window"
         with ProbeWatch(server.metrics) as probes:
             measure = Budget(server)
-            for path, method, endpoint in sorted(routes[task]):
+            for path, method, endpoint in sorted(routes[ROUTES_OF.get(task, task)]):
                 if (mode, path, method, endpoint) in covered:  # the same handler, on a server of this mode
                     continue
                 covered.add((mode, path, method, endpoint))

@@ -99,6 +99,8 @@ class Encoder:
         # declined: why packed rows, asked for, do not serve this model (shown in /health).
         self.attention, self.declined = self._attention(model_dir, settings, placement, task)
         self.model = load(**({"attn_implementation": varlen.NAME} if self.attention == "packed" else {}))
+        # The answer tokens' rows of the LM head, copied (a reload below has the same weights).
+        self.answer = llm_rerank.Answer(self.model, self.logit_score) if self.logit_score is not None else None
         self.position_offset = varlen.position_offset(self.model.config) if self.attention == "packed" else 0
         head = head or Head(("mean",), True, (), 512, False, {}, None)
         exclude = torch.tensor(exclude_ids, dtype=torch.int64)
@@ -122,8 +124,10 @@ class Encoder:
         if self.attention == "packed" and (reason := self._check_packed()) is not None:
             self.attention, self.declined = _declined(settings, reason)
             self.model = load()  # afresh, as the model loads by default (switching back may not take)
-        if self.logit_score is not None:
-            llm_rerank.check(self.model, self.logit_score, placement.device, placement.dtype)
+        if self.answer is not None:
+            llm_rerank.check(self.model, self.answer, self.logit_score, placement.device, placement.dtype)
+            if llm_rerank.shed(self.model):  # no full forward runs after the check
+                log.info("LLM reranker: the untied LM head let go (its answer rows kept)")
         self._forward = self._packed if self.attention == "packed" else self._eager
         if placement.compile:
             # One graph per static shape: let dynamo keep them all rather than fall back to
@@ -204,7 +208,7 @@ class Encoder:
                 max_len: int) -> torch.Tensor:
         """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
         if self.logit_score is not None:
-            return llm_rerank.packed(self.model, self.logit_score, ids, positions + self.position_offset, cu_seqlens,
+            return llm_rerank.packed(self.model, self.answer, ids, positions + self.position_offset, cu_seqlens,
                                      max_len)
         hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
                             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
@@ -213,7 +217,7 @@ class Encoder:
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.logit_score is not None:
-            return llm_rerank.padded(self.model, self.logit_score, ids, mask)
+            return llm_rerank.padded(self.model, self.answer, ids, mask)
         if self.task in SCORING:
             types = {} if self.sep_id is None else {"token_type_ids": token_types(ids, mask, self.sep_id)}
             return self.model(input_ids=ids, attention_mask=mask, **types).logits.float()

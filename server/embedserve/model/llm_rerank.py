@@ -95,50 +95,70 @@ def read(model_dir: str | Path, config, hf_tokenizer, requested: str) -> LogitSc
     return LogitScore(int(yes), int(no))
 
 
-def _answer_logits(model, score: LogitScore, last: torch.Tensor) -> torch.Tensor:
-    """[N, hidden] states of the rows' last tokens → [N, 1] float32 scores: the LM head's rows
-    for the answer tokens only (views of its weight: integer indexing copies nothing to the
-    device), then what the model's own forward does to its logits after the head."""
-    head = model.get_output_embeddings()
-    ids = (score.true_id,) if score.false_id is None else (score.true_id, score.false_id)
-    weight = torch.stack([head.weight[i] for i in ids])  # [k, hidden]
-    logits = last.to(weight.dtype) @ weight.T
-    if getattr(head, "bias", None) is not None:
-        logits = logits + torch.stack([head.bias[i] for i in ids])
-    logits = logits.float()
-    config = model.config
-    if getattr(model, "logit_scale", None) is not None:  # Cohere: logits × logit_scale
-        logits = logits * float(model.logit_scale)
-    if getattr(config, "logits_scaling", None):  # Granite: logits / logits_scaling
-        logits = logits / float(config.logits_scaling)
-    if getattr(config, "final_logit_softcapping", None):  # Gemma 2/3: cap · tanh(logits / cap)
-        cap = float(config.final_logit_softcapping)
-        logits = torch.tanh(logits / cap) * cap
-    return logits[:, :1] if score.false_id is None else logits[:, :1] - logits[:, 1:]
+class Answer(torch.nn.Module):
+    """The LM head's rows for the answer tokens, copied out of it at load ([k, hidden], k = 1 or
+    2, and the bias's entries), and what the model's own forward does to its logits after the
+    head: [N, hidden] states of the rows' last tokens → [N, 1] float32 scores. Copies, so that an
+    untied head ([vocabulary, hidden]: 1.2 GB of Qwen3-Reranker-8B's in bf16) can be let go
+    (`shed`) once the load-time check has used it."""
+
+    def __init__(self, model, score: LogitScore):
+        super().__init__()
+        head = model.get_output_embeddings()
+        ids = [score.true_id] if score.false_id is None else [score.true_id, score.false_id]
+        self.register_buffer("weight", torch.stack([head.weight[i] for i in ids]).detach().clone())
+        bias = getattr(head, "bias", None)
+        self.register_buffer("bias", None if bias is None else torch.stack([bias[i] for i in ids]).detach().clone())
+        config = model.config
+        # Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling,
+        # Gemma 2/3 soft-cap them (cap · tanh(logits / cap)).
+        self.scale = float(getattr(model, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+        self.cap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        self.pair = score.false_id is not None
+
+    def forward(self, last: torch.Tensor) -> torch.Tensor:
+        logits = last.to(self.weight.dtype) @ self.weight.T
+        if self.bias is not None:
+            logits = logits + self.bias
+        logits = logits.float() * self.scale
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits[:, :1] - logits[:, 1:] if self.pair else logits
 
 
-def padded(model, score: LogitScore, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def shed(model) -> bool:
+    """Let an untied LM head go (the Answer holds its rows that are read): the model's full
+    forward is never run again. A head tied to the input embeddings stays (it is them).
+    → whether it went."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or getattr(head, "weight", None) is None or head.weight.data_ptr() == embeddings.weight.data_ptr():
+        return False
+    model.set_output_embeddings(torch.nn.Identity())
+    return True
+
+
+def padded(model, answer: Answer, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Right-padded rows ([B, L] ids and mask) → [B, 1] float32 scores. A row of no tokens
     (a captured shape's dummy) reads position -1: garbage, never an error (it is not returned)."""
     hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
     last = mask.sum(dim=1) - 1
-    return _answer_logits(model, score, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+    return answer(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
 
-def packed(model, score: LogitScore, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+def packed(model, answer: Answer, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
            max_len: int) -> torch.Tensor:
     """Packed rows ([T] tensors, embedserve.model.batches; decoders rotate from position 0) →
     [S, 1] float32 scores, row i's last token being cu_seqlens[i + 1] - 1."""
     hidden = model.base_model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                               cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
                               max_length_k=max_len).last_hidden_state[0]
-    return _answer_logits(model, score, hidden[(cu_seqlens[1:].long() - 1).clamp(min=0)])
+    return answer(hidden[(cu_seqlens[1:].long() - 1).clamp(min=0)])
 
 
-def check(model, score: LogitScore, device: torch.device, dtype: torch.dtype) -> None:
+def check(model, answer: Answer, score: LogitScore, device: torch.device, dtype: torch.dtype) -> None:
     """At load: the two-row score against the model's own forward (every logit of the vocabulary,
     read at each row's last real token) on a few right-padded rows, so a model class that does
-    more to its logits than _answer_logits knows is refused, not served wrong. ConfigError when
+    more to its logits than Answer knows is refused, not served wrong. ConfigError when
     they differ."""
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +171,7 @@ def check(model, score: LogitScore, device: torch.device, dtype: torch.dtype) ->
         if packed_rows:  # the padded rows of this check through transformers' own attention
             model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
         with torch.inference_mode():
-            got = padded(model, score, ids, mask)[:, 0].float()
+            got = padded(model, answer, ids, mask)[:, 0].float()
             full = model(input_ids=ids, attention_mask=mask).logits.float()
     finally:
         if packed_rows:

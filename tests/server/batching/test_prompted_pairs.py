@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from embedserve.batching.prompted_pairs import cut
@@ -143,3 +142,23 @@ def test_a_template_that_cannot_carry_the_pair_verbatim_is_refused(template, why
 ])
 def test_message_format_as_sentence_transformers_infers_it(template, model_type, said, expected):
     assert llm_prompt.message_format(template, model_type, said) == expected
+
+
+def test_a_tokenizer_that_truncates_on_the_left_cuts_there(dirs, tmp_path):
+    """truncation_side "left" (tokenizer_config.json): the prompt's start is cut, as transformers
+    cuts it for sentence-transformers, and the rows still equal its own."""
+    import json
+    import shutil
+
+    left = tmp_path / "left"
+    shutil.copytree(dirs["plain"], left)
+    config = json.loads((left / "tokenizer_config.json").read_text())
+    (left / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    tok, query = served_tokenizer(str(left))
+    assert tok._prompted.pieces.truncation_side == "left"
+    ids, lengths = tok.encode_pairs(query, TEXTS)
+    rows = [r[:n].tolist() for r, n in zip(ids, lengths)]
+    assert rows == judged_rows(str(left), TEXTS)
+    right, _ = served_tokenizer(dirs["plain"])
+    cut_right = right.encode_pairs(query, TEXTS)[0][2].tolist()
+    assert rows[2][:4] != cut_right[:4]  # the long pair lost its start, not its end

@@ -67,6 +67,7 @@ def test_scores_equal_cross_encoder_padded_and_packed(dirs, layout_name, task):
         place = Placement(torch.device("cpu"), torch.float32, False, False, attention=attention)
         enc = Encoder(model_dir, settings, place, [], m.task, m.head)
         assert enc.attention == attention and enc.dim == 1
+        assert isinstance(enc.model.get_output_embeddings(), torch.nn.Identity)  # untied: let go after the check
         batch = padded(ids, lengths) if attention == "padded" else packed(ids, lengths, m.head.max_length)
         got = enc.run(batch)
         assert got.shape == (len(TEXTS), 1)
@@ -131,7 +132,23 @@ def test_a_model_whose_logits_are_transformed_unknowingly_is_refused(dirs):
 
     model = AutoModelForCausalLM.from_pretrained(dirs["plain"]).eval()
     score = llm_rerank.LogitScore(5, 6)
-    llm_rerank.check(model, score, torch.device("cpu"), torch.float32)  # as it is: they agree
+    llm_rerank.check(model, llm_rerank.Answer(model, score), score, torch.device("cpu"), torch.float32)  # they agree
     model.config.final_logit_softcapping = 0.5
     with pytest.raises(ConfigError, match="differ from the model's own forward"):
-        llm_rerank.check(model, score, torch.device("cpu"), torch.float32)
+        llm_rerank.check(model, llm_rerank.Answer(model, score), score, torch.device("cpu"), torch.float32)
+
+
+def test_an_untied_lm_head_is_let_go_and_a_tied_one_kept(dirs):
+    """After the check only the answer rows are read: an untied head (vocabulary × hidden) goes;
+    a head tied to the input embeddings is them, and stays."""
+    from transformers import AutoModelForCausalLM
+
+    untied = AutoModelForCausalLM.from_pretrained(dirs["plain"]).eval()
+    assert llm_rerank.shed(untied) and isinstance(untied.get_output_embeddings(), torch.nn.Identity)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tied = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        tie_word_embeddings=True)).eval()
+    assert tied.get_output_embeddings().weight.data_ptr() == tied.get_input_embeddings().weight.data_ptr()
+    assert not llm_rerank.shed(tied) and isinstance(tied.get_output_embeddings(), torch.nn.Linear)
