@@ -339,7 +339,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
         prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
         dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description),
-        inputs=(Union[Text, texts(s.max_texts_per_request)], ...), outputs=m3_reply.outputs_field())
+        inputs=(Union[Text, texts(s.max_texts_per_request)], ...), outputs=m3_reply.outputs_field(server.task))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
@@ -377,7 +377,7 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
         input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request,
                                 server.service.tokenizer.vocab_size), Field(description=INPUT_DOC)),
-        outputs=m3_reply.outputs_field())
+        outputs=m3_reply.outputs_field(server.task))
 
     async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""

@@ -5,7 +5,7 @@ gRPC `EmbedRequest.outputs` (enum Output: DENSE, SPARSE, MULTIVECTOR), HTTP `out
 /embed and /v1/embeddings ("dense", "sparse", "colbert"). None named: the dense vector alone,
 answered exactly as an embedding model answers (so an embeddings client needs nothing new).
 Any other task answers only "dense"; asking it for more is the caller's error (400 /
-INVALID_ARGUMENT), named.
+INVALID_ARGUMENT; HTTP: the schema's 422), named.
 
 The answers: gRPC fills EmbedResponse's `embeddings` (or `quantized`) and `shape` for dense,
 `sparse` (EmbedSparseResponse, CSR) and `multivector` (MultiVectorResponse: each text's ColBERT
@@ -33,10 +33,12 @@ _PROTO = {pb.DENSE: DENSE, pb.SPARSE: SPARSE, pb.MULTIVECTOR: COLBERT}
 Output = Literal["dense", "sparse", "colbert"]
 
 
-def outputs_field():
-    """HTTP's `outputs` as the schema states it (every embed route has it; only bgem3 answers
-    more than dense)."""
-    return (list[Output] | None, Field(None, min_length=1, max_length=len(OUTPUTS), description=(
+def outputs_field(task: str):
+    """HTTP's `outputs` as the schema states it for a model of `task`: every embed route has it;
+    a bgem3 model's takes its three outputs, any other's only dense (422 naming the field, as
+    the schema says; `wanted` refuses what a payload naming another model asks, 400)."""
+    kind = Output if task == "bgem3" else Literal["dense"]
+    return (list[kind] | None, Field(None, min_length=1, max_length=len(OUTPUTS), description=(
         "Extension, task bgem3 (BGE-M3): the outputs wanted of one pass, any of dense (the vector), sparse "
         "(lexical weights: [{index, value}] per input), colbert (a vector per token after CLS). Default: dense, "
         "answered as without the field. Other tasks: dense only.")))
