@@ -228,15 +228,18 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int,
     s = s or Settings.from_env({})
     own = "/" + (path.split("/", 3) + [""])[3] if path.startswith("/models/") else path  # a model's prefix: its path's
     limit = http_api.budgets(s, max_length).get(own, budget.DEFAULT)
-    max_chars = text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND
+    max_chars = max_length * CHARS_PER_TOKEN_BOUND
+    fills = [("longest rows, escaped", "é", True, max_chars, 512), ("longest rows, truncate false", "!", False, max_chars, 512),
+             ("longest rows, raw UTF-8", "\U0001F600", True, max_chars, 512), ("one-character texts", "a", True, 1, 512)]
+    if windowed:  # and a text as long as a windowed one is read, a token a character (the rows above, from
+        # there, would be built at 32 times their size first: seconds of this process, the server starved
+        # meanwhile on a 2-core host; they are windowed too: 4,096 tokens each)
+        fills.append(("a text of MAX_TOKENS_PER_TEXT's characters", "!", True, text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND, 1))
     out = {}
-    for name, char, flag, chars in (("longest rows, escaped", "é", True, max_chars),
-                                    ("longest rows, truncate false", "!", False, max_chars),
-                                    ("longest rows, raw UTF-8", "\U0001F600", True, max_chars),
-                                    ("one-character texts", "a", True, 1)):
+    for name, char, flag, chars, most in fills:
         # Texts as long as the route's bytes let the most rows be: halved until the body fits;
         # where that no longer shrinks it (rows of token ids), the rows and ids per row halved.
-        fill, before = Fill(chars, char, flag, served), 0
+        fill, before = Fill(chars, char, flag, served, most), 0
         while (bodies := schema_bodies(doc, path, fill)) and (largest := max(map(len, bodies))) > limit.body_bytes:
             if fill.chars > 1 and largest != before:
                 fill.chars //= 2
