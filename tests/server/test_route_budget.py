@@ -257,12 +257,14 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int,
     return out
 
 
-def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dict | None = None) -> dict[str, bytes]:
+def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dict | None = None,
+                  fixed_chars: int = 0) -> dict[str, bytes]:
     """An RPC's worst requests, from its input message's descriptor: every repeated string at
     MAX_TEXTS_PER_REQUEST texts of max_chars characters, and at one character each up to the
     message limit; strings at max_chars; bytes up to the limit; a packed repeated number of a
     million values; and a flood of unknown fields (which any message must skip). `fixed`: fields
-    set so in every message that has them (long_text "window")."""
+    set so beside the longest texts, of `fixed_chars` characters, as many as the message holds
+    (long_text "window": texts read to MAX_TOKENS_PER_TEXT)."""
     from google.protobuf import message_factory
 
     cls = message_factory.GetMessageClass(method.input_type)
@@ -275,7 +277,7 @@ def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dic
         out["longest texts"] = full.SerializeToString()
         mine = {k: v for k, v in (fixed or {}).items() if k in method.input_type.fields_by_name}
         if mine and repeated:  # the longest texts with only the fixed fields beside them (not refused on the others)
-            for what, text in (("é", "é" * max_chars), ("words", "a " * (max_chars // 2))):
+            for what, text in (("é", "é" * fixed_chars), ("words", "a " * (fixed_chars // 2))):
                 most = max(1, min(max_texts, (limit - 4096) // (len(text.encode()) + 8)))  # as many as the message holds
                 out[f"longest texts ({what}), " + ", ".join(mine)] = cls(**{repeated[0].name: [text] * most},
                                                                        **mine).SerializeToString()
@@ -371,8 +373,9 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                                                                ("grpc.max_receive_message_length", -1)]) as channel:
                 for method in services():
                     name = f"/{method.containing_service.full_name}/{method.name}"
-                    messages = grpc_messages(method, s.max_texts_per_request, text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND,
-                                             limit, {"long_text": "window"} if windowed else {})
+                    messages = grpc_messages(method, s.max_texts_per_request, max_length * CHARS_PER_TOKEN_BOUND, limit,
+                                             {"long_text": "window"} if windowed else {},
+                                             text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND)
                     if method.name == "Infer":
                         messages["largest valid"] = largest_infer(s.max_texts_per_request, max_length, limit)
                     for what, data in messages.items():
