@@ -236,15 +236,18 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int,
     s = s or Settings.from_env({})
     own = "/" + (path.split("/", 3) + [""])[3] if path.startswith("/models/") else path  # a model's prefix: its path's
     limit = http_api.budgets(s, max_length).get(own, budget.DEFAULT)
-    max_chars = text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND
+    max_chars = max_length * CHARS_PER_TOKEN_BOUND
+    fills = [("longest rows, escaped", "é", True, max_chars, 512), ("longest rows, truncate false", "!", False, max_chars, 512),
+             ("longest rows, raw UTF-8", "\U0001F600", True, max_chars, 512), ("one-character texts", "a", True, 1, 512)]
+    if windowed:  # and a text as long as a windowed one is read, a token a character (the rows above, from
+        # there, would be built at 32 times their size first: seconds of this process, the server starved
+        # meanwhile on a 2-core host; they are windowed too: 4,096 tokens each)
+        fills.append(("a text of MAX_TOKENS_PER_TEXT's characters", "!", True, text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND, 1))
     out = {}
-    for name, char, flag, chars in (("longest rows, escaped", "é", True, max_chars),
-                                    ("longest rows, truncate false", "!", False, max_chars),
-                                    ("longest rows, raw UTF-8", "\U0001F600", True, max_chars),
-                                    ("one-character texts", "a", True, 1)):
+    for name, char, flag, chars, most in fills:
         # Texts as long as the route's bytes let the most rows be: halved until the body fits;
         # where that no longer shrinks it (rows of token ids), the rows and ids per row halved.
-        fill, before = Fill(chars, char, flag, served), 0
+        fill, before = Fill(chars, char, flag, served, most), 0
         while (bodies := schema_bodies(doc, path, fill)) and (largest := max(map(len, bodies))) > limit.body_bytes:
             if fill.chars > 1 and largest != before:
                 fill.chars //= 2
@@ -262,12 +265,14 @@ def http_bodies(doc: dict, path: str, method: str, served: str, max_length: int,
     return out
 
 
-def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dict | None = None) -> dict[str, bytes]:
+def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dict | None = None,
+                  fixed_chars: int = 0) -> dict[str, bytes]:
     """An RPC's worst requests, from its input message's descriptor: every repeated string at
     MAX_TEXTS_PER_REQUEST texts of max_chars characters, and at one character each up to the
     message limit; strings at max_chars; bytes up to the limit; a packed repeated number of a
     million values; and a flood of unknown fields (which any message must skip). `fixed`: fields
-    set so in every message that has them (long_text "window")."""
+    set so beside the longest texts, of `fixed_chars` characters, as many as the message holds
+    (long_text "window": texts read to MAX_TOKENS_PER_TEXT)."""
     from google.protobuf import message_factory
 
     cls = message_factory.GetMessageClass(method.input_type)
@@ -280,7 +285,7 @@ def grpc_messages(method, max_texts: int, max_chars: int, limit: int, fixed: dic
         out["longest texts"] = full.SerializeToString()
         mine = {k: v for k, v in (fixed or {}).items() if k in method.input_type.fields_by_name}
         if mine and repeated:  # the longest texts with only the fixed fields beside them (not refused on the others)
-            for what, text in (("é", "é" * max_chars), ("words", "a " * (max_chars // 2))):
+            for what, text in (("é", "é" * fixed_chars), ("words", "a " * (fixed_chars // 2))):
                 most = max(1, min(max_texts, (limit - 4096) // (len(text.encode()) + 8)))  # as many as the message holds
                 out[f"longest texts ({what}), " + ", ".join(mine)] = cls(**{repeated[0].name: [text] * most},
                                                                        **mine).SerializeToString()
@@ -380,8 +385,9 @@ def test_every_route_and_rpc_within_the_budget(task, mode, routes, models):
                                                                ("grpc.max_receive_message_length", -1)]) as channel:
                 for method in services():
                     name = f"/{method.containing_service.full_name}/{method.name}"
-                    messages = grpc_messages(method, s.max_texts_per_request, text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND,
-                                             limit, {"long_text": "window"} if windowed else {})
+                    messages = grpc_messages(method, s.max_texts_per_request, max_length * CHARS_PER_TOKEN_BOUND, limit,
+                                             {"long_text": "window"} if windowed else {},
+                                             text_tokens(s, max_length) * CHARS_PER_TOKEN_BOUND)
                     if method.name == "Infer":
                         messages["largest valid"] = largest_infer(s.max_texts_per_request, max_length, limit)
                     for what, data in messages.items():
