@@ -62,8 +62,9 @@ def expanded(ids: np.ndarray, lengths: np.ndarray, floor: int, expansion_id: int
 class MultiVectorTokenizer(TextTokenizer):
     def __init__(self, tokenizer_json: str, pad_id: int, vocab_size: int, max_length: int, truncate: bool,
                  lower_case: bool = False, query_max: int | None = None, query_floor: int = 0,
-                 document_max: int | None = None, expansion_id: int | None = None):
-        super().__init__(tokenizer_json, pad_id, vocab_size, max_length, truncate, lower_case)
+                 document_max: int | None = None, expansion_id: int | None = None, pair_prompt: dict | None = None):
+        # pair_prompt: an LLM reranker's (TextTokenizer); a multi-vector model has none, its spec says None.
+        super().__init__(tokenizer_json, pad_id, vocab_size, max_length, truncate, lower_case, pair_prompt)
         self.query_floor, self.expansion_id = query_floor, expansion_id
         self.sides = {side: TextTokenizer(tokenizer_json, pad_id, vocab_size, n or max_length, truncate, lower_case)
                       for side, n in (("query", query_max), ("document", document_max))}
