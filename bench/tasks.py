@@ -19,7 +19,7 @@ Prints items/s of both, the ratio, and the served answers' largest |Δ| from (a)
 
 The models have random weights: throughput and equality are what is measured, not quality.
 Usage: python -m bench.tasks [--tasks multivector,llmrerank,bgem3,longtext] [--items 256]
-       [--per-request 8] [--concurrency 8] [--device cpu] [--json out.json]
+       [--per-request 8] [--concurrency 8] [--device cpu] [--base DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -85,13 +85,12 @@ def chunks(items: list, n: int) -> list[list]:
     return [items[i:i + n] for i in range(0, len(items), n)]
 
 
-def multivector(root: Path, texts: list[str], sizes, device: str):
+def multivector(root: Path, texts: list[str], sizes, device: str, base: str):
     from sentence_transformers import MultiVectorEncoder
 
-    from embedserve.model.source import packaged_model_dir
     from tests.server.model.multivector_models import build_colbert
 
-    path = build_colbert(root / "colbert", str(packaged_model_dir()), max_seq_length=256)
+    path = build_colbert(root / "colbert", base, max_seq_length=256)
     model = MultiVectorEncoder(path, device=device)
     offline = lambda bs: [m.float().cpu().numpy() for m in model.encode_document(texts, batch_size=bs,  # noqa: E731
                                                                                 convert_to_numpy=False)]
@@ -104,7 +103,7 @@ def multivector(root: Path, texts: list[str], sizes, device: str):
     return path, {}, offline, call, diff
 
 
-def llmrerank(root: Path, texts: list[str], sizes, device: str):
+def llmrerank(root: Path, texts: list[str], sizes, device: str, base: str):
     from sentence_transformers import CrossEncoder
 
     from tests.server.model.llm_reranker_models import build
@@ -119,7 +118,7 @@ def llmrerank(root: Path, texts: list[str], sizes, device: str):
     return path, {}, offline, call, lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-def bgem3(root: Path, texts: list[str], sizes, device: str):
+def bgem3(root: Path, texts: list[str], sizes, device: str, base: str):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -165,15 +164,13 @@ def bgem3(root: Path, texts: list[str], sizes, device: str):
     return path, {}, offline, call, lambda a, b: float(np.abs(np.concatenate(b) - a).max())
 
 
-def longtext(root: Path, texts: list[str], sizes, device: str):
+def longtext(root: Path, texts: list[str], sizes, device: str, base: str):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from embedserve.model.source import packaged_model_dir
-
-    path = str(packaged_model_dir())
+    path = base
     tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).to(device).eval()
-    room = 256 - 2
+    room = max_length(path) - 2
     stride = room - room // 4  # docs/api.md, "Long texts": windows of the max length overlapping by a quarter
     rows, owner = [], []
     for i, text in enumerate(texts):
@@ -210,16 +207,29 @@ def longtext(root: Path, texts: list[str], sizes, device: str):
     return path, env, offline, call, lambda a, b: float(np.abs(np.concatenate(b) - a).max())
 
 
+def max_length(path: str) -> int:
+    """Tokens per row as the server reads them: the declared max_seq_length, else the tokenizer's,
+    capped by the position table and the largest bucket (512)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    declared = Path(path) / "sentence_bert_config.json"
+    limits = [512, AutoTokenizer.from_pretrained(path).model_max_length,
+              AutoConfig.from_pretrained(path).max_position_embeddings]
+    if declared.is_file():
+        limits.append(json.loads(declared.read_text()).get("max_seq_length") or 512)
+    return int(min(limits))
+
+
 def run_task(task: str, args, sizes) -> dict:
     from tests.conftest import ServerProcess  # the same launcher the tests use
 
     if task == "longtext":
-        texts = [" ".join(corpus(40, seed=s)) for s in range(args.items // 8)]  # ~2-4k tokens each
+        texts = [" ".join(corpus(40, seed=s)) for s in range(max(2, args.items // 16))]  # ~3-4k tokens each
     else:
         texts = corpus(args.items, seed=7)
     print(f"\n== {task}: {len(texts)} items, {args.per_request} per request, C={args.concurrency}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
-        path, env, offline, call, diff = globals()[task](Path(scratch), texts, sizes, args.device)
+        path, env, offline, call, diff = globals()[task](Path(scratch), texts, sizes, args.device, args.base)
         a, want = sweep(task, len(texts), offline, sizes)
         server = ServerProcess({"MODEL_PATH": path, "BATCH_CAPS": "", "MAX_DRAIN_TIME_MS": "600000", "DEVICE": args.device,
                                 "DTYPE": "float32", "WARM_START": "false", **env})
@@ -246,8 +256,14 @@ def main(argv=None) -> int:
     p.add_argument("--per-request", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--base", help="the BERT directory the multivector and longtext models use (default: the "
+                                   "packaged all-MiniLM-L6-v2)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if not args.base:
+        from embedserve.model.source import packaged_model_dir
+
+        args.base = str(packaged_model_dir())
     sizes = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
     results = {task: run_task(task, args, sizes) for task in args.tasks.split(",")}
     print(f"\n{'task':<12}{'offline items/s':>17}{'served items/s':>16}{'ratio':>8}{'max |Δ|':>10}")

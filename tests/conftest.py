@@ -124,6 +124,9 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.2)
+        # Not left running: a fixture that fails here never reaches its stop(), and a leaked server
+        # (its front ends respawned) would load the rest of the run.
+        self.stop()
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()[-3000:]}")
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
