@@ -88,6 +88,12 @@ def prepare(s: Settings) -> Prepared:
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
         getattr(config, "max_position_embeddings", None), s.buckets[-1])
+    if task == "embed" and m3.has_heads(model_dir) and not sim:
+        # Not bgem3 by itself: its batches compute and copy every output whatever a request asks
+        # (per-request outputs do not reach the worker yet) and run padded, so an embed fleet of
+        # BGE-M3 would lose packed rows and calibration, and copy every token's vector, silently.
+        notes.append(f"the checkpoint carries BGE-M3's heads ({m3.SPARSE_FILE}, {m3.COLBERT_FILE}): served as an "
+                     "embedder (dense only); TASK=bgem3 serves its sparse and ColBERT outputs too")
     if task == "bgem3":  # its dense vector is CLS, normalized (embedserve.model.m3), whatever else is declared
         head = dataclasses.replace(head, pooling=("cls",), normalize=True, dense=())
         notes = [n for n in notes if "modules.json" not in n] + ["bgem3: dense = CLS, normalized; sparse and ColBERT "

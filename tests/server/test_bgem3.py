@@ -1,4 +1,4 @@
-"""A BGE-M3 server (task bgem3, told from its sparse_linear.pt and colbert_linear.pt) end to end, in
+"""A BGE-M3 server (TASK=bgem3, served from its sparse_linear.pt and colbert_linear.pt) end to end, in
 one process and with FRONTENDS=2: one Embed call over real gRPC (our Client) answering dense,
 sparse and ColBERT outputs of one pass, each alone, and dense by default; the same over HTTP
 (/embed, /v1/embeddings with `outputs`, /embed_sparse in TEI's shape); every output against
@@ -38,7 +38,7 @@ def want(m3_dir) -> dict:
 
 @pytest.fixture(scope="module", params=list(MODES), ids=list(MODES))
 def m3_server(request, m3_dir):
-    server = ServerProcess({"MODEL_PATH": m3_dir, "MAX_DRAIN_TIME_MS": "600000", **MODES[request.param]}).wait_ready()
+    server = ServerProcess({"MODEL_PATH": m3_dir, "TASK": "bgem3", "MAX_DRAIN_TIME_MS": "600000", **MODES[request.param]}).wait_ready()
     yield server
     server.stop()
 

@@ -77,7 +77,7 @@ def models(tmp_path_factory, model_dir) -> dict[str, dict]:
     out["sparse"] = {"MODEL_PATH": build_splade(root / "sparse", model_dir), "TASK": "sparse"}
     out["multivector"] = {"MODEL_PATH": build_colbert(root / "multivector", model_dir, max_seq_length=256),
                           "TASK": "multivector"}
-    out["bgem3"] = {"MODEL_PATH": build_m3(root / "bgem3")}  # auto: its head files make it bgem3
+    out["bgem3"] = {"MODEL_PATH": build_m3(root / "bgem3"), "TASK": "bgem3"}
     # An LLM reranker (rerank's routes; its pairs are chat-template prompts, tokenized in front ends)
     out["llm_rerank"] = {"MODEL_PATH": build_llm_rerankers(root / "llm")["st"]}
     (dense, _), (ranker, _) = SHARED  # the simulated embedder and the tiny reranker on one device

@@ -284,7 +284,9 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
     declared MultiVectorEncoder or PyLate ColBERT model (`multivector`) is multivector; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
-    classifies; BGE-M3's head files beside an encoder (`m3`) make it bgem3; anything else embeds.
+    classifies; anything else embeds. BGE-M3's head files (`m3`) do not change TASK=auto: such a
+    checkpoint embeds as before (packed rows, calibration, no per-token copies) until TASK=bgem3
+    asks for its three outputs (prepare says so in the log).
     An LLM reranker (`llm_reranker`: declared, or TASK=rerank on a *ForCausalLM:
     embedserve.model.llm_rerank.read decides) reranks. TASK=rerank
     on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
@@ -306,8 +308,6 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
         return "sparse"
     if multivector:
         return "multivector"
-    if m3 and not classifier:
-        return "bgem3"
     if classifier:
         return "rerank" if labels == 1 else "classify"
     return "embed"

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embedserve.model.colbert import EXPANSION, ID_BITS, QUERY
-from embedserve.model.pooling import load_dense
+from embedserve.model.pooling import load_dense, member
 
 
 class TokenHead(nn.Module):
@@ -61,7 +61,7 @@ class TokenHead(nn.Module):
             x = F.normalize(x, p=2, dim=-1)
         keep = real
         if self.skip.numel():
-            skipped = torch.isin(ids, self.skip)
+            skipped = member(ids, self.skip)  # never torch.isin: a host sync past a few ids (pooling.member)
             # Documents always; queries too where the model lists them in skiplist_tasks.
             keep = keep & ~(skipped & (~query | self.skiplist_queries))
         return torch.cat((x, keep.unsqueeze(-1).to(x.dtype)), dim=-1)

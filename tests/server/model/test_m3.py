@@ -52,7 +52,7 @@ def assert_matches(out: M3Rows, want: dict, rows: int) -> float:
 def test_one_padded_pass_equals_flagembedding_formulas(m3_dir):
     from transformers import AutoTokenizer
 
-    s = settings(m3_dir)
+    s = settings(m3_dir, task="bgem3")
     m = prepare(s)
     assert m.task == "bgem3" and m.head.pooling == ("cls",) and m.head.normalize
     enc = Encoder(m.model_dir, s, choose_placement(s, False, False), m.exclude_ids, m.task, m.head, m.sep_id)
@@ -121,7 +121,9 @@ def test_the_head_files_make_the_task(m3_dir, tmp_path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(m3_dir)
-    assert task_of(config, "auto", m3=True) == "bgem3"
+    assert task_of(config, "bgem3", m3=True) == "bgem3"
+    # TASK=auto keeps such a checkpoint an embedder: bgem3 is asked for (prepare's log says how).
+    assert task_of(config, "auto", m3=True) == "embed" and prepare(settings(m3_dir)).task == "embed"
     assert task_of(config, "auto") == "embed"
     assert task_of(config, "embed", m3=True) == "embed"  # TASK=embed serves its dense vectors the old way
     plain = tmp_path / "plain"
