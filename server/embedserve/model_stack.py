@@ -126,12 +126,15 @@ class ModelStack:
         self.memory_bytes = simulated.footprint(s.model_path) if sim_rate else self.engine.worker.footprint
         if m.head and not sim_rate:
             m.head.check_dimension(self.engine.dim)
+        if s.long_texts == "window" and self.task != "embed":  # every long_text request would get a 400
+            log.warning("LONG_TEXTS=window: a %s server embeds no long texts (windows pool dense vectors: task embed)",
+                        self.task)
         if s.quantize_calibrated and self.task == "embed":  # before the API: every quantized answer calibrated
             self.quantization = await in_daemon_thread(calibrate.calibrated, s, m, self.engine.dim, sim_rate,
                                                        name="calibrate")
         elif s.quantize_calibrated:
             log.info("QUANTIZE_RANGE=calibrated: a %s server %s", self.task,
-                     "quantizes over the fixed range (calibration is an embed model's)" if self.task == "bgem3"
+                     "quantizes over the fixed range (calibration is an embed model's)" if self.task in ("bgem3", "multivector")
                      else "has no int8/uint8 encodings, nothing to calibrate")
         self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),

@@ -250,7 +250,7 @@ def install_routes(app: FastAPI, hub: Hub) -> None:
 
     installed = _model_routes(router, default)
     for task, view in {v.task: v for v in reversed(views[1:])}.items():  # the first of each task
-        if task == "embed" and "/v1/embeddings" not in installed:
+        if task in ("embed", "bgem3") and "/v1/embeddings" not in installed:  # bgem3: dense by default
             _openai_route(router, view, http_models.service_of(view))
         elif task in ("rerank", "multivector") and "/v1/rerank" not in installed:
             http_rerank.install_v1(router, view, http_models.service_of(view), _caller, ERRORS, _error)
