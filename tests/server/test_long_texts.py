@@ -122,8 +122,13 @@ def test_refusals_name_the_problem(windowed, default_server):
     from embedserve.client import Client
 
     text = long_text(4, 900)  # ~1,100 tokens: over MAX_TOKENS_PER_TEXT
+    # A server that does not window says so in its schema ("" only): 422 naming the field. gRPC has
+    # no schema: INVALID_ARGUMENT naming LONG_TEXTS (below).
     status, reply = post(default_server, "/v1/embeddings", {"input": ["a"], "model": MODEL, "long_text": "window"})
-    assert status == 400 and "LONG_TEXTS=window" in reply["error"]["message"]
+    assert status == 422 and "long_text" in json.dumps(reply), reply
+    schema = json.loads(urllib.request.urlopen(default_server.http + "/openapi.json", timeout=30).read())
+    field = schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]["long_text"]
+    assert field.get("enum", [field.get("const")]) == [""], field
     status, reply = post(windowed, "/v1/embeddings", {"input": ["a"], "model": MODEL, "long_text": "sliding"})
     assert status == 422, reply
     status, reply = post(windowed, "/v1/embeddings", {"input": [[101, 102]], "model": MODEL, "long_text": "window"})

@@ -329,6 +329,13 @@ def _dimensions_field(server: Hub, description: str):
     return (int | None, Field(None, ge=1, description=description, json_schema_extra=top))
 
 
+def _long_text_field(server: Hub, description: str):
+    """long_text as the schema says it: "window" only where this server windows (LONG_TEXTS=window,
+    task embed); elsewhere "" alone, so asking is a 422 naming the field, as the schema states."""
+    windows = server.settings.long_texts == "window" and server.task == "embed"
+    return (Literal["", "window"] if windows else Literal[""], Field("", description=description))
+
+
 def _embed_routes(router: APIRouter, server: Hub, service) -> None:
     s = server.settings
     _openai_route(router, server, service)
@@ -339,7 +346,8 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         (Literal[True], Field(True, description="This model normalizes (a Normalize module, or NORMALIZE=true).")) if normalized else (bool, True)),
         prompt_name=_prompt_field(server, TeiEmbedRequest.model_fields["prompt_name"].description),
         dimensions=_dimensions_field(server, TeiEmbedRequest.model_fields["dimensions"].description),
-        inputs=(Union[Text, texts(s.max_texts_per_request)], ...), outputs=m3_reply.outputs_field(server.task))
+        inputs=(Union[Text, texts(s.max_texts_per_request)], ...), outputs=m3_reply.outputs_field(server.task),
+        long_text=_long_text_field(server, TeiEmbedRequest.model_fields["long_text"].description))
 
     async def embed(body, request: Request):
         """TEI-style embeddings: one vector per input."""
@@ -377,7 +385,8 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         dimensions=_dimensions_field(server, EmbeddingsRequest.model_fields["dimensions"].description),
         input=(embeddings_input(ID_ROW_BOUND * s.buckets[-1], s.max_texts_per_request,
                                 server.service.tokenizer.vocab_size), Field(description=INPUT_DOC)),
-        outputs=m3_reply.outputs_field(server.task))
+        outputs=m3_reply.outputs_field(server.task),
+        long_text=_long_text_field(server, EmbeddingsRequest.model_fields["long_text"].description))
 
     async def embeddings(body, request: Request):
         """OpenAI-compatible embeddings."""
