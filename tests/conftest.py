@@ -141,6 +141,20 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def post_json(url: str, body, timeout: float = 120) -> tuple[int, object]:
+    """POST `body` as JSON → (status, the JSON answer), an error status included (not raised)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
 def counter(http: str, name: str, **labels) -> float:
     """A server's /metrics sample by its exact name, summed over those carrying `labels` (and any
     others: every model's, where the series has a `model` label and none is named), 0 when absent;

@@ -7,8 +7,6 @@ token id. An embedding server refuses outputs other than dense (INVALID_ARGUMENT
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 
 import grpc
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import Client
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, post_json
 from tests.server.model.m3_models import build_m3, reference
 
 TOL = 1e-4
@@ -44,12 +42,7 @@ def m3_server(request, m3_dir):
 
 
 def post(server, path: str, body) -> tuple[int, object]:
-    request = urllib.request.Request(server.http + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(server.http + path, body)
 
 
 def same_dense(got, want) -> float:

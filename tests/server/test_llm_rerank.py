@@ -11,15 +11,12 @@ reads (cut, the template's tail restored), several batches of at most four rows.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, counter
+from tests.conftest import ServerProcess, counter, post_json
 from tests.server.model.llm_reranker_models import MAX_LENGTH, build
 
 TOL = 1e-4
@@ -31,12 +28,7 @@ SERVER_ENV = {"MAX_DRAIN_TIME_MS": "600000", "BATCH_CAPS": "64:4,128:4", "MAX_TE
 
 
 def post(url, body):
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(url, body)
 
 
 @pytest.fixture(scope="module")

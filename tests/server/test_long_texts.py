@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, make_text
+from tests.conftest import ServerProcess, make_text, post_json
 
 MODEL = "all-MiniLM-L6-v2"
 MOST = 1024  # MAX_TOKENS_PER_TEXT of the servers here
@@ -53,12 +53,7 @@ def long_text(seed: int, words: int) -> str:
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.http + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(server.http + path, body)
 
 
 @pytest.fixture(scope="module")

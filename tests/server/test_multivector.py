@@ -8,7 +8,6 @@ on /rerank, /v1/rerank and gRPC Rerank, the answer bound, the other tasks' route
 from __future__ import annotations
 
 import asyncio
-import json
 import urllib.error
 import urllib.request
 
@@ -18,7 +17,7 @@ import pytest
 
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, post_json
 from tests.server.model.multivector_models import build_colbert
 
 QUERIES = ["what is the capital of France?", "late interaction"]
@@ -28,12 +27,7 @@ SERVER_ENV = {"MAX_DRAIN_TIME_MS": "600000", "BATCH_CAPS": "16:4,64:4", "BUCKETS
 
 
 def post(url, body):
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(url, body)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.conftest import ServerProcess, counter
+from tests.conftest import ServerProcess, counter, post_json
 
 MAX_LENGTH = 32
 QUERY = "how far away from the earth is the moon on an average day of the year"
@@ -40,12 +40,7 @@ SERVER_ENV = {"MAX_DRAIN_TIME_MS": "600000", "BATCH_CAPS": "16:4,32:4", "MAX_TEX
 
 
 def post(url, body):
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(url, body)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ the declared prompt included); the dense routes refused with WrongTask, and an e
 refusing EmbedSparse."""
 
 import json
-import urllib.error
-import urllib.request
 
 import grpc
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 from embedfleet.v1 import inference_pb2 as pb
 from embedfleet.v1 import inference_pb2_grpc as pb_grpc
 from embedserve.client import Client
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, post_json
 from tests.server.model.sparse_models import build_splade
 
 TOL = 1e-4
@@ -49,12 +47,7 @@ def sparse_server(request, splade_dir):
 
 
 def post(server, path: str, body) -> tuple[int, object]:
-    request = urllib.request.Request(server.http + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(server.http + path, body)
 
 
 def assert_same(indices: np.ndarray, values: np.ndarray, want: np.ndarray) -> None:
