@@ -162,6 +162,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     - label selectors on lists and watches (a watched object that stops matching is DELETED to
       that watch), 429 answers that carry Retry-After, and a watch ended by a 410 ERROR event
       inside its stream (`expire_watches`), as when its resourceVersion has been compacted away;
+    - a watch that misses nothing created while it starts (kmock's can: `_kmock_watch`);
     - in the record of calls as RBAC sees them, the OwnerReferencesPermissionEnforcement admission
       plugin's check: a write setting blockOwnerDeletion needs update on the owner's finalizers.
 
@@ -404,9 +405,31 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         selector = request.params.get("labelSelector")
         return {**out, "items": [o for o in out["items"] if selector_matches(selector, _labels(o))]}
 
+    async def _kmock_watch(self, request):
+        """kmock's watch, with its bus marked in the same lock as the snapshot of existing objects.
+        kmock marks the bus only after it has streamed that snapshot, so an object created
+        meanwhile was in neither: lost to the watch for good (an operator that never made one
+        service's Deployment, in CI). A real API server never loses it: a watch resumes from the
+        list's resourceVersion."""
+        yield b""  # the headers go out now, as kmock's: a quiet watch is still a stream
+        check = self._KubernetesEmulator__check  # kmock's own matching (name-mangled private)
+        bus = self._buses[request.resource]
+        async with self._lock:  # every put to a bus happens under this lock
+            marker = await bus.mark()
+            existing = [o.raw for o in self._KubernetesEmulator__get_objs(request, strict=False) if not o.deleted]
+        try:
+            for raw in existing:
+                yield {"type": "ADDED", "object": raw}
+            async for event in bus.stream(since=marker):
+                meta = (event.get("object") or {}).get("metadata") or {}
+                if check(request, request.resource, meta.get("namespace"), meta.get("name"), strict=False):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
     async def _serve_watch(self, request):
         selector, sent = request.params.get("labelSelector"), set()
-        async for event in super()._serve_watch(request):
+        async for event in self._kmock_watch(request):
             if isinstance(event, dict) and event.get("type") == "ERROR":
                 yield event  # what a real API server does next: end the stream
                 return
