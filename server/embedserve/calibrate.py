@@ -28,6 +28,7 @@ import torch
 from embedserve.config import Settings
 from embedserve.model import calibration, simulated, warm_key
 from embedserve.model.batches import Batch
+from embedserve.model.m3_rows import dense_of
 from embedserve.transports.encodings import Quantization
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def embed_corpus(runner, tokenizer, prompt: str) -> np.ndarray:
         ids, lengths = tokenizer.encode(texts, True, prompt)
         mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.int64)
         batch = Batch(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask), len(texts), int(lengths.sum()), [])
-        out.append(np.asarray(runner.run(batch), dtype=np.float32))
+        out.append(np.asarray(dense_of(runner.run(batch)), dtype=np.float32))  # bgem3: its dense vectors
     return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
 
 

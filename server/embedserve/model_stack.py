@@ -129,16 +129,17 @@ class ModelStack:
         if s.long_texts == "window" and self.task != "embed":  # every long_text request would get a 400
             log.warning("LONG_TEXTS=window: a %s server embeds no long texts (windows pool dense vectors: task embed)",
                         self.task)
-        if s.quantize_calibrated and self.task == "embed":  # before the API: every quantized answer calibrated
+        if s.quantize_calibrated and self.task in ("embed", "bgem3"):  # before the API: every quantized answer calibrated
             self.quantization = await in_daemon_thread(calibrate.calibrated, s, m, self.engine.dim, sim_rate,
                                                        name="calibrate")
         elif s.quantize_calibrated:
             log.info("QUANTIZE_RANGE=calibrated: a %s server %s", self.task,
-                     "quantizes over the fixed range (calibration is an embed model's)" if self.task in ("bgem3", "multivector")
+                     "quantizes over the fixed range (calibration is an embed model's)" if self.task == "multivector"
                      else "has no int8/uint8 encodings, nothing to calibrate")
         self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
-            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate, s.long_texts, text_tokens(s, m.buckets[-1])),
+            Limits(s.max_texts_per_request, m.buckets[-1], s.truncate, s.long_texts, text_tokens(s, m.buckets[-1]),
+                   s.max_reply_bytes),
             executor=self._executor, observer=self.observer, task=self.task, head=None if sim_rate else m.head,
             activation=self.activation,
         )

@@ -15,6 +15,7 @@ from embedserve.model.declared import Head
 from embedserve.model.encoder import task_of
 from embedserve.model.source import resolve
 from embedserve.batching import multivector_tokenization
+from embedserve.batching.flagged_tokenization import FLAGS_OF, FlaggedTokenizer
 from embedserve.batching.tokenization import TextTokenizer, vocab_ids
 from embedserve.model import colbert
 
@@ -88,12 +89,6 @@ def prepare(s: Settings) -> Prepared:
     head, notes = declared.resolve(
         declared.for_task(said, task), s.pooling, s.normalize, getattr(hf_tok, "model_max_length", None),
         getattr(config, "max_position_embeddings", None), s.buckets[-1])
-    if task == "embed" and m3.has_heads(model_dir) and not sim:
-        # Not bgem3 by itself: its batches compute and copy every output whatever a request asks
-        # (per-request outputs do not reach the worker yet) and run padded, so an embed fleet of
-        # BGE-M3 would lose packed rows and calibration, and copy every token's vector, silently.
-        notes.append(f"the checkpoint carries BGE-M3's heads ({m3.SPARSE_FILE}, {m3.COLBERT_FILE}): served as an "
-                     "embedder (dense only); TASK=bgem3 serves its sparse and ColBERT outputs too")
     if task == "bgem3":  # its dense vector is CLS, normalized (embedserve.model.m3), whatever else is declared
         head = dataclasses.replace(head, pooling=("cls",), normalize=True, dense=())
         notes = [n for n in notes if "modules.json" not in n] + ["bgem3: dense = CLS, normalized; sparse and ColBERT "
@@ -106,6 +101,8 @@ def prepare(s: Settings) -> Prepared:
         head, logit_score=score)) if score else (head, None))
     tokenizer = (multivector_tokenization.for_model(hf_tok, head.max_length, s.truncate, head.lower_case, head.multivector)
                  if task == "multivector" else
+                 FlaggedTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case, pair_prompt, flags=task)
+                 if task in FLAGS_OF else
                  TextTokenizer.from_hf(hf_tok, head.max_length, s.truncate, head.lower_case, pair_prompt))
     exclude = vocab_ids(hf_tok, s.exclude_tokens)
     if exclude and not any(m in ("mean", "mean_sqrt_len_tokens", "weightedmean") for m in head.pooling):

@@ -14,12 +14,14 @@ import numpy as np
 from embedserve.admission import policy as admission
 from embedserve.model.declared import Head
 from embedserve.batching.engine import Engine
-from embedserve.errors import NotReady
+from embedserve.errors import NotReady, ReplyTooLarge
+from embedserve.model.states_rows import asked
+from embedserve.transports import encodings
 from embedserve.admission.estimator import Estimator
 from embedserve.admission.gate import Caller, Gate, Observer
 from embedserve.batching.intake import Intake
 from embedserve.batching.shaping import (INLINE_CHARS, Limits, PreTokenized, Result, Texts, chars, cut, require_task,
-                                         texts_request, tokenize)
+                                         tokenize)
 from embedserve.batching.tokenization import TextTokenizer
 from embedserve.batching import windows
 from embedserve.config import CHARS_PER_TOKEN_BOUND
@@ -74,15 +76,6 @@ class EmbeddingService(PreTokenized):
         if self.engine.failing:
             return "degraded"
         return admission.status(snap, self.policy, self.ready, rejecting)
-
-    async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None, long_text: str = "") -> Result:
-        """Texts → one output row per text, in order. `truncate` overrides TRUNCATE;
-        `prompt_name` picks one of the model's declared prompts (default: its default prompt);
-        `long_text` "window": long texts embedded whole (embedserve.batching.windows)."""
-        with self._tracked():
-            window = windows.check(long_text, self.limits.long_texts, self.task)
-            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name, window), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
         """Texts, or a Rerank request's pairs (rerank: shaping.PreTokenized), → rows."""
@@ -156,6 +149,14 @@ class EmbeddingService(PreTokenized):
                     owners: np.ndarray | None = None) -> Result:
         t0 = self.estimator.clock()
         ids, lengths = cut(ids, lengths, self.limits)
+        if self.engine.states_dim and len(ids) and asked(ids[0, 0]):  # token states (embed_all): known now
+            # The JSON answer's most bytes, as http_embed_all checks it once written (multivector_wire.check_size).
+            tokens = int(lengths.sum())
+            size = encodings.reply_bytes(tokens, self.engine.states_dim, encodings.FLOAT, True) + 8 * (len(ids) + 1)
+            if size > self.limits.max_reply_bytes:
+                raise ReplyTooLarge(f"the answer's {tokens} token states of {self.engine.states_dim} dimensions would "
+                                    f"be up to {size} bytes, over MAX_REPLY_BYTES={self.limits.max_reply_bytes}: send "
+                                    "fewer or shorter texts")
         trace = caller.trace
         if trace is not None:
             trace.admitting()

@@ -1,4 +1,4 @@
-"""A BGE-M3 server (TASK=bgem3, served from its sparse_linear.pt and colbert_linear.pt) end to end, in
+"""A BGE-M3 server (TASK=auto reads its sparse_linear.pt and colbert_linear.pt as bgem3) end to end, in
 one process and with FRONTENDS=2: one Embed call over real gRPC (our Client) answering dense,
 sparse and ColBERT outputs of one pass, each alone, and dense by default; the same over HTTP
 (/embed, /v1/embeddings with `outputs`, /embed_sparse in TEI's shape); every output against
@@ -21,7 +21,8 @@ from tests.server.model.m3_models import build_m3, reference
 TOL = 1e-4
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a",
          "Sparse retrieval weighs each token of the text; dense retrieval pools them. " * 3]
-MODES = {"one process": {}, "FRONTENDS=2": {"FRONTENDS": "2"}}
+# TASK=auto reads the head files as bgem3; FRONTENDS=2 says it explicitly.
+MODES = {"one process, TASK=auto": {}, "FRONTENDS=2": {"FRONTENDS": "2", "TASK": "bgem3"}}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def want(m3_dir) -> dict:
 
 @pytest.fixture(scope="module", params=list(MODES), ids=list(MODES))
 def m3_server(request, m3_dir):
-    server = ServerProcess({"MODEL_PATH": m3_dir, "TASK": "bgem3", "MAX_DRAIN_TIME_MS": "600000", **MODES[request.param]}).wait_ready()
+    server = ServerProcess({"MODEL_PATH": m3_dir, "MAX_DRAIN_TIME_MS": "600000", **MODES[request.param]}).wait_ready()
     yield server
     server.stop()
 
@@ -86,6 +87,29 @@ def test_one_embed_call_answers_all_three_outputs_equal_to_flagembedding(m3_serv
     assert colbert.dense is None and colbert.sparse is None
     same_colbert(colbert.colbert, want)
     same_dense(dense, want)  # no outputs: the dense vector, as any embedding model answers
+
+
+def test_requests_asking_different_outputs_together_each_get_their_own(m3_server, want):
+    """Dense-only embeddings calls beside calls asking every output, at once (rows of both in
+    the same batches): each answer holds what its request asked, equal to the reference; the
+    rows' outputs are told apart on the device by flags on their first ids."""
+    asks = [None, ["dense", "sparse", "colbert"], ["colbert"], None, ["sparse"]] * 4
+
+    async def go():
+        async with Client(m3_server.target) as c:
+            return await asyncio.gather(*(c.embed(TEXTS) if a is None else c.embed_m3(TEXTS, outputs=a) for a in asks))
+
+    health = m3_server.health()[1]
+    assert health["task"] == "bgem3" or health["models"][0]["task"] == "bgem3", health
+    for asked, got in zip(asks, asyncio.run(go())):
+        if asked is None:
+            same_dense(got, want)
+            continue
+        assert (got.dense is not None) == ("dense" in asked) and (got.sparse is not None) == ("sparse" in asked)
+        if "sparse" in asked:
+            same_sparse(got.sparse, want)
+        if "colbert" in asked:
+            same_colbert(got.colbert, want)
 
 
 def test_embed_response_carries_only_what_was_asked(m3_server, want):

@@ -161,6 +161,12 @@ def test_answers_over_the_reply_bound_are_refused_and_the_server_serves_on(colbe
         s.stop()
 
 
+def test_a_multi_vector_server_refuses_embed_all_naming_its_own_route(server):
+    """TEI's /embed_all is an embedding model's (its raw token states): another task's 400."""
+    status, body = post(server.http + "/embed_all", {"inputs": "x"})
+    assert status == 400 and "/embed_multivector" in body["error"]["message"], body
+
+
 def test_an_embedding_server_refuses_embed_multi_vector_naming_its_task(default_server):
     with pytest.raises(grpc.RpcError) as e:
         grpc_call(default_server, "EmbedMultiVector", pb.MultiVectorRequest(texts=["x"]))

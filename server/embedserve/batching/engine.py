@@ -22,6 +22,7 @@ from embedserve.errors import DeviceUnresponsive, ModelFailure, NotReady
 from embedserve.admission.estimator import Estimator
 from embedserve.batching.packing import assemble_packed
 from embedserve.model.batches import PackedBatch
+from embedserve.model.states_rows import asked
 from embedserve.batching.queues import BucketQueues, Chunk, PendingRequest, assemble
 from embedserve.model.batches import Batch
 from embedserve.threads import in_daemon_thread
@@ -81,7 +82,7 @@ class Engine:
                                   warm, device)
         self.caps: dict[int, int] = {}
         self.warmup: WarmupResult | None = None
-        self.dim = 0
+        self.dim = self.states_dim = 0
         self.in_worker = 0  # batches submitted and not yet reported
         self.failed_batches = 0  # consecutive; reset by a good batch
         self.hung = False  # a batch outran the watchdog: the device is lost until a restart
@@ -141,6 +142,8 @@ class Engine:
             raise self.worker.failure
         self.warmup = self.worker.warmup
         self.dim = self.worker.runner.dim
+        # Each token state's width, where a row may ask for them (TEI's /embed_all; else 0).
+        self.states_dim = getattr(self.worker.runner, "states_dim", 0)
         self.estimator.seed_service_rate(self.warmup.service_rate)
         # No drain budget (throughput admission off): no bound to keep, batches choose freely.
         self.window_s = (reorder_window(self.deadline_s, self.max_drain_s, self.warmup.largest_batch_s)
@@ -190,6 +193,9 @@ class Engine:
         tokenized with others keeps its place in time). Numpy until a batch is assembled: a
         torch op costs ~10x a numpy one on arrays this small, on the event loop, per request."""
         now = self.clock() if admitted is None else admitted
+        # A request's rows all ask alike (its tokenizer's flags): this bit is only ever read of an
+        # embed batch's output (StatesRows); another task's bit there means something else.
+        request.states = bool(ids.size and asked(ids[0, 0]))
         added = 0
         for bucket, positions in split_by_bucket(lengths, self.plan.buckets):
             width = min(ids.shape[1], bucket)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from embedserve.batching.flagged_tokenization import FlaggedTokenizer
 from embedserve.batching.tokenization import TextTokenizer
 from embedserve.model.colbert import EXPANSION, QUERY
 
@@ -71,13 +72,6 @@ class MultiVectorTokenizer(TextTokenizer):
         self.spec = {**self.spec, "query_max": self.sides["query"].max_length, "query_floor": query_floor,
                      "document_max": self.sides["document"].max_length, "expansion_id": expansion_id}
 
-    def encode(self, texts: list[str], truncate: bool | None = None, prompt: str = "", query: str | None = None,
-               side: str = "") -> tuple[np.ndarray, np.ndarray]:
-        (result,) = self.encode_each([(texts, self.truncate if truncate is None else truncate, prompt, query, side)])
-        if isinstance(result, Exception):
-            raise result
-        return result
-
     def encode_each(self, requests: list[tuple]) -> list:
         """TextTokenizer.encode_each, each request by its side (its fifth field: "query",
         "document", or none)."""
@@ -97,7 +91,8 @@ class MultiVectorTokenizer(TextTokenizer):
 
 def from_spec(spec: dict, truncate: bool) -> TextTokenizer:
     """A tokenizer's `spec` (what the model process says of it) → the tokenizer, in a front end."""
-    return (MultiVectorTokenizer if "query_max" in spec else TextTokenizer)(**spec, truncate=truncate)
+    kind = MultiVectorTokenizer if "query_max" in spec else FlaggedTokenizer if "flags" in spec else TextTokenizer
+    return kind(**spec, truncate=truncate)
 
 
 def for_model(hf_tokenizer, max_length: int, truncate: bool, lower_case: bool, mv) -> MultiVectorTokenizer:

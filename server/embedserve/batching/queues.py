@@ -15,12 +15,13 @@ import torch
 
 from embedserve.batching.decisions import BucketView
 from embedserve.model.batches import Batch
+from embedserve.model.states_rows import StatesRows
 
 
 class PendingRequest:
     """One request's future and, when its rows come back in pieces, the buffer they land in."""
 
-    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens", "trace", "norms")
+    __slots__ = ("rows", "dim", "out", "remaining", "future", "chunks", "tokens", "trace", "norms", "states")
 
     def __init__(self, rows: int, dim: int, future: asyncio.Future, trace=None):
         self.rows, self.dim = rows, dim
@@ -33,6 +34,8 @@ class PendingRequest:
         # A windowed request's (embedserve.batching.windows): each row's norm before the model's
         # Normalize, filled as its rows come back from a model that reports them (Batch.norms).
         self.norms: np.ndarray | None = None
+        # It asked for its rows' token states (TEI's /embed_all: embedserve.model.states_rows).
+        self.states = False
 
     @property
     def done(self) -> bool:
@@ -44,6 +47,8 @@ class PendingRequest:
         case, are its result as they are: no buffer, no copy."""
         if self.future.done():  # cancelled or failed meanwhile: nobody is waiting
             return
+        if isinstance(values, StatesRows):  # an embed batch some of whose rows asked for token states
+            values = values.side(self.states)
         if len(positions) == self.rows:
             self.remaining = 0
             self.future.set_result(values)

@@ -21,6 +21,7 @@ from embedserve.batching.infer_decode import decode
 from embedserve.model.maxsim import maxsim
 from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
+from embedserve.batching import windows
 from embedserve.batching.tokenization import TextTokenizer, validate_texts
 
 # Requests with at most this many characters are tokenized on the event loop (~20 us for a
@@ -50,6 +51,7 @@ class Limits:
     truncate: bool
     long_texts: str = "off"  # LONG_TEXTS: whether a request may have its long texts windowed
     text_tokens: int = 0  # MAX_TOKENS_PER_TEXT for this model: a windowed text's bound (config.text_tokens)
+    max_reply_bytes: int = 64 * 2**20  # MAX_REPLY_BYTES: token states asked (embed_all) are bounded by it before any work
 
 
 class Texts(NamedTuple):
@@ -62,7 +64,8 @@ class Texts(NamedTuple):
     prompt: str
     key: int
     query: str | None = None
-    side: str = ""  # a multi-vector request's: "query" or "document" (embedserve.batching.multivector_tokenization)
+    side: str = ""  # a multi-vector request's: "query" or "document" (embedserve.batching.multivector_tokenization);
+    # a BGE-M3 request's outputs beyond dense, "sparse,colbert"; an embed request's "states" (TEI's /embed_all) (embedserve.batching.flagged_tokenization)
     window: bool = False  # long texts embedded whole (embedserve.batching.windows)
 
 
@@ -78,7 +81,8 @@ def content_key(*parts) -> int:
 
 
 def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | None, prompt_name: str | None,
-                  window: bool = False) -> Texts:
+                  window: bool = False, outputs: tuple[str, ...] = ()) -> Texts:
+    """`outputs`: a bgem3 model's asked outputs (m3_rows.OUTPUTS; dense is every row's)."""
     truncate = limits.truncate if truncate is None else truncate
     texts = validate_texts(texts, limits.max_texts)
     try:
@@ -91,7 +95,8 @@ def texts_request(texts, limits: Limits, head: Head | None, truncate: bool | Non
         ends = [t[-limits.max_length * CHARS_PER_TOKEN_BOUND:] for t in texts]
         return Texts(texts, truncate, prompt, content_key("window", truncate, prompt, *read(texts, limits), *ends,
                                                           *map(len, texts)), window=True)
-    return Texts(texts, truncate, prompt, content_key(truncate, prompt, *read(texts, limits)))
+    side = ",".join(o for o in outputs if o != "dense")
+    return Texts(texts, truncate, prompt, content_key(side, truncate, prompt, *read(texts, limits)), side=side)
 
 
 def pairs_request(query, texts, limits: Limits, truncate: bool | None, head: Head | None = None) -> Texts:
@@ -277,8 +282,20 @@ class PreTokenized(InFlight):
         """SPLADE (task sparse): Embed's path (checks, prompt, admission and usage in real tokens,
         batching), each text's row as SparseRows: made sparse per batch on the model worker
         (embedserve.model.sparse_rows says why), gathered so, and sent so over IPC."""
-        result = await self.embed_texts(texts, caller, truncate, prompt_name, long_text)  # "window": refused (task)
+        result = await self.embed_texts(texts, caller, truncate, prompt_name, long_text,  # "window": refused (task)
+                                        outputs=("sparse",) if self.task == "bgem3" else ())
         return result._replace(rows=result.rows.sparse) if isinstance(result.rows, M3Rows) else result
+
+    async def embed_all(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
+                        prompt_name: str | None = None) -> Result:
+        """TEI's /embed_all (task embed): per text, every token's last hidden state (special
+        tokens included, before pooling), as TokenRows. Tokenized first, so the model process
+        bounds the states by their real tokens before any work (EmbeddingService._rows)."""
+        self.require_task("embed")
+        with self._tracked():
+            r = texts_request(texts, self.limits, self.head, truncate, prompt_name, outputs=("states",))
+            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
+            return await self._rows(ids, lengths, r.key, caller)
 
     async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
                                 truncate: bool | None = None) -> Result:
@@ -309,8 +326,15 @@ class PreTokenized(InFlight):
         return Result(maxsim(q.rows.row(0), docs.rows), q.tokens + docs.tokens)
 
     async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None, long_text: str = "") -> Result:
-        raise NotImplementedError
+                          prompt_name: str | None = None, long_text: str = "", outputs: tuple[str, ...] = ()) -> Result:
+        """Texts → one output row per text, in order. `truncate` overrides TRUNCATE;
+        `prompt_name` picks one of the model's declared prompts (default: its default prompt);
+        `long_text` "window": long texts embedded whole (embedserve.batching.windows); `outputs`:
+        a bgem3 model's (transports.m3_reply.wanted), computed for this request's rows only."""
+        with self._tracked():
+            window = windows.check(long_text, self.limits.long_texts, self.task)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name, window,
+                                                   outputs), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
         """A checked request of texts (or pairs) → its rows, computed (inside `_tracked`)."""

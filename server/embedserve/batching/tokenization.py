@@ -87,10 +87,10 @@ class TextTokenizer:
 
     @classmethod
     def from_hf(cls, hf_tokenizer, max_length: int, truncate: bool, lower_case: bool = False,
-                pair_prompt: dict | None = None) -> "TextTokenizer":
+                pair_prompt: dict | None = None, **extra) -> "TextTokenizer":
         pad = hf_tokenizer.pad_token_id
         return cls(hf_tokenizer.backend_tokenizer.to_str(), int(pad if pad is not None else 0), len(hf_tokenizer),
-                   max_length, truncate, lower_case, pair_prompt)
+                   max_length, truncate, lower_case, pair_prompt, **extra)
 
     def bare_ids(self, texts: list[str]) -> list[list[int]]:
         """Texts → their ids with no special token and no cut (long texts' windows:

@@ -26,7 +26,7 @@ from embedserve.errors import NotReady, from_wire
 from embedserve.admission.gate import Caller
 from embedserve.lifecycle import settle_heap, until_stopped
 from embedserve.metrics import Metrics, idle_signal
-from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, texts_request, tokenize
+from embedserve.batching.shaping import Limits, PreTokenized, Result, Texts, cut, require_task, tokenize
 from embedserve.model.calibration import digest
 from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
@@ -53,12 +53,6 @@ class RemoteService(PreTokenized):
 
     def require_task(self, task: str) -> None:
         require_task(self.task, task)
-
-    async def embed_texts(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
-                          prompt_name: str | None = None, long_text: str = "") -> Result:
-        with self._tracked():
-            window = windows.check(long_text, self.limits.long_texts, self.task)
-            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name, window), caller)
 
     async def _texts(self, r: Texts, caller: Caller) -> Result:
         trace = caller.trace

@@ -10,12 +10,13 @@ import logging
 import numpy as np
 import torch
 
-from embedserve.model import llm_rerank, varlen
+from embedserve.model import llm_rerank, token_states, varlen
 from embedserve.config import ConfigError, Settings
 from embedserve.model.cuda_graphs import CudaGraphs
 from embedserve.model.declared import Head
 from embedserve.model.m3 import M3Heads, unused_ids
-from embedserve.model.m3_rows import M3Rows
+from embedserve.model.m3_rows import FLAGS, ID_BITS, M3Rows
+from embedserve.model.states_rows import StatesRows
 from embedserve.model.batches import PackedBatch, PackSpec, padded_rows, random_packed
 from embedserve.model.pooling import Pooler
 from embedserve.model.sparse_rows import SparseRows, to_csr
@@ -111,6 +112,11 @@ class Encoder:
         self.tokens = TokenHead.declared(head.multivector).to(placement.device).eval() if task == "multivector" else None
         # BGE-M3 (task bgem3): its sparse and ColBERT heads beside the encoder (embedserve.model.m3).
         self.m3 = self._m3_heads(model_dir) if task == "bgem3" else None
+        self.probe_flags = sum(FLAGS.values()) if self.m3 is not None else 0  # warm start's probe reads every head
+        # An embed model's forward also gives its hidden states (a graph's output: no copy unless
+        # a row asked for them, TEI's /embed_all: embedserve.model.token_states).
+        self.states = task == "embed" and self.logit_score is None
+        self.states_dim = int(self.model.config.hidden_size) if self.states else 0
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
         # (sparse) one weight per vocabulary entry: the MLM head's width.
         hidden = int(self.model.config.hidden_size)
@@ -176,10 +182,15 @@ class Encoder:
         padded = "sdpa" if getattr(self.model, "_supports_sdpa", False) else "eager"
         try:
             with torch.inference_mode():
-                got = self._packed(*(t.to(dev) for t in packed), batch.max_len)[: batch.rows].float()
+                got = self._packed(*(t.to(dev) for t in packed), batch.max_len)
+                got = got[0] if isinstance(got, tuple) else got  # an embed model's: (pooled, hidden)
+                if self.m3 is not None:  # BGE-M3: its dense rows lead its flat output (M3Heads.packed)
+                    got = got[: (len(batch.cu_seqlens) - 1) * self.dim].view(-1, self.dim)
+                got = got[: batch.rows].float()
                 self.model.set_attn_implementation(padded)
                 try:
-                    want = self._eager(ids, mask).float()
+                    want = self._eager(ids, mask)
+                    want = (want[0] if isinstance(want, tuple) else want).float()
                 finally:
                     self.model.set_attn_implementation(varlen.NAME)
         except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
@@ -210,10 +221,14 @@ class Encoder:
         if self.logit_score is not None:
             return llm_rerank.packed(self.model, self.answer, ids, positions + self.position_offset, cu_seqlens,
                                      max_len)
+        ids = ids & ID_BITS  # what a row asks rides on its first id (m3_rows.FLAGS, states_rows.STATES)
         hidden = self.model(input_ids=ids.unsqueeze(0), position_ids=(positions + self.position_offset).unsqueeze(0),
                             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len,
                             max_length_k=max_len).last_hidden_state[0]
-        return self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
+        if self.m3 is not None:
+            return self.m3.packed(hidden, cu_seqlens)
+        pooled = self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
+        return (pooled, hidden) if self.states else pooled
 
     def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.logit_score is not None:
@@ -225,8 +240,12 @@ class Encoder:
             return splade_pool(self.model(input_ids=ids, attention_mask=mask).logits, mask, self.splade)
         if self.tokens is not None:
             return self.tokens(self.model, ids, mask)
+        ids = ids & ID_BITS  # what a row asks rides on its first id (m3_rows.FLAGS, states_rows.STATES)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return self.m3(hidden, mask) if self.m3 is not None else self.pooler(hidden, ids, mask)
+        if self.m3 is not None:
+            return self.m3(hidden, mask)
+        pooled = self.pooler(hidden, ids, mask)
+        return (pooled, hidden) if self.states else pooled
 
     def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | TokenRows | M3Rows:
         dev = self.placement.device
@@ -241,8 +260,14 @@ class Encoder:
                 tensors = tuple(t.pin_memory() for t in tensors)
                 if not self.placement.cuda_graphs:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
-            out = self._forward(*tensors, *extra)
-            if self.m3 is not None:  # padded rows only (varlen declines the task)
+            out, states = self._forward(*tensors, *extra), None
+            if self.states:  # the rows that asked for their token states (TEI's /embed_all), if any
+                out, hidden = out
+                states = token_states.picked(hidden, batch)
+            if self.m3 is not None and isinstance(batch, PackedBatch):
+                return self.m3.unpack_packed(out, batch.input_ids, batch.positions, batch.cu_seqlens, batch.rows,
+                                             self.m3_vocab, self.m3_unused)
+            if self.m3 is not None:
                 return self.m3.unpack(out, batch.input_ids, batch.attention_mask, batch.rows, self.m3_vocab,
                                       self.m3_unused)
             # .cpu() waits for the result, so a graph's static output is read before its next replay.
@@ -254,7 +279,7 @@ class Encoder:
             batch.norms, out = out[:, -1].copy(), np.ascontiguousarray(out[:, :-1])
         # SPLADE: sparse here, on the worker's thread (counted as model-busy time), so no request
         # holds its rows dense (embedserve.model.sparse_rows).
-        return to_csr(out) if self.splade is not None else out
+        return to_csr(out) if self.splade is not None else out if states is None else StatesRows(out, states)
 
     def memory(self) -> dict[str, int]:
         if self.placement.device.type != "cuda":
@@ -284,9 +309,8 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
     declared MultiVectorEncoder or PyLate ColBERT model (`multivector`) is multivector; a
     *ForSequenceClassification checkpoint of one label (TEI's rule), or one its authors declared a
     sentence-transformers CrossEncoder (`cross_encoder`), reranks; of several labels it
-    classifies; anything else embeds. BGE-M3's head files (`m3`) do not change TASK=auto: such a
-    checkpoint embeds as before (packed rows, calibration, no per-token copies) until TASK=bgem3
-    asks for its three outputs (prepare says so in the log).
+    classifies; BGE-M3's two head files beside the checkpoint (`m3`) make it bgem3 (its dense
+    vector is what an embeddings client gets, at an embedder's cost: model.m3); anything else embeds.
     An LLM reranker (`llm_reranker`: declared, or TASK=rerank on a *ForCausalLM:
     embedserve.model.llm_rerank.read decides) reranks. TASK=rerank
     on a model of other than one label is a start-up error (one score per pair is what rerank is)."""
@@ -308,6 +332,8 @@ def task_of(config, requested: str, cross_encoder: bool = False, sparse: bool = 
         return "sparse"
     if multivector:
         return "multivector"
+    if m3 and not classifier:
+        return "bgem3"
     if classifier:
         return "rerank" if labels == 1 else "classify"
     return "embed"

@@ -18,6 +18,24 @@ from embedserve.model.token_rows import TokenRows
 DENSE, SPARSE, COLBERT = "dense", "sparse", "colbert"
 OUTPUTS = (DENSE, SPARSE, COLBERT)
 
+# A row's asked outputs beyond dense, on its first id (as a multi-vector row's side, bits above
+# every vocabulary: ids are int32, the largest vocabularies < 2^18): put there by the tokenizer
+# (embedserve.batching.flagged_tokenization), cleared on the device before the encoder reads the ids,
+# read by the worker, which copies and reduces only what a row asked for. Dense is every row's:
+# a few KB, and what an embeddings client (and pre-tokenized Infer) gets.
+FLAGS = {SPARSE: 1 << 30, COLBERT: 1 << 29}
+ID_BITS = (1 << 29) - 1
+
+
+def flags_of(outputs: str) -> int:
+    """A request's outputs ("sparse,colbert": Texts.side of a bgem3 request) → its rows' flags."""
+    return sum(bit for name, bit in FLAGS.items() if name in outputs.split(","))
+
+
+def asked_rows(first_ids: np.ndarray, output: str) -> np.ndarray:
+    """The rows' first ids (flags on) → bool, which rows asked for `output`."""
+    return (np.asarray(first_ids).astype(np.int64) & FLAGS[output]) != 0
+
 
 @dataclasses.dataclass(frozen=True)
 class M3Rows:

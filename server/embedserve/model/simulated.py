@@ -15,6 +15,9 @@ import time
 import numpy as np
 
 from embedserve.model.batches import Batch
+from embedserve.model.m3_rows import ID_BITS
+from embedserve.model.states_rows import StatesRows, asked
+from embedserve.model.token_rows import TokenRows
 
 PREFIX = "sim:"
 LAUNCH_S = 0.001  # per-batch cost, so bigger batches pay as on a real device
@@ -50,11 +53,14 @@ def _parse(model_path: str) -> tuple[float, int]:
 class SimulatedAccelerator:
     def __init__(self, tokens_per_s: float, dim: int = 384, vocab_size: int = 30522):
         self.rate, self.dim = tokens_per_s, dim
+        self.states_dim = dim  # its token states (TEI's /embed_all): each token's projection
         self._projection = np.random.default_rng(0).standard_normal((vocab_size, dim)).astype(np.float32)
 
     def run(self, batch: Batch) -> np.ndarray:
         time.sleep(LAUNCH_S + batch.padded_tokens / self.rate)
         ids = batch.input_ids[: batch.rows].numpy()
+        first = ids[:, 0].copy()
+        ids = ids & ID_BITS  # what a row asks rides on its first id (model.states_rows)
         attended = ids[batch.attention_mask[: batch.rows].numpy() == 1]
         if (attended == FAIL_TOKEN).any():
             raise RuntimeError(f"simulated device fault (token {FAIL_TOKEN} in the batch)")
@@ -62,8 +68,15 @@ class SimulatedAccelerator:
             threading.Event().wait()  # forever: the process exits around it
             raise AssertionError("unreachable")
         mask = batch.attention_mask[: batch.rows].numpy().astype(np.float32)
-        out = np.einsum("bl,bld->bd", mask, self._projection[ids])
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
+        states = self._projection[ids]
+        out = np.einsum("bl,bld->bd", mask, states)
+        out = out / np.linalg.norm(out, axis=1, keepdims=True)
+        keep = (mask > 0) & asked(first)[:, None]
+        if not keep.any():
+            return out
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(keep.sum(axis=1), out=offsets[1:])
+        return StatesRows(out, TokenRows(np.ascontiguousarray(states[keep]), offsets))
 
     def memory(self) -> dict[str, int]:
         return {}

@@ -51,7 +51,7 @@ def unsupported(config, task: str, device_type: str, dtype: torch.dtype,
     architectures = getattr(config, "architectures", None) or []
     # An LLM reranker reads its rows' last tokens, as last-token pooling does (embedserve.model.llm_rerank).
     llm_reranker = task == "rerank" and any(a.endswith("ForCausalLM") for a in architectures)
-    if task != "embed" and not llm_reranker:
+    if task not in ("embed", "bgem3") and not llm_reranker:  # bgem3: its heads read packed rows (model.m3)
         head = {"classify": "a classifier's head", "sparse": "SPLADE's masked-LM head"}.get(task, f"a {task} head")
         return f"packed rows serve embeddings; {head} reads padded rows"
     kind = getattr(config, "model_type", "")

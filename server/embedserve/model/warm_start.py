@@ -217,17 +217,24 @@ def differing(stored: object, key: dict) -> list[str]:
 
 # The checks a reused file must pass.
 
-def check_batches(plan: WarmupPlan, result: WarmupResult) -> Iterator[Batch | PackedBatch]:
+def check_batches(plan: WarmupPlan, result: WarmupResult, runner=None) -> Iterator[Batch | PackedBatch]:
     """One batch per shape the batcher forms with these measurements (static shapes: every
-    captured one), the smallest first: that one is the probe. Fixed contents (seeded)."""
+    captured one), the smallest first: that one is the probe. Fixed contents (seeded). The
+    probe's first row asks for every output the runner has (its `probe_flags` on its first id:
+    BGE-M3's sparse and ColBERT heads, model.m3_rows.FLAGS), so the probe reads every head."""
     rng = np.random.default_rng(PROBE_SEED)
+    flags = getattr(runner, "probe_flags", 0)
     if result.packing:
         spec = result.packing
-        for tokens in [t for t in spec.ladder if t <= result.token_budget] if spec.ladder else [result.token_budget]:
-            yield random_packed(tokens, spec, plan.vocab_size, rng)
-        return
-    for length, rows in served_shapes(plan.buckets, result.caps, plan.static):
-        yield dummy_batch(length, rows, plan, rng)
+        batches = (random_packed(tokens, spec, plan.vocab_size, rng) for tokens in
+                   ([t for t in spec.ladder if t <= result.token_budget] if spec.ladder else [result.token_budget]))
+    else:
+        batches = (dummy_batch(length, rows, plan, rng) for length, rows in
+                   served_shapes(plan.buckets, result.caps, plan.static))
+    for i, batch in enumerate(batches):
+        if i == 0 and flags:
+            batch.input_ids.view(-1)[0] |= flags  # the first row's first id, padded or packed
+        yield batch
 
 
 def first_row(out: np.ndarray | SparseRows | TokenRows | M3Rows) -> np.ndarray:
@@ -282,7 +289,7 @@ def verify(runner: Runner, plan: WarmupPlan, result: WarmupResult, probe: dict,
     if bool(result.packing) != (getattr(runner, "attention", "padded") == "packed"):
         return "measured for another attention layout than this runner's"
     first, most = None, 0
-    for i, batch in enumerate(check_batches(plan, result)):
+    for i, batch in enumerate(check_batches(plan, result, runner)):
         out = runner.run(batch)
         if (problem := output_problem(out, batch, runner.dim)) is not None:
             return problem
@@ -352,7 +359,7 @@ class WarmStart:
             log.warning("warm start: %s does not fit this model: %s; measuring again", self.path, problem)
         result = self._measure(runner, plan)
         self.state = "measured"
-        probe = probe_of(runner.run(next(check_batches(plan, result))))
+        probe = probe_of(runner.run(next(check_batches(plan, result, runner))))
         if self._write(encode(key, result, probe, self._clock(), socket.gethostname())):
             log.info("warm start: measured the warm-up, saved to %s for the next start", self.path)
         return result

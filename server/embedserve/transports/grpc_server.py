@@ -64,7 +64,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return await self._call(
             "Embed", request, context,
             lambda s, who: s.embed_texts(request.texts, who, truncate, prompt_name=request.prompt_name or None,
-                                         long_text=request.long_text),
+                                         long_text=request.long_text, outputs=m3_reply.wanted(request.outputs, s.task)),
             lambda m: self._embedding(request, m, len(request.texts), m3_reply.wanted(request.outputs, m.task)),
         )
 

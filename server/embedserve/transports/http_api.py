@@ -20,7 +20,7 @@ from embedserve.config import Settings, text_tokens
 from embedserve.errors import InvalidInput, ModelFailure, NotReady, Overloaded, UnknownModel, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve import tracing
-from embedserve.transports import (budget, encodings, http_classify, http_models, http_multivector, http_quantization, http_rerank,
+from embedserve.transports import (budget, encodings, http_classify, http_embed_all, http_models, http_multivector, http_quantization, http_rerank,
                                    http_sparse, http_tei, json_reply, m3_reply, outcomes)
 from embedserve.model.m3_rows import dense_of
 from embedserve.transports.http_models import Addressed
@@ -195,7 +195,7 @@ STARTING_RETRY_AFTER_S = 5
 # goes to another pod at once, so the openai client (which prefers retry-after-ms) need not wait 1 s.
 DRAINING_RETRY_AFTER_MS = 100
 API_PATHS = frozenset(("/", "/embed", "/classify", "/v1/embeddings", "/v1/models", "/embed_sparse", "/rerank",
-                       "/v1/rerank", http_quantization.PATH, http_multivector.PATH)) | http_tei.PATHS
+                       "/v1/rerank", http_quantization.PATH, http_multivector.PATH, http_embed_all.PATH)) | http_tei.PATHS
 OBSERVED_PATHS = API_PATHS - {"/v1/models"}  # counted in the request metrics
 BODY_PATHS = API_PATHS - {"/v1/models"}  # routes that read a JSON body (their budget: install_routes)
 ID_PATHS = frozenset(("/decode",))  # of which token ids only
@@ -288,6 +288,9 @@ def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
         http_rerank.install(router, server, service, _caller, ERRORS, _error, root=False)
     else:
         _embed_routes(router, server, service)
+    if server.task == "embed":  # TEI's raw token states
+        http_embed_all.install(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
+                               _prompt_field(server, PROMPT_DOC), ERRORS)
     if server.task == "bgem3":  # BGE-M3's lexical weights, as a sparse model answers them (TEI's shape)
         m3_reply.install_sparse(router, server, service, _caller, Union[Text, texts(server.settings.max_texts_per_request)],
                                 _prompt_field(server, PROMPT_DOC), ERRORS)
@@ -297,7 +300,7 @@ def _model_routes(router: APIRouter, server: Addressed) -> set[str]:
 
 # Each task's own paths. A server answers another task's with 400 naming what to use (WrongTask),
 # not 404: the caller reached the right service for the wrong model.
-TASK_PATHS = {"embed": ("/embed", "/v1/embeddings", "/similarity"), "classify": ("/classify",),
+TASK_PATHS = {"embed": ("/embed", "/v1/embeddings", "/similarity", http_embed_all.PATH), "classify": ("/classify",),
               "rerank": ("/rerank", "/v1/rerank"), "sparse": ("/embed_sparse",), "multivector": (http_multivector.PATH,)}
 
 
@@ -356,7 +359,7 @@ def _embed_routes(router: APIRouter, server: Hub, service) -> None:
         asked = m3_reply.wanted(body.outputs, server.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(server, len(inputs), body.dimensions, body.encoding)  # before any work
         out = (await svc.embed_texts(inputs, _caller(request), body.truncate, prompt_name=body.prompt_name,
-                                     long_text=body.long_text)).rows
+                                     long_text=body.long_text, outputs=asked)).rows
         rows = dense_of(out)
         rows = _l2(rows) if body.normalize and not normalized else rows
         rows = encodings.truncated(rows, dims, normalized or body.normalize)
@@ -402,7 +405,8 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         if ids:
             result = await svc.infer_ids(inputs, _caller(request))
         else:
-            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name, long_text=body.long_text)
+            result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name, long_text=body.long_text,
+                                           outputs=asked)
         normalized = bool(m.head and m.head.normalize)
         rows = encodings.truncated(dense_of(result.rows), dims, normalized)
         reply = json_reply.Reply(s.max_reply_bytes, "the answer")

@@ -27,11 +27,16 @@ class Service(Protocol):
         """Refuse (WrongTask) a call for another task than the one served."""
 
     async def embed_texts(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
-                          prompt_name: str | None = None) -> Result: ...
+                          prompt_name: str | None = None, long_text: str = "", outputs: tuple[str, ...] = ()) -> Result:
+        """`outputs`: a bgem3 model's asked outputs (rows as embedserve.model.m3_rows.M3Rows)."""
 
     async def embed_sparse(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
                            prompt_name: str | None = None) -> Result:
         """Task sparse: rows as embedserve.model.sparse_rows.SparseRows."""
+
+    async def embed_all(self, texts: list[str], caller: Caller = ..., truncate: bool | None = None,
+                        prompt_name: str | None = None) -> Result:
+        """Task embed: every token's hidden state (TEI's /embed_all), as TokenRows."""
 
     async def embed_multivector(self, texts: list[str], is_query: bool, caller: Caller = ...,
                                 truncate: bool | None = None) -> Result:

@@ -87,10 +87,16 @@ def grpc_finish(asked: tuple[str, ...], dense: Callable, encoding: str, quantiza
                 indices=s.indices.astype("<i4", copy=False).tobytes(), values=s.values.astype("<f4", copy=False).tobytes(),
                 offsets=s.offsets.tolist(), dimension=s.dim))
         if COLBERT in asked:
-            response.multivector.CopyFrom(multivector_response(out.colbert, encoding, quantization))
+            response.multivector.CopyFrom(multivector_response(out.colbert, encoding, token_range(quantization)))
         return response
 
     return finish
+
+
+def token_range(quantization):
+    """The range ColBERT vectors quantize over: the fixed one (QUANTIZE_RANGE r). A calibrated
+    range is each dense dimension's, measured on dense vectors: not a token vector's."""
+    return getattr(quantization, "r", quantization)
 
 
 def multivector_response(tokens, encoding: str, quantization) -> pb.MultiVectorResponse:
@@ -129,7 +135,7 @@ def items(rows: M3Rows, dense_rows: np.ndarray | None, asked: tuple[str, ...], e
             if SPARSE in asked:
                 parts.append(f'"sparse":{sparse_json(rows.sparse, i)}')
             if COLBERT in asked:
-                parts.append(f'"colbert":{colbert_json(rows.colbert, i, encoding, quantization)}')
+                parts.append(f'"colbert":{colbert_json(rows.colbert, i, encoding, token_range(quantization))}')
             yield "{" + prefix(i) + ",".join(parts) + "}"
 
     return each()

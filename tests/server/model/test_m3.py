@@ -11,11 +11,12 @@ import torch
 
 from embedserve.config import ConfigError, Settings
 from embedserve.model import warm_start
-from embedserve.model.batches import Batch
+from embedserve.batching.flagged_tokenization import FlaggedTokenizer
+from embedserve.model.batches import Batch, PackedBatch, PackSpec, layout
 from embedserve.model.declared import DeclarationError
 from embedserve.model.encoder import Encoder, choose_placement, task_of
 from embedserve.model.m3 import lexical_weights
-from embedserve.model.m3_rows import M3Rows
+from embedserve.model.m3_rows import COLBERT, FLAGS, SPARSE, M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.model.token_rows import TokenRows
 from embedserve.prepare import prepare
@@ -49,23 +50,40 @@ def assert_matches(out: M3Rows, want: dict, rows: int) -> float:
     return worst
 
 
-def test_one_padded_pass_equals_flagembedding_formulas(m3_dir):
-    from transformers import AutoTokenizer
-
-    s = settings(m3_dir, task="bgem3")
+def encoder(m3_dir: str, **extra) -> Encoder:
+    s = settings(m3_dir, task="bgem3", **extra)
     m = prepare(s)
     assert m.task == "bgem3" and m.head.pooling == ("cls",) and m.head.normalize
-    enc = Encoder(m.model_dir, s, choose_placement(s, False, False), m.exclude_ids, m.task, m.head, m.sep_id)
-    assert enc.dim == 32 and enc.attention == "padded"
-    tok = AutoTokenizer.from_pretrained(m3_dir)
-    rows = [tok(t)["input_ids"] for t in TEXTS]
+    return Encoder(m.model_dir, s, choose_placement(s, False, False), m.exclude_ids, m.task, m.head, m.sep_id)
+
+
+def token_rows(m3_dir: str, asked=(SPARSE, COLBERT)) -> list[list[int]]:
+    """TEXTS tokenized as the server does, each row's first id flagged with the `asked` outputs
+    (FlaggedTokenizer, the server's)."""
+    from transformers import AutoTokenizer
+
+    tok = FlaggedTokenizer.from_hf(AutoTokenizer.from_pretrained(m3_dir), 512, True, flags="bgem3")
+    ids, lengths = tok.encode(TEXTS, side=",".join(asked))
+    return [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def padded(rows: list[list[int]], pad: int) -> Batch:
     width = max(map(len, rows)) + 4  # padding on every row, and a dummy row as captured shapes add
-    ids = torch.full((len(rows) + 1, width), tok.pad_token_id)
+    ids = torch.full((len(rows) + 1, width), pad)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     mask[-1, 0] = 1
-    out = enc.run(Batch(ids, mask, len(rows), sum(map(len, rows)), []))
+    return Batch(ids, mask, len(rows), sum(map(len, rows)), [])
+
+
+def test_one_padded_pass_equals_flagembedding_formulas(m3_dir):
+    enc = encoder(m3_dir)
+    assert enc.dim == 32 and enc.attention == "padded"
+    rows = token_rows(m3_dir)
+    batch = padded(rows, 1)
+    ids, mask = batch.input_ids, batch.attention_mask
+    out = enc.run(batch)
     assert isinstance(out, M3Rows) and len(out) == len(TEXTS)
     want = reference(m3_dir, TEXTS)
     assert_matches(out, want, len(TEXTS))
@@ -74,9 +92,51 @@ def test_one_padded_pass_equals_flagembedding_formulas(m3_dir):
     assert not np.isin(out.sparse.indices, [0, 1, 2, 3]).any()
     assert len(out.sparse.values) > len(TEXTS)  # the check is not vacuous: weights were kept
     # warm start's probe and output check read the three outputs
+    assert enc.probe_flags == sum(FLAGS.values())
     probe = warm_start.probe_of(out)
     assert probe["dim"] == 32 + 32 + len(out.sparse.row(0)[1]) and np.isfinite(probe["norm"])
     assert warm_start.output_problem(out, Batch(ids, mask, len(rows), 0, []), enc.dim) is None
+
+
+def test_a_row_gets_what_it_asked_for_and_nothing_more_is_copied(m3_dir):
+    """One batch of rows asking for different outputs (flags on their first ids): each gets its
+    asked ones, equal to the reference; a dense-only row, the rest of the batch's outputs aside,
+    has no lexical weights and no ColBERT vectors (none copied off the device for it)."""
+    enc = encoder(m3_dir)
+    want = reference(m3_dir, TEXTS)
+    asks = [(), (SPARSE,), (COLBERT,), (SPARSE, COLBERT)]
+    rows = [token_rows(m3_dir, asked)[i] for i, asked in enumerate(asks)]
+    out = enc.run(padded(rows, 1))
+    assert float(np.abs(out.dense - want["dense_vecs"]).max()) <= TOL
+    for i, asked in enumerate(asks):
+        ids, values = out.sparse.row(i)
+        assert (len(ids) > 0) == (SPARSE in asked), i
+        if SPARSE in asked:
+            assert dict(zip(map(str, ids.tolist()), values.tolist())).keys() == want["lexical_weights"][i].keys()
+        assert (len(out.colbert.row(i)) > 0) == (COLBERT in asked), i
+        if COLBERT in asked:
+            assert float(np.abs(out.colbert.row(i) - want["colbert_vecs"][i]).max()) <= TOL
+    dense_only = enc.run(padded(token_rows(m3_dir, ()), 1))
+    assert len(dense_only.sparse.values) == 0 and len(dense_only.colbert.vectors) == 0
+    assert np.array_equal(dense_only.dense, out.dense) or float(np.abs(dense_only.dense - out.dense).max()) <= 1e-6
+
+
+def test_packed_rows_equal_the_reference(m3_dir):
+    """ATTENTION=packed (the reference varlen attention on CPU): one stream of rows, a padding
+    tail and empty rows as served, every output equal to FlagEmbedding's formulas."""
+    enc = encoder(m3_dir, attention="packed")
+    assert enc.attention == "packed", enc.declined
+    rows = token_rows(m3_dir)
+    lengths = np.array(list(map(len, rows)))
+    spec = PackSpec(max_len=64, max_rows=8, ladder=(256,))
+    cu, positions, segments, size = layout(lengths, spec)
+    stream = np.full(size, 1, dtype=np.int64)
+    stream[: lengths.sum()] = np.concatenate(rows)
+    batch = PackedBatch(torch.from_numpy(stream), torch.from_numpy(positions), torch.from_numpy(segments),
+                        torch.from_numpy(cu), spec.max_len, len(rows), int(lengths.sum()), [])
+    out = enc.run(batch)
+    assert_matches(out, reference(m3_dir, TEXTS), len(TEXTS))
+    assert [len(out.colbert.row(i)) for i in range(len(rows))] == [n - 1 for n in lengths]
 
 
 def test_lexical_weights_keep_each_ids_largest_positive_weight_and_leave_specials_out():
@@ -122,8 +182,8 @@ def test_the_head_files_make_the_task(m3_dir, tmp_path):
 
     config = AutoConfig.from_pretrained(m3_dir)
     assert task_of(config, "bgem3", m3=True) == "bgem3"
-    # TASK=auto keeps such a checkpoint an embedder: bgem3 is asked for (prepare's log says how).
-    assert task_of(config, "auto", m3=True) == "embed" and prepare(settings(m3_dir)).task == "embed"
+    # TASK=auto reads the head files: dense for embeddings clients at an embedder's cost.
+    assert task_of(config, "auto", m3=True) == "bgem3" and prepare(settings(m3_dir)).task == "bgem3"
     assert task_of(config, "auto") == "embed"
     assert task_of(config, "embed", m3=True) == "embed"  # TASK=embed serves its dense vectors the old way
     plain = tmp_path / "plain"
