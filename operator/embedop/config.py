@@ -73,6 +73,13 @@ class OperatorSettings:
     every overlapping claim."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
+    scaler_port: int = 9090
+    """EMBEDOP_SCALER_PORT: where the operator serves KEDA's external scaler (gRPC, externalscaler.proto;
+    0: not served). Apart from the liveness port (8080): KEDA's operator alone calls it (mode keda)."""
+    scaler_address: str = ""
+    """EMBEDOP_SCALER_ADDRESS: host:port KEDA reaches that scaler at, as a mode keda ScaledObject's
+    trigger names it (the chart's scaler Service, which selects the leader). Unset: embedop-scaler in
+    pod_namespace, on scaler_port."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -109,9 +116,26 @@ class OperatorSettings:
             pod_namespace=env.get("EMBEDOP_POD_NAMESPACE") or env.get("POD_NAMESPACE") or d.pod_namespace,
             pod_labels=label_pairs("EMBEDOP_POD_LABELS", env.get("EMBEDOP_POD_LABELS")),
             scope_claim=env.get("EMBEDOP_SCOPE_CLAIM") or d.scope_claim,
+            scaler_port=scaler_port(env.get("EMBEDOP_SCALER_PORT"), d.scaler_port),
+            scaler_address=env.get("EMBEDOP_SCALER_ADDRESS") or
+            f"embedop-scaler.{env.get('EMBEDOP_POD_NAMESPACE') or env.get('POD_NAMESPACE') or 'default'}.svc:"
+            f"{scaler_port(env.get('EMBEDOP_SCALER_PORT'), d.scaler_port)}",
             # A suffix: a pod restarted under the same name is a new candidate, not the old holder.
             identity=f"{who}_{uuid.uuid4().hex[:8]}",
         )
+
+
+def scaler_port(raw: str | None, default: int) -> int:
+    """EMBEDOP_SCALER_PORT: a TCP port, or 0 (not served)."""
+    if raw is None or not raw.strip():
+        return default
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"EMBEDOP_SCALER_PORT={raw!r}: must be a port number (0: not served)") from None
+    if not 0 <= port <= 65535 or port == 8080:
+        raise ValueError(f"EMBEDOP_SCALER_PORT={port}: must be 0 to 65535, and not 8080 (the liveness port)")
+    return port
 
 
 # The servers' own ports, which the metrics port may not be.

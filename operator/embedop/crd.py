@@ -28,7 +28,8 @@ RESERVED_ENV_RULE = ("set by the operator (the probes, the Services, the Network
 GPU_RULE = ("at most 1: a server process drives one GPU, so more would be reserved and left idle; "
             "scale with replicas (the autoscaler does)")
 MIN_REPLICAS_RULE = ("minReplicas must be at least 1 in modes operator and hpa: demand is read from running pods, "
-                     "so 0 pods never scale up; to stop a service use mode off with replicas 0")
+                     "so 0 pods never scale up; scale to zero is mode keda's (KEDA and its HTTP add-on wake the "
+                     "service); to stop a service use mode off with replicas 0")
 
 
 # A Secret's name (a DNS-1123 subdomain, as the API server checks every object name).
@@ -185,17 +186,18 @@ SPEC = obj(
             {"rule": "self.latencySoftMs <= self.latencyHardMs", "message": "latencySoftMs must not exceed latencyHardMs"}]}),
         "pooling": ONE_MODEL["pooling"],
         "autoscaling": obj("How the operator sizes the fleet.", {
-            "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; off: spec.replicas.", "operator", enum=["operator", "hpa", "off"]),
-            "minReplicas": integer("Fewest replicas. At least 1 in modes operator and hpa: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0).", 1, 0, 1000),
+            "mode": string("operator: scale on the servers' service rate and backlog; hpa: render a HorizontalPodAutoscaler on the same signal; keda: render a KEDA ScaledObject whose count is the operator's decision (the operator is its external scaler), with scale to zero through KEDA's HTTP add-on; off: spec.replicas.", "operator", enum=["operator", "hpa", "keda", "off"]),
+            "minReplicas": integer("Fewest replicas. At least 1 in modes operator and hpa: demand is read from the running pods, so a fleet of 0 would never scale up (to stop a service, use mode off with replicas 0). 0 in mode keda: scale to zero after idleSeconds without demand, woken by KEDA's HTTP add-on.", 1, 0, 1000),
             "maxReplicas": integer("Most replicas.", 4, 1, 1000),
             "targetUtilization": number("Offered load per replica as a fraction of its measured capacity.", 0.7, 0.05, 1.0),
             "targetDrainTimeMs": integer("Time in which a backlog should be cleared by the added capacity.", 1000, 1, 600000),
             "intervalSeconds": integer("Seconds between autoscaling decisions (demand is each interval's exact mean; its trend spans 75 s whatever the interval).", 5, 1, 3600),
             "scaleUpStabilizationSeconds": integer("Seconds a higher recommendation must persist before scaling up (0: at once).", 0, 0, 3600),
             "scaleDownStabilizationSeconds": integer("The highest recommendation over this window wins when scaling down.", 120, 0, 3600),
+            "idleSeconds": integer("Mode keda: seconds without demand before the service counts as idle (KEDA's IsActive false) and, with minReplicas 0, before its last pod goes (the ScaledObject's cooldownPeriod).", 300, 1, 86400),
         }, default={}, **{"x-kubernetes-validations": [
             {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"},
-            {"rule": "self.mode == 'off' || self.minReplicas >= 1",
+            {"rule": "self.mode in ['off', 'keda'] || self.minReplicas >= 1",
              "message": MIN_REPLICAS_RULE}]}),
         "rollout": obj("How a changed pod template replaces the server pods (the Deployment's rolling update). The default replaces one pod at a time without a spare GPU (maxSurge 0, maxUnavailable 1): it progresses on a full GPU pool, at one pod's capacity less while it runs. With a spare GPU, maxSurge 1 and maxUnavailable 0 keep full capacity. The PodDisruptionBudget allows as many pods down as maxUnavailable (at least 1).", {
             "maxSurge": int_or_percent("Pods above the replica count during a rollout (each needs a free GPU), a number or a percentage.", 0),

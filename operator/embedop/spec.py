@@ -92,7 +92,7 @@ def problems(spec: dict, name: str | None = None) -> list[str]:
         out.append(f"pooling.excludeTokens applies to mean pooling only, not {p['strategy']}")
     if s["minReplicas"] > s["maxReplicas"]:
         out.append(f"autoscaling.minReplicas ({s['minReplicas']}) exceeds maxReplicas ({s['maxReplicas']})")
-    if s["mode"] != "off" and s["minReplicas"] < 1:
+    if s["mode"] not in ("off", "keda") and s["minReplicas"] < 1:
         out.append(f"autoscaling.{crd.MIN_REPLICAS_RULE}")
     if _zero(spec["rollout"]["maxSurge"]) and _zero(spec["rollout"]["maxUnavailable"]):
         out.append("rollout.maxSurge and maxUnavailable cannot both be 0: the rollout could never progress")

@@ -107,7 +107,7 @@ BAD = [
     ("unknown second pooling", lambda s: s.update(pooling={"strategy": "mean+last"}), r"'mean\+last' does not match"),
     ("negative replicas", lambda s: s.update(replicas=-1), "-1 is less than the minimum"),
     ("unknown field", lambda s: s.update(modle="x"), "Additional properties"),
-    ("bad mode", lambda s: s.update(autoscaling={"mode": "keda"}), "'keda' is not one of"),
+    ("bad mode", lambda s: s.update(autoscaling={"mode": "knative"}), "'knative' is not one of"),
     ("bad quantity", lambda s: s.update(resources={"memory": "lots"}), "does not match"),
     ("utilization > 1", lambda s: s.update(autoscaling={"targetUtilization": 1.5}), "greater than the maximum"),
     ("unknown task", lambda s: s.update(task="summarize"), "'summarize' is not one of"),
@@ -175,6 +175,16 @@ def test_cross_field_rules_reject(field, value, message, problem):
     defaulted = specs.defaulted(obj["spec"])
     assert any(message in e for e in cel_errors(defaulted, schema()["properties"]["spec"]))
     assert any(problem in p for p in specs.problems(defaulted))  # the operator agrees
+
+
+def test_zero_replicas_are_mode_keda_s_to_scale_to():
+    """Mode keda may go to 0 pods (KEDA and its HTTP add-on wake it); operator and hpa may not."""
+    spec = {"model": "m", "autoscaling": {"mode": "keda", "minReplicas": 0, "idleSeconds": 600}}
+    jsonschema.validate({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "EmbeddingService",
+                         "metadata": {"name": "x"}, "spec": spec}, strict(schema()))
+    defaulted = specs.defaulted(spec)
+    assert cel_errors(defaulted, schema()["properties"]["spec"]) == [] and specs.problems(defaulted) == []
+    assert specs.defaulted({"model": "m"})["autoscaling"]["idleSeconds"] == 300
 
 
 def test_a_stopped_service_is_mode_off_with_zero_replicas():
