@@ -35,6 +35,9 @@ test: install system-deps
 protos:
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=server --pyi_out=server \
 	  --grpc_python_out=server protos/embedfleet/v1/inference.proto
+	# KEDA's external scaler, its own file (../shared/vendor/keda/externalscaler.proto) as it is
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=operator --pyi_out=operator \
+	  --grpc_python_out=operator protos/embedop/externalscaler.proto
 
 constraints:
 	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > constraints.txt.new

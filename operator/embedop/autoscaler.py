@@ -26,6 +26,7 @@ import logging
 from embedop import autoscale, crd, demand, fill as fills, render, reconcile, render_models, scrape, spec as specs, status
 from embedop.cache import Cluster, NotLeader
 from embedop.config import OperatorSettings
+from embedop.decisions import Decisions
 from embedop.kube import Conflict, NotFound, Rejected, Retryable
 from embedop.scrape import Reader, unscraped
 
@@ -43,8 +44,11 @@ class Step:
 
 
 async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, namespace: str,
-               name: str, history: autoscale.History, now: float, measured_due: bool = True) -> Step:
-    """`measured_due`: the measured rates in status may be refreshed (status.MEASURED_REFRESH_S)."""
+               name: str, history: autoscale.History, now: float, measured_due: bool = True,
+               decisions: Decisions | None = None) -> Step:
+    """`measured_due`: the measured rates in status may be refreshed (status.MEASURED_REFRESH_S).
+    Mode keda: the same decision, published for KEDA (`decisions`, read by embedop.scaler) where
+    mode operator writes it: KEDA's HPA sets the count."""
     # First, as reconcile does; and only ours (a Deployment of this name that is not is the
     # reconcile's to report, not ours to read from the API at every step).
     live = await cluster.get("Deployment", namespace, name, ours=True)
@@ -52,7 +56,10 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     if live is None or body is None or body["metadata"].get("deletionTimestamp"):
         return Step(history, None, 0, body)
     spec = specs.defaulted(body.get("spec") or {})
-    if (spec["autoscaling"]["mode"] != "operator" or specs.problems(spec, name)
+    mode = spec["autoscaling"]["mode"]
+    if mode != "keda" and decisions is not None:
+        decisions.forget((namespace, name))
+    if (mode not in ("operator", "keda") or specs.problems(spec, name)
             or reconcile.not_ours(live, reconcile.owner_of(body))):
         return Step(history, None, 0, body)
     current = int(live["spec"].get("replicas") or 0)
@@ -63,7 +70,17 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     decision = autoscale.decide(samples, current, autoscale.Policy.from_spec(spec["autoscaling"], spec["admission"]), history, now)
     blind = unscraped(samples, errors, ports, len(decision.saturated))
     refused = None
-    if decision.desired != current:
+    if mode == "keda":
+        if decisions is not None:
+            decisions.publish((namespace, name), decision.desired, decision.offered > 0 or decision.load > 0,
+                              spec["autoscaling"]["idleSeconds"], now)
+        # KEDA's HPA removes the pods: the idlest are marked for the ReplicaSet to pick, as mode
+        # operator marks them; once no scale-down is under way, the marks go.
+        alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        if decision.desired < current or len(alive) <= current:
+            await _mark(cluster, namespace, autoscale.removal_marks(samples, _annotations(alive),
+                                                                    max(0, current - decision.desired), _template_cost(live)))
+    elif decision.desired != current:
         scaled, refused = await _scale(cluster, settings, body, spec, live, decision.desired, samples)
         if not scaled:
             decision = dataclasses.replace(decision, desired=current, reason="the count changed meanwhile: decide again")

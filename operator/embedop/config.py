@@ -73,6 +73,9 @@ class OperatorSettings:
     every overlapping claim."""
     identity: str = ""
     """EMBEDOP_IDENTITY (else POD_NAME, else the host name) plus a random suffix: who holds the Lease."""
+    pod_name: str = ""
+    """EMBEDOP_POD_NAME (else POD_NAME, the chart's downward API): this operator pod's name. The
+    leader labels its own pod (scaler.LEADER_LABEL), so that the scaler's Service reaches it alone."""
     scaler_port: int = 9090
     """EMBEDOP_SCALER_PORT: where the operator serves KEDA's external scaler (gRPC, externalscaler.proto;
     0: not served). Apart from the liveness port (8080): KEDA's operator alone calls it (mode keda)."""
@@ -116,6 +119,7 @@ class OperatorSettings:
             pod_namespace=env.get("EMBEDOP_POD_NAMESPACE") or env.get("POD_NAMESPACE") or d.pod_namespace,
             pod_labels=label_pairs("EMBEDOP_POD_LABELS", env.get("EMBEDOP_POD_LABELS")),
             scope_claim=env.get("EMBEDOP_SCOPE_CLAIM") or d.scope_claim,
+            pod_name=env.get("EMBEDOP_POD_NAME") or env.get("POD_NAME") or d.pod_name,
             scaler_port=scaler_port(env.get("EMBEDOP_SCALER_PORT"), d.scaler_port),
             scaler_address=env.get("EMBEDOP_SCALER_ADDRESS") or
             f"embedop-scaler.{env.get('EMBEDOP_POD_NAMESPACE') or env.get('POD_NAMESPACE') or 'default'}.svc:"

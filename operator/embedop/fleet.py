@@ -18,6 +18,7 @@ from typing import Callable
 from embedop import autoscale, autoscaler, crd, reconcile, spec as specs, status
 from embedop.cache import Cluster, NotLeader
 from embedop.config import OperatorSettings
+from embedop.decisions import Decisions
 from embedop.kube import NotFound, Retryable
 from embedop.render import SERVICE_LABEL
 from embedop.scrape import Reader
@@ -45,6 +46,8 @@ class Fleet:
         # across processes the resourceVersion guards keep them correct, and the lease keeps
         # a second operator pod from writing at all.
         self.locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Mode keda's decisions, for KEDA (embedop.scaler): this pod's while it leads.
+        self.decisions = Decisions()
 
     def ensure(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -55,6 +58,7 @@ class Fleet:
     def stop(self, namespace: str, name: str) -> None:
         task = self.tasks.pop((namespace, name), None)
         self.generations.pop((namespace, name), None)
+        self.decisions.forget((namespace, name))
         if task is not None:
             task.cancel()
 
@@ -90,6 +94,7 @@ class Fleet:
     async def close(self) -> None:
         tasks = list(self.tasks.values())
         self.tasks.clear()
+        self.decisions.clear()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -116,6 +121,7 @@ class Fleet:
         try:
             await self._loop(namespace, name)
         finally:  # a marker in the log (the tests wait for it: nothing acts on the service after)
+            self.decisions.forget((namespace, name))
             log.debug("%s/%s: loop ended", namespace, name)
 
     async def _loop(self, namespace: str, name: str) -> None:
@@ -163,7 +169,7 @@ class Fleet:
                         due = loop.time() - last_measured >= status.MEASURED_REFRESH_S
                         async with self.locks[namespace, name]:
                             step = await autoscaler.step(self.cluster, self.settings, reader, namespace, name,
-                                                         history, loop.time(), measured_due=due)
+                                                         history, loop.time(), measured_due=due, decisions=self.decisions)
                         if step.body is None or step.body["metadata"].get("deletionTimestamp"):
                             return
                         if due and step.decision is not None:

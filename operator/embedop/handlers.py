@@ -20,7 +20,7 @@ import logging
 
 import kopf
 
-from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, scope, status, write
+from embedop import autoscaler, cache, crd, reconcile, render_gateway, render_network, scaler, scope, status, write
 from embedop.config import OperatorSettings
 from embedop.fleet import Fleet
 from embedop.kube import Kube
@@ -33,6 +33,7 @@ RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 SYNC_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
 _fleet: Fleet | None = None
+_scaler: scaler.ScalerTerm | None = None  # KEDA's external scaler (mode keda), served while this pod leads
 _tasks: list[asyncio.Task] = []
 # What was last said in an Event per service, so a periodic check does not repeat it.
 _said: dict[tuple[str, str, str], str] = {}
@@ -108,7 +109,7 @@ def _decision(body: dict, step: autoscaler.Step) -> None:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
-    global _fleet
+    global _fleet, _scaler
     settings.posting.level = logging.INFO  # our own Events (kopf.info); kopf posts none of its logs
     settings.watching.server_timeout = 300
     # No CRD/namespace scanning: the resources are known, and RBAC stays minimal.
@@ -129,9 +130,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
         async def lead() -> None:
             if await term.start():
                 await fleet().lead()
+                await _scaler.start()
 
         async def end() -> None:
             term.end()
+            await _scaler.stop()  # KEDA's connection closes: it reconnects to the next leader
             await fleet().close()
 
         leadership = Leadership(kube, SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.identity,
@@ -139,6 +142,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
         may_write = lambda: leadership.held() and term.passed  # noqa: E731
     cluster = cache.Cluster(kube, stores, may_write)
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
+    _scaler = scaler.ScalerTerm(_fleet.decisions, SETTINGS.scaler_port, kube, SETTINGS.pod_namespace, SETTINGS.pod_name)
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
     # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic
@@ -157,10 +161,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
                   SYNC_TIMEOUT_S, ", ".join(i.kind for i in informers if not i.synced.is_set()))
     if leadership:
         _tasks.append(asyncio.create_task(leadership.run(), name="leader-election"))
+    else:  # one operator pod: it serves KEDA from the start
+        await _scaler.start()
 
 
 @kopf.on.cleanup()
 async def shutdown(**_) -> None:
+    if _scaler is not None:
+        await _scaler.stop()
     if _fleet is not None:  # the loops end before the lease goes: no write after a successor's
         await _fleet.close()
     for task in [*reversed(_tasks), *(_fleet.cluster.tasks if _fleet else [])]:  # the lease goes, then the copies

@@ -53,9 +53,16 @@ def prepare(s: Settings) -> Prepared:
     said = declared.read(model_dir)
     st_config = declared.st_config(model_dir)
     score = None if sim else llm_rerank.read(model_dir, config, hf_tok, s.task)  # an LLM reranker's answer tokens
+    # LONG_TEXTS=window asks for an embedder's windows: a BGE-M3 checkpoint stays one under TASK=auto.
+    heads = m3.has_heads(model_dir) and not (s.task == "auto" and s.long_texts == "window")
     task = "embed" if sim else task_of(config, s.task, st_config.get("model_type") == "CrossEncoder",
                                        sparse=said.splade is not None, multivector=said.multivector is not None,
-                                       llm_reranker=score is not None, m3=m3.has_heads(model_dir))
+                                       llm_reranker=score is not None, m3=heads)
+    if s.task == "auto" and m3.has_heads(model_dir) and not sim:
+        log.info("the checkpoint carries BGE-M3's heads (%s, %s): %s", m3.SPARSE_FILE, m3.COLBERT_FILE,
+                 "served as bgem3 (dense by default; sparse and ColBERT vectors on request); TASK=embed serves it as "
+                 "a plain embedder (declared pooling, /embed_all, long texts)" if task == "bgem3" else
+                 "served as an embedder under LONG_TEXTS=window (TASK=bgem3: its three outputs, no windows)")
     if task == "bgem3" and not m3.has_heads(model_dir):
         raise declared.DeclarationError(f"TASK=bgem3 needs BGE-M3's heads beside the checkpoint: {m3.SPARSE_FILE} "
                                         f"and {m3.COLBERT_FILE} (state dicts saved with torch.save)")

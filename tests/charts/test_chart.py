@@ -127,8 +127,12 @@ def test_rbac_is_exactly_what_the_operator_calls(case):
         assert len(granted) == len(set(granted)), [c for c in set(granted) if granted.count(c) > 1]
     assert len(kube.CALL_LIST) == len(set(kube.CALL_LIST))  # each call declared once
     assert ("embedfleet.dev", "embeddingservices/finalizers", "update") in kube.CALLS  # OpenShift: blockOwnerDeletion
-    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scope.embedfleet-system")}
+    roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scaler")
+             and not named(o, "-scope.embedfleet-system")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
+    # KEDA's scaler (mode keda): the leader labels its own pod, in its own namespace, nothing else.
+    (own,) = [o for o in objects if o["kind"] == "Role" and named(o, "-scaler")]
+    assert own["metadata"]["namespace"] == "embedfleet-system" and rbac_calls([own]) == {("", "pods", "patch")}
     # The Lease is the operator's own, in its own namespace, whatever it watches: created (RBAC
     # cannot name what a create makes), then read and renewed by its name only.
     (lease,) = [o for o in objects if o["kind"] == "Role" and named(o, "-leader")]

@@ -102,7 +102,8 @@ def test_an_upgrade_keeps_the_operator_admitted():
 
 @pytest.mark.parametrize("health_from", [[], [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]])
 def test_the_charts_own_policy_selects_the_operator_and_opens_only_its_health_port(health_from):
-    objects = render_chart({"networkPolicy": {"enabled": True, "healthFrom": health_from}})
+    """kedaScaler off: the health port alone (the scaler's port: the next test)."""
+    objects = render_chart({"networkPolicy": {"enabled": True, "healthFrom": health_from}, "kedaScaler": {"port": 0}})
     (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
     (d,) = [o for o in objects if o["kind"] == "Deployment"]
     labels = d["spec"]["template"]["metadata"]["labels"]
@@ -110,6 +111,7 @@ def test_the_charts_own_policy_selects_the_operator_and_opens_only_its_health_po
     assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress open: see templates/networkpolicy.yaml
     ports = {p["containerPort"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert ports == {8080}
+    assert not any(o["kind"] == "Service" for o in objects)  # no scaler Service either
     if not health_from:
         assert policy["spec"]["ingress"] == []  # nobody; the kubelet's probes come from the node
     else:
@@ -117,6 +119,31 @@ def test_the_charts_own_policy_selects_the_operator_and_opens_only_its_health_po
         assert rule == {"from": health_from, "ports": [{"port": 8080, "protocol": "TCP"}]}
         assert policy_admits(policy, 8080, "monitoring", {}) and not policy_admits(policy, 8080, "elsewhere", {})
     assert not any(o["kind"] == "NetworkPolicy" for o in render_chart({}))  # off by default
+
+
+def test_keda_reaches_the_leaders_scaler_and_nothing_else_of_the_operator():
+    """By default the scaler is served (mode keda needs it): its Service selects the operator pod
+    labelled leader (scaler.LEADER_LABEL) on the port the operator is told, which the ScaledObjects
+    name; the chart's policy admits KEDA's operator pods to that port alone."""
+    from embedop import scaler
+
+    objects = render_chart({"networkPolicy": {"enabled": True}}, "embedfleet-system")
+    (svc,) = [o for o in objects if o["kind"] == "Service"]
+    (d,) = [o for o in objects if o["kind"] == "Deployment"]
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    container = d["spec"]["template"]["spec"]["containers"][0]
+    labels, settings = operator_pod({"networkPolicy": {"enabled": True}}, "embedfleet-system")
+    leader = {"matchLabels": svc["spec"]["selector"]}  # a Service's selector: labels, all of them
+    assert not selects(leader, labels)  # not every operator pod: the leader
+    assert selects(leader, {**labels, scaler.LEADER_LABEL: "leader"})
+    (port,) = svc["spec"]["ports"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]] == settings.scaler_port
+    assert settings.scaler_address == f"{svc['metadata']['name']}.embedfleet-system.svc:{port['port']}"
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": settings.scaler_port, "protocol": "TCP"}]
+    keda = {"app.kubernetes.io/name": "keda-operator"}
+    assert policy_admits(policy, settings.scaler_port, "keda", keda)
+    assert not policy_admits(policy, settings.scaler_port, "keda", {}) and not policy_admits(policy, 8080, "keda", keda)
 
 
 def test_the_servicemonitor_scrapes_the_port_the_operator_names_metrics():

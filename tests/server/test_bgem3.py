@@ -135,7 +135,7 @@ def test_embed_response_carries_only_what_was_asked(m3_server, want):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Output" in e.value.details()
 
 
-def test_http_routes_answer_the_asked_outputs(m3_server, want):
+def test_http_routes_answer_the_asked_outputs(m3_server, m3_dir, want):
     status, rows = post(m3_server, "/embed", {"inputs": TEXTS, "outputs": ["dense", "sparse", "colbert"]})
     assert status == 200, rows
     print("HTTP max abs diff: dense %.2g, sparse %.2g, colbert %.2g" % (
@@ -158,6 +158,18 @@ def test_http_routes_answer_the_asked_outputs(m3_server, want):
     status, body = post(m3_server, "/v1/embeddings", {"input": TEXTS, "model": "bge-m3-tiny"})  # an OpenAI client's call
     assert status == 200 and set(body["data"][0]) == {"object", "index", "embedding"}
     same_dense([d["embedding"] for d in body["data"]], want)
+
+    # Token ids (the OpenAI shape): the asked outputs too, flagged by the server once the ids are checked
+    from transformers import AutoTokenizer
+
+    ids = [AutoTokenizer.from_pretrained(m3_dir)(t)["input_ids"] for t in TEXTS]
+    status, body = post(m3_server, "/v1/embeddings", {"input": ids, "model": "bge-m3-tiny", "outputs": ["sparse", "colbert"]})
+    assert status == 200, body
+    same_sparse([([e["index"] for e in d["sparse"]], [e["value"] for e in d["sparse"]]) for d in body["data"]], want)
+    same_colbert([d["colbert"] for d in body["data"]], want)
+    # TEI's raw token states are an embed model's: refused, naming the task, never an empty 200
+    status, body = post(m3_server, "/embed_all", {"inputs": TEXTS})
+    assert status == 400 and "bgem3" in body["error"]["message"], body
 
     status, rows = post(m3_server, "/embed_sparse", {"inputs": TEXTS})  # TEI's sparse shape
     assert status == 200

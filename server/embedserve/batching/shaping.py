@@ -19,6 +19,7 @@ from embedserve.errors import InvalidInput, NotReady, WrongTask
 from embedserve.admission.gate import Caller
 from embedserve.batching.infer_decode import decode
 from embedserve.model.maxsim import maxsim
+from embedserve.model import m3_rows
 from embedserve.model.m3_rows import M3Rows
 from embedserve.model.sparse_rows import SparseRows
 from embedserve.batching import windows
@@ -268,11 +269,18 @@ class PreTokenized(InFlight):
             ids, lengths = decode(input_ids, attention_mask, shape, self.tokenizer.vocab_size, self.limits.max_texts)
             return await self._rows(ids, lengths, content_key(input_ids, attention_mask, *shape), caller)
 
-    async def infer_ids(self, rows: list[list[int]], caller: Caller = Caller()) -> Result:
-        """Token id lists (HTTP input) → the same path as Infer."""
+    async def infer_ids(self, rows: list[list[int]], caller: Caller = Caller(), outputs: tuple[str, ...] = ()) -> Result:
+        """Token id lists (HTTP input) → the same path as Infer. `outputs`: a bgem3 model's, put
+        on the rows' first ids here, once the ids are checked against the vocabulary (a client's
+        ids never carry flags of their own: embedserve.batching.flagged_tokenization)."""
         with self._tracked():
             ids, lengths = id_lists(rows, self.limits, self.tokenizer.vocab_size)
-            return await self._rows(ids, lengths, content_key(np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(lengths).tobytes(), *ids.shape), caller)
+            side = ",".join(o for o in outputs if o != "dense")
+            key = content_key(side, np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(lengths).tobytes(), *ids.shape)
+            if side and self.task == "bgem3" and ids.size:
+                ids = np.array(ids)  # its own copy: the flags go on it
+                ids[:, 0] |= m3_rows.flags_of(side)
+            return await self._rows(ids, lengths, key, caller)
 
     async def _rows(self, ids: np.ndarray, lengths: np.ndarray, key: int, caller: Caller) -> Result:
         raise NotImplementedError
@@ -291,7 +299,9 @@ class PreTokenized(InFlight):
         """TEI's /embed_all (task embed): per text, every token's last hidden state (special
         tokens included, before pooling), as TokenRows. Tokenized first, so the model process
         bounds the states by their real tokens before any work (EmbeddingService._rows)."""
-        self.require_task("embed")
+        if self.task != "embed":  # not require_task: bgem3 answers embed's calls, not this one
+            raise WrongTask(f"this server's model does {self.task} (TASK={self.task}): token states (/embed_all) are "
+                            f"an embed model's; use {_USE.get(self.task, self.task)}")
         with self._tracked():
             r = texts_request(texts, self.limits, self.head, truncate, prompt_name, outputs=("states",))
             ids, lengths = await tokenize(self.tokenizer, self.executor, r)

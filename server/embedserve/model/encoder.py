@@ -113,8 +113,8 @@ class Encoder:
         # BGE-M3 (task bgem3): its sparse and ColBERT heads beside the encoder (embedserve.model.m3).
         self.m3 = self._m3_heads(model_dir) if task == "bgem3" else None
         self.probe_flags = sum(FLAGS.values()) if self.m3 is not None else 0  # warm start's probe reads every head
-        # An embed model's forward also gives its hidden states (a graph's output: no copy unless
-        # a row asked for them, TEI's /embed_all: embedserve.model.token_states).
+        # An embed model's rows may ask for their hidden states (TEI's /embed_all:
+        # embedserve.model.token_states; such a batch runs eager, see run).
         self.states = task == "embed" and self.logit_score is None
         self.states_dim = int(self.model.config.hidden_size) if self.states else 0
         # Output width: the embedding dimension (after any Dense layers), one logit per label, or
@@ -183,14 +183,12 @@ class Encoder:
         try:
             with torch.inference_mode():
                 got = self._packed(*(t.to(dev) for t in packed), batch.max_len)
-                got = got[0] if isinstance(got, tuple) else got  # an embed model's: (pooled, hidden)
                 if self.m3 is not None:  # BGE-M3: its dense rows lead its flat output (M3Heads.packed)
                     got = got[: (len(batch.cu_seqlens) - 1) * self.dim].view(-1, self.dim)
                 got = got[: batch.rows].float()
                 self.model.set_attn_implementation(padded)
                 try:
-                    want = self._eager(ids, mask)
-                    want = (want[0] if isinstance(want, tuple) else want).float()
+                    want = self._eager(ids, mask).float()
                 finally:
                     self.model.set_attn_implementation(varlen.NAME)
         except Exception as e:  # noqa: BLE001 - any failure means "not for this model"
@@ -216,7 +214,7 @@ class Encoder:
         return heads.to(self.placement.device, self.placement.dtype).eval()
 
     def _packed(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_len: int) -> torch.Tensor:
+                max_len: int, states: bool = False) -> torch.Tensor:
         """One stream of rows end to end ([T] tensors, see embedserve.model.batches) → [S, dim]."""
         if self.logit_score is not None:
             return llm_rerank.packed(self.model, self.answer, ids, positions + self.position_offset, cu_seqlens,
@@ -228,9 +226,9 @@ class Encoder:
         if self.m3 is not None:
             return self.m3.packed(hidden, cu_seqlens)
         pooled = self.pooler.packed(hidden, ids, positions, segments, cu_seqlens)
-        return (pooled, hidden) if self.states else pooled
+        return (pooled, hidden) if states else pooled
 
-    def _eager(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _eager(self, ids: torch.Tensor, mask: torch.Tensor, states: bool = False) -> torch.Tensor:
         if self.logit_score is not None:
             return llm_rerank.padded(self.model, self.answer, ids, mask)
         if self.task in SCORING:
@@ -245,7 +243,7 @@ class Encoder:
         if self.m3 is not None:
             return self.m3(hidden, mask)
         pooled = self.pooler(hidden, ids, mask)
-        return (pooled, hidden) if self.states else pooled
+        return (pooled, hidden) if states else pooled
 
     def run(self, batch: Batch | PackedBatch) -> np.ndarray | SparseRows | TokenRows | M3Rows:
         dev = self.placement.device
@@ -255,15 +253,22 @@ class Encoder:
             tensors, extra = (batch.input_ids, batch.positions, batch.segments, batch.cu_seqlens), (batch.max_len,)
         else:
             tensors, extra = (batch.input_ids, batch.attention_mask), ()
+        # A batch with rows asking for their token states (TEI's /embed_all) runs outside the
+        # captured graphs and torch.compile: a graph's output stays allocated in the shared pool
+        # for every shape, and the hidden states of every shape held so would cost every embed
+        # server gigabytes for a rarely asked answer.
+        asking = self.states and token_states.asking(batch)
         with torch.inference_mode():
             if dev.type == "cuda":  # pinned host memory: the copies to the device run async
                 tensors = tuple(t.pin_memory() for t in tensors)
-                if not self.placement.cuda_graphs:  # graphs copy into their static inputs
+                if not self.placement.cuda_graphs or asking:  # graphs copy into their static inputs
                     tensors = tuple(t.to(dev, non_blocking=True) for t in tensors)
-            out, states = self._forward(*tensors, *extra), None
-            if self.states:  # the rows that asked for their token states (TEI's /embed_all), if any
-                out, hidden = out
+            states = None
+            if asking:
+                out, hidden = (self._packed if isinstance(batch, PackedBatch) else self._eager)(*tensors, *extra, states=True)
                 states = token_states.picked(hidden, batch)
+            else:
+                out = self._forward(*tensors, *extra)
             if self.m3 is not None and isinstance(batch, PackedBatch):
                 return self.m3.unpack_packed(out, batch.input_ids, batch.positions, batch.cu_seqlens, batch.rows,
                                              self.m3_vocab, self.m3_unused)

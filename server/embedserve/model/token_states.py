@@ -1,7 +1,8 @@
 """An embed batch's raw token states, for the rows that asked (TEI's /embed_all; flags:
 embedserve.model.states_rows): their real tokens' last hidden states picked by index on the
-device, then copied, in float32; nothing when no row asked (the embed hot path copies its
-pooled rows only). On the worker's thread, after the forward, before the next batch."""
+device, then copied, and made float32 on the host; nothing when no row asked (the embed hot path
+copies its pooled rows only, and such a batch runs outside the captured graphs: Encoder.run). On
+the worker's thread, after the forward."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import torch
 from embedserve.model.batches import Batch, PackedBatch
 from embedserve.model.states_rows import asked
 from embedserve.model.token_rows import TokenRows
+
+
+def asking(batch: Batch | PackedBatch) -> bool:
+    """Whether any row of the batch asked (its first id, on the host)."""
+    if isinstance(batch, PackedBatch):
+        return bool(asked(batch.input_ids.numpy()[batch.cu_seqlens[: batch.rows].numpy().astype(np.int64)]).any())
+    return bool(asked(batch.input_ids[: batch.rows, 0].numpy()).any())
 
 
 def picked(hidden: torch.Tensor, batch: Batch | PackedBatch) -> TokenRows | None:
@@ -32,7 +40,8 @@ def picked(hidden: torch.Tensor, batch: Batch | PackedBatch) -> TokenRows | None
         r, t = np.nonzero(keep)
         index = r * batch.input_ids.shape[1] + t
     flat = hidden.reshape(-1, hidden.shape[-1])
-    vectors = flat[torch.from_numpy(index).to(flat.device)].float().cpu().numpy()
+    # Gathered in the model's dtype, converted on the host: no float32 copy on the device.
+    vectors = flat[torch.from_numpy(index).to(flat.device)].cpu().float().numpy()
     offsets = np.zeros(batch.rows + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     return TokenRows(np.ascontiguousarray(vectors, dtype=np.float32), offsets)

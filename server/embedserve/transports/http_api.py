@@ -308,7 +308,11 @@ def refusals(router: APIRouter, installed: set[str], service) -> None:
     """Another task's paths, where nothing serves them: 400 naming what the model serves."""
     def refuse(path: str, task: str) -> None:
         async def wrong_task():
-            service().require_task(task)  # raises WrongTask: 400, naming what to use
+            svc = service()
+            svc.require_task(task)  # raises WrongTask: 400, naming what to use
+            # A model that also answers `task`'s calls (bgem3: embed's) but not this route of it
+            # (/embed_all: an embed model's token states): still a refusal, never a silent 200.
+            raise WrongTask(f"{path} is not served for this model (TASK={svc.task}): its routes are in /openapi.json")
 
         router.post(path, include_in_schema=False)(wrong_task)
 
@@ -403,7 +407,7 @@ def _openai_route(router: APIRouter, server: Addressed, service) -> None:
         asked = m3_reply.wanted(body.outputs, m.task)  # bgem3's outputs (m3_reply); else dense only
         dims = _answer_fits(m, len(inputs), body.dimensions, body.encoding_format)  # before any work
         if ids:
-            result = await svc.infer_ids(inputs, _caller(request))
+            result = await svc.infer_ids(inputs, _caller(request), outputs=asked)
         else:
             result = await svc.embed_texts(inputs, _caller(request), prompt_name=body.prompt_name, long_text=body.long_text,
                                            outputs=asked)

@@ -184,6 +184,8 @@ def test_the_head_files_make_the_task(m3_dir, tmp_path):
     assert task_of(config, "bgem3", m3=True) == "bgem3"
     # TASK=auto reads the head files: dense for embeddings clients at an embedder's cost.
     assert task_of(config, "auto", m3=True) == "bgem3" and prepare(settings(m3_dir)).task == "bgem3"
+    # LONG_TEXTS=window asks for an embedder's windows: TASK=auto keeps it one
+    assert prepare(settings(m3_dir, long_texts="window")).task == "embed"
     assert task_of(config, "auto") == "embed"
     assert task_of(config, "embed", m3=True) == "embed"  # TASK=embed serves its dense vectors the old way
     plain = tmp_path / "plain"
