@@ -191,10 +191,12 @@ def channel(target: str, tls: bool = False, ca_file: str | None = None, client_c
     return grpc.aio.secure_channel(target, creds, options=options)
 
 
-def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+def pod_channel(target: Target, address: str, creds: grpc.ChannelCredentials | None,
+                authority: str | None = None) -> grpc.aio.Channel:
     """One pod's channel (least-drain): the Client's options, one address, and the target's own
-    name as :authority and as the name its TLS certificate is verified for."""
-    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.lb_policy_name"] + [("grpc.default_authority", target.authority)]
+    name (or `authority`) as :authority, and the target's as the name its TLS certificate is verified for."""
+    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.lb_policy_name"] + [
+        ("grpc.default_authority", authority or target.authority)]
     if creds is None:
         return grpc.aio.insecure_channel(channel_target(address, target.port), options=options)
     name = target.name or target.addresses[0]
@@ -232,13 +234,17 @@ class Client:
     `metadata=` replaces it key by key, an `authorization` there the api_key's).
     `propagate_trace`: send the caller's OpenTelemetry context (False: never). `retry_budget`:
     what charged retries and hedges spend; default the process's one for `target`
-    (client_routing.budget_for; `x:50051` and `dns:///x:50051` are one target)."""
+    (client_routing.budget_for; `x:50051` and `dns:///x:50051` are one target). `authority`: the
+    :authority every call carries instead of the target's name: a service that scales to zero
+    is reached through KEDA's HTTP add-on, whose interceptor routes by it (docs/autoscaling.md).
+    A target with no pod behind it (a headless name at zero, or while its pods start) is asked
+    again until one answers, within the deadline (client_calls.Router.live_pods)."""
 
     def __init__(self, target: str, timeout_s: float | None = 30.0, max_attempts: int | None = None, *,
                  api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
                  client_cert_file: str | None = None, client_key_file: str | None = None,
                  routing: str = "least-drain", metadata=None, retry_budget: RetryBudget | None = None,
-                 propagate_trace: bool = True, model: str = ""):
+                 propagate_trace: bool = True, model: str = "", authority: str | None = None):
         if timeout_s is None and max_attempts is None:
             raise ValueError("give a deadline (timeout_s) or max_attempts: retries must end")
         if routing not in ROUTINGS:
@@ -253,10 +259,11 @@ class Client:
         self.stub = None
         self._router: Router | None = None
         if parsed is not None:
-            self.pods = Pods(parsed, lambda address: pod_channel(parsed, address, creds))
+            self.pods = Pods(parsed, lambda address: pod_channel(parsed, address, creds, authority))
             self._router = Router(self.pods, target, self.retry_budget)
         else:
-            self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file)
+            self.channel = channel(target, tls, ca_file, client_cert_file, client_key_file,
+                                   CHANNEL_OPTIONS + ([("grpc.default_authority", authority)] if authority else []))
             self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()

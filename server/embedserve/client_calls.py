@@ -25,6 +25,10 @@ from embedserve.client_pods import Pod, Pods
 # Sent with a hedge: the second try of a call already sent to another pod. Servers count it as no
 # new demand (admission's arrival rate, the autoscaler's offered tokens), as they do a retry.
 HEDGE_MARK = ("embedfleet-hedge", "1")
+# No pod behind the target's name: how often it is asked again, and for how long when the call has
+# no deadline (a scale from zero takes a pod start; a deadline bounds the wait).
+NO_POD_POLL_S = 0.5
+NO_POD_WAIT_S = 30.0
 _READY, _IDLE = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE
 _FAILED = grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
@@ -62,8 +66,16 @@ class Router:
         self._rng = random.Random()
         self.hedges = 0  # tries sent as hedges, since start (tests and benches read it)
 
-    async def live_pods(self) -> list[Pod]:
+    async def live_pods(self, remaining: float | None = None) -> list[Pod]:
+        """The pods to call. None behind the name (a service at zero that KEDA is waking, pods
+        all starting): asked again every NO_POD_POLL_S until one answers, within `remaining` (the
+        call's deadline; None: NO_POD_WAIT_S), not failed at once: nothing was sent, so waiting
+        costs no server anything."""
         pods = await self.pods.current()
+        end = time.monotonic() + (NO_POD_WAIT_S if remaining is None else remaining)
+        while not pods and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(NO_POD_POLL_S, left))
+            pods = await self.pods.resolved_again()
         if not pods:
             raise Failed(no_pod(self.target, self.pods.error), None)
         return pods
@@ -77,14 +89,16 @@ class Router:
         return choices[client_routing.pick([p.view(now) for p in choices], self._turn, self._rng)]
 
     async def health(self, request, timeout: float | None, metadata):
-        pod = self.pick(await self.live_pods(), None)
+        pod = self.pick(await self.live_pods(timeout), None)
         return await self._start(pod, "HealthCheck", request, timeout, metadata)
 
     async def call(self, rpc: str, request, remaining: float | None, metadata, last):
         """One try on the pod least-drain picks (after a refusal with booked room: the pod that
         booked it; after a pod said go elsewhere: another), hedged on a second pod when it is late."""
-        pods = await self.live_pods()
+        started = time.monotonic()
+        pods = await self.live_pods(remaining)
         code, was = last or (None, None)
+        remaining = None if remaining is None else remaining - (time.monotonic() - started)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and was in pods:
             pod = was
         else:

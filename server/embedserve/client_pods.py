@@ -213,6 +213,14 @@ class Pods:
         await self._resolved.wait()
         return [p for p in self.pods.values() if not p.retired]
 
+    async def resolved_again(self) -> list[Pod]:
+        """Resolve now, and → the pods once that lookup has answered (or failed)."""
+        await self.current()
+        self._resolved.clear()
+        self._wake.set()
+        await self._resolved.wait()
+        return [p for p in self.pods.values() if not p.retired]
+
     async def _keep_resolving(self) -> None:
         while True:
             try:

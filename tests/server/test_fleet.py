@@ -407,3 +407,29 @@ async def test_connection_age_forgets_connections_in_constant_time():
     now[0] = 21.5  # the same connection, past its age: told to close
     await age({"type": "http", "client": ("10.0.0.2", 1)}, None, send)
     assert sent[-1]["headers"] == [(b"connection", b"close")]
+
+
+async def test_a_call_to_a_name_with_no_pod_waits_for_one_within_its_deadline(dns, port):
+    """A service at zero, or whose pods all start: its name answers nothing. A call waits within
+    its deadline while the name is asked again, and goes to the first pod that appears (a scale
+    from zero); with none before the deadline it ends UNAVAILABLE naming the target, at the
+    deadline, not at once."""
+    first = pod("127.0.0.2", port)
+    try:
+        first.wait_ready()
+        async with Client(dns.target(NAME, port), timeout_s=1.5) as client:
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.embed(["nobody home"])
+            waited = time.monotonic() - started
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no pod resolved" in e.value.details()
+            assert waited >= 1.0, waited  # it waited for a pod, up to its deadline
+        async with Client(dns.target(NAME, port), timeout_s=30) as client:
+            call = asyncio.ensure_future(client.embed(["woken"]))
+            await asyncio.sleep(1.0)  # the call is waiting: the name has no pod yet
+            assert not call.done()
+            dns.records[NAME] = ["127.0.0.2"]  # the first pod is Ready: its endpoint appears
+            out = await call
+        assert out.shape[0] == 1 and served(first) == 1
+    finally:
+        first.stop()
