@@ -4,8 +4,8 @@ decision from the servers' service rate and drain time (embedop.decisions), not 
 
 - GetMetricSpec: one metric, target 1 (AverageValue, as the ScaledObject's trigger says).
 - GetMetrics: the decided count. KEDA's HPA computes ceil(value / target) = the count, unless the
-  ratio to the current count is within its tolerance (10% by default; the ScaledObject renders
-  tolerance 0 where the cluster has the HPAConfigurableTolerance gate).
+  ratio to the current count is within its tolerance (10% by default, which the ScaledObject
+  leaves: render_keda says why; docs/autoscaling.md what it costs).
 - IsActive / StreamIsActive (the `external-push` trigger type): demand within the service's idle
   window. With minReplicaCount 0, KEDA takes the service to zero when every trigger has been
   inactive for cooldownPeriod, and back to one when any is active (the HTTP add-on's, at zero).

@@ -29,6 +29,7 @@ from embedserve.model.worker import WarmupPlan, Watchdog
 from embedserve.prepare import Prepared, prepare
 from embedserve.service import EmbeddingService
 from embedserve.threads import in_daemon_thread
+from embedserve.transports import encodings
 from embedserve.transports.encodings import Quantization
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class ModelStack:
         self._service = EmbeddingService(
             self.engine, tokenizer, self.estimator, policy_from(s, self.engine.window_s),
             Limits(s.max_texts_per_request, m.buckets[-1], s.truncate, s.long_texts, text_tokens(s, m.buckets[-1]),
-                   s.max_reply_bytes),
+                   encodings.most_rows(s.max_reply_bytes, self.engine.states_dim, encodings.FLOAT, True, extra_per_row=8)),
             executor=self._executor, observer=self.observer, task=self.task, head=None if sim_rate else m.head,
             activation=self.activation,
         )

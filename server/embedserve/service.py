@@ -16,7 +16,6 @@ from embedserve.model.declared import Head
 from embedserve.batching.engine import Engine
 from embedserve.errors import NotReady, ReplyTooLarge
 from embedserve.model.states_rows import asked
-from embedserve.transports import encodings
 from embedserve.admission.estimator import Estimator
 from embedserve.admission.gate import Caller, Gate, Observer
 from embedserve.batching.intake import Intake
@@ -115,6 +114,7 @@ class EmbeddingService(PreTokenized):
                     ids, lengths = rows.ids, rows.lengths
                 else:
                     ids, lengths = await tokenize(self.tokenizer, self.executor, r)  # on a tokenizer thread
+                    self.states_fit(ids, lengths)
                 if trace is not None:
                     trace.tokenized(started)
                 request = self.engine.submit(ids, lengths, trace)
@@ -149,14 +149,7 @@ class EmbeddingService(PreTokenized):
                     owners: np.ndarray | None = None) -> Result:
         t0 = self.estimator.clock()
         ids, lengths = cut(ids, lengths, self.limits)
-        if self.engine.states_dim and len(ids) and asked(ids[0, 0]):  # token states (embed_all): known now
-            # The JSON answer's most bytes, as http_embed_all checks it once written (multivector_wire.check_size).
-            tokens = int(lengths.sum())
-            size = encodings.reply_bytes(tokens, self.engine.states_dim, encodings.FLOAT, True) + 8 * (len(ids) + 1)
-            if size > self.limits.max_reply_bytes:
-                raise ReplyTooLarge(f"the answer's {tokens} token states of {self.engine.states_dim} dimensions would "
-                                    f"be up to {size} bytes, over MAX_REPLY_BYTES={self.limits.max_reply_bytes}: send "
-                                    "fewer or shorter texts")
+        self.states_fit(ids, lengths)
         trace = caller.trace
         if trace is not None:
             trace.admitting()
@@ -169,6 +162,17 @@ class EmbeddingService(PreTokenized):
             if owners is not None:
                 return await self._pooled(request, t0, lengths, owners, int(owners[-1]) + 1)
             return Result(await self._wait(request, t0), request.tokens)
+
+    def states_fit(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Rows asking for their token states (embed_all) hold as many as the JSON answer can
+        (Limits.max_states, from the bound http_embed_all checks once the answer is written):
+        refused here, once tokenized, before the model runs. A request of at most INLINE_CHARS
+        characters, tokenized with the others, is not looked at: its few states are, once
+        written."""
+        if self.engine.states_dim and len(ids) and asked(ids[0, 0]) and int(lengths.sum()) > self.limits.max_states:
+            raise ReplyTooLarge(f"the answer's {int(lengths.sum())} token states of {self.engine.states_dim} dimensions "
+                                f"are over the {self.limits.max_states} that MAX_REPLY_BYTES allows: send fewer or "
+                                "shorter texts")
 
     @contextlib.contextmanager
     def _admitted(self):

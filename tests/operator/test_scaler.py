@@ -2,8 +2,8 @@
 the scaler served over real gRPC on loopback and called as KEDA's scaler code calls it
 (GetMetricSpec for the target, GetMetrics for the value, IsActive and StreamIsActive for
 activity), with the HPA's arithmetic applied to the answers. Over the load traces of
-bench.autoscale_sim, the count KEDA's HPA would set is mode operator's decision at every step;
-with the HPA's default tolerance (10%, where the cluster cannot render tolerance 0) the steps
+bench.autoscale_sim, the count KEDA's HPA would set is mode operator's decision at every step
+(tolerance 0); with the HPA's default tolerance (10%, which the ScaledObject leaves) the steps
 where it differs are counted, and are exactly those within 10% of the current count."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class Limits:
     truncate: bool
     long_texts: str = "off"  # LONG_TEXTS: whether a request may have its long texts windowed
     text_tokens: int = 0  # MAX_TOKENS_PER_TEXT for this model: a windowed text's bound (config.text_tokens)
-    max_reply_bytes: int = 64 * 2**20  # MAX_REPLY_BYTES: token states asked (embed_all) are bounded by it before any work
+    max_states: int = 0  # token states (embed_all) a request may ask, MAX_REPLY_BYTES's worth as JSON (model_stack)
 
 
 class Texts(NamedTuple):
@@ -297,15 +297,15 @@ class PreTokenized(InFlight):
     async def embed_all(self, texts, caller: Caller = Caller(), truncate: bool | None = None,
                         prompt_name: str | None = None) -> Result:
         """TEI's /embed_all (task embed): per text, every token's last hidden state (special
-        tokens included, before pooling), as TokenRows. Tokenized first, so the model process
-        bounds the states by their real tokens before any work (EmbeddingService._rows)."""
+        tokens included, before pooling), as TokenRows: Embed's path (admission, tokenization
+        with the others or on a tokenizer thread), the states bounded by their real tokens once
+        tokenized, before the model runs (EmbeddingService.states_fit)."""
         if self.task != "embed":  # not require_task: bgem3 answers embed's calls, not this one
             raise WrongTask(f"this server's model does {self.task} (TASK={self.task}): token states (/embed_all) are "
                             f"an embed model's; use {_USE.get(self.task, self.task)}")
         with self._tracked():
-            r = texts_request(texts, self.limits, self.head, truncate, prompt_name, outputs=("states",))
-            ids, lengths = await tokenize(self.tokenizer, self.executor, r)
-            return await self._rows(ids, lengths, r.key, caller)
+            return await self._texts(texts_request(texts, self.limits, self.head, truncate, prompt_name,
+                                                   outputs=("states",)), caller)
 
     async def embed_multivector(self, texts, is_query: bool, caller: Caller = Caller(),
                                 truncate: bool | None = None) -> Result:

@@ -153,6 +153,15 @@ def reply_bytes(rows: int, dimensions: int, encoding: str, json_text: bool) -> i
     return rows * (per_row + JSON_ROW_BYTES) + 256
 
 
+def most_rows(limit: int, dimensions: int, encoding: str, json_text: bool, extra_per_row: int = 0) -> int:
+    """The most rows of `dimensions` whose answer (reply_bytes, plus `extra_per_row` and one more
+    of it: a ragged answer's offsets) fits `limit`; 0 when none or no dimensions. Pure."""
+    if dimensions <= 0:
+        return 0
+    per_row = reply_bytes(2, dimensions, encoding, json_text) - reply_bytes(1, dimensions, encoding, json_text) + extra_per_row
+    return max(0, (limit - reply_bytes(0, dimensions, encoding, json_text) - extra_per_row) // per_row)
+
+
 def check_reply(rows: int, dimensions: int, encoding: str, json_text: bool, limit: int) -> None:
     """Refuse (ReplyTooLarge, naming the sizes and what to ask instead) an answer over `limit`."""
     size = reply_bytes(rows, dimensions, encoding, json_text)
