@@ -68,13 +68,15 @@ async def _put_all(cluster: Cluster, settings: OperatorSettings, owner: render.O
             route = None
             break
         written.add((obj["kind"], obj["metadata"]["name"]))
-    if render_keda.scales_to_zero(spec) and route is None:
+    no_addon = render_keda.scales_to_zero(spec) and route is None
+    if no_addon:
         written = set()  # routes written before a 404 are of a kind the ScaledObject no longer names
         (scaled,) = render.keda_objects(owner, spec, settings.scaler_address, None)
-        lack(render_keda.ADDON_MISSING, render_keda.missing_addon_message())
     try:
         await put(scaled)
-    except NotFound as e:
+    except NotFound as e:  # KEDA itself is missing: that is what to say (the add-on's lack follows from it)
         lack(render_keda.KEDA_MISSING, render_keda.missing_keda_message(str(e)))
         return written
+    if no_addon:
+        lack(render_keda.ADDON_MISSING, render_keda.missing_addon_message())
     return written | {(render_keda.KIND, owner.name)}
