@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-seven modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: twenty-nine modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -11,6 +11,8 @@ Pure (dicts and numbers in, dicts and numbers out; tested as tables):
   render_security  spec.auth, spec.tls → the pod's Secret volumes, mounts and settings
   render_network   spec.networkPolicy → the service's NetworkPolicy
   render_gateway   spec.routing gateway → the service's InferencePool (Gateway API Inference Extension)
+  render_keda      autoscaling.mode keda → the service's KEDA ScaledObject; with minReplicas 0, the
+                   HTTP add-on's route that wakes it
   render_models    spec.models → the servers' model list (MODELS), what a fill fetches, the Model
                    column's summary
   render_cache     spec.modelCache → the cache's volumes, mounts, settings and fill Job; what the
@@ -31,6 +33,7 @@ I/O, from the edge in:
   write      one owned object written: created when absent, applied when ours, held when
              what we apply does not stick
   reconcile  one reconcile: render, apply what drifted, report status
+  reconcile_keda  mode keda's objects in a reconcile: applied, deleted, what the cluster lacks said
   fill       a pre-filled model cache's Job: read, created, and whether the pods wait for it
   scrape     the pods' readings: which pods count, their /metrics (ports, fallback, timeouts)
   autoscaler one autoscaling step: read the pods, decide, scale, record

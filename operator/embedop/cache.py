@@ -30,21 +30,24 @@ import time
 from typing import Callable
 
 from embedop import crd, drift
-from embedop import render_gateway
+from embedop import render_gateway, render_keda
 from embedop.kube import Gone, Kube, NotFound, Retryable
 from embedop.render import MANAGED_BY
 
 log = logging.getLogger(__name__)
 
-# The kinds listed and watched by the operator's label (the pods carry it through the template).
+# The kinds listed and watched by the operator's label (the pods carry it through the template;
+# KEDA copies a ScaledObject's labels onto the HorizontalPodAutoscaler it makes, so KEDA's HPA of a
+# service in mode keda is among the HPAs listed, and kicks the service's reconcile when it moves).
 WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
-           render_gateway.KIND, "Job")
-# Kinds of a CRD a cluster may not have installed (the Gateway API Inference Extension's): the API
+           render_gateway.KIND, "Job", *render_keda.KINDS)
+# Kinds of a CRD a cluster may not have installed (the Gateway API Inference Extension's, KEDA's
+# and its HTTP add-on's): the API
 # answers their list 404. Then none exists, which is what the empty copy says: the informer counts
 # as listed (the handlers do not wait for it, and the reconcile's "is there one of ours to delete?"
 # stays a read of the copy, no API call) and lists again every ABSENT_RECHECK_S, quietly, so a CRD
 # installed later is picked up without a restart. Only a service that asks for one gets told.
-OPTIONAL_WATCHED = (render_gateway.KIND,)
+OPTIONAL_WATCHED = (render_gateway.KIND, *render_keda.KINDS)
 # Kinds the operator reads but does not own, so they carry no label of ours: listed and watched
 # whole in the namespaces it serves (the model cache's claims: their access modes and uid), kept
 # trimmed to what is read (TRIM), followed at the services' periodic checks (no kick); their
@@ -86,6 +89,9 @@ class Store:
 
     def __init__(self) -> None:
         self.objects: dict[Key, dict] = {}
+        # An OPTIONAL_WATCHED kind the API does not serve (its CRD is not installed), as its
+        # informer last found it; None: not known (not listed yet, or not watched).
+        self.absent: bool | None = None
 
     def get(self, namespace: str, name: str) -> dict | None:
         return self.objects.get((namespace, name))
@@ -160,7 +166,7 @@ class Informer:
         if self.absent is not True:
             log.info("%s is not served by this cluster (%s): its CRD is not installed; services that do not ask for "
                      "one are unaffected; checking again every %.0f s", self.kind, error, ABSENT_RECHECK_S)
-        self.absent = True
+        self.absent = self.store.absent = True
         before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
         self.store.replace(namespace, [])
         for k in before:
@@ -177,7 +183,7 @@ class Informer:
         objects = [self.trim(o) for o in objects]
         if self.absent:
             log.info("%s is served by this cluster now (its CRD was installed)", self.kind)
-        self.absent = False
+        self.absent = self.store.absent = False
         before = {k for k in self.store.objects if namespace is None or k[0] == namespace}
         self.store.replace(namespace, objects)
         for k in before - set(self.store.objects):  # deleted while we were not watching
@@ -259,6 +265,12 @@ class Cluster:
                 await asyncio.wait_for(informer.synced.wait(), left)
             except TimeoutError:
                 pass
+
+    def serves(self, kind: str) -> bool:
+        """Whether the API serves `kind` (its CRD installed), as far as its informer knows: not known
+        yet counts as served (a write then tells: 404)."""
+        store = self.stores.get(kind)
+        return store is None or store.absent is not True
 
     def pods(self, namespace: str, labels: dict) -> list[dict]:
         return self.select("Pod", namespace, labels)

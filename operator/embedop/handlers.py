@@ -74,7 +74,7 @@ def _outcome(outcome: reconcile.Outcome) -> None:
     if outcome.rejected:
         _say(body, "RejectedByAPI", outcome.rejected, warning=True)
     if outcome.missing:
-        _say(body, render_gateway.CRD_MISSING, outcome.missing, warning=True)
+        _say(body, outcome.missing_reason or render_gateway.CRD_MISSING, outcome.missing, warning=True)
     if outcome.unpersisted:
         _say(body, write.FIELD_NOT_PERSISTED, "; ".join(outcome.unpersisted), warning=True)
     if outcome.misfit:

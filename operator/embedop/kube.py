@@ -27,7 +27,7 @@ from lightkube.core.selector import build_selector
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import CascadeType, PatchType, on_error_raise
 
-from embedop import crd, render_gateway
+from embedop import crd, render_gateway, render_keda
 
 FIELD_MANAGER = "embedop"
 # Applies only spec.replicas once, before the first apply without it (mode hpa): the count keeps an
@@ -43,6 +43,9 @@ KINDS = {
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     # spec.routing gateway (render_gateway); its CRD may not be installed (cache.OPTIONAL_WATCHED).
     render_gateway.KIND: (render_gateway.GROUP, render_gateway.VERSION, render_gateway.PLURAL),
+    # autoscaling.mode keda (render_keda): KEDA's ScaledObject, its HTTP add-on's routes; their CRDs
+    # may not be installed either.
+    **render_keda.KINDS,
     "Pod": ("", "v1", "pods"),
     "Job": ("batch", "v1", "jobs"),  # a pre-filled model cache's fill (render_cache)
     "PersistentVolumeClaim": ("", "v1", "persistentvolumeclaims"),  # spec.modelCache.claimName: read only
@@ -66,10 +69,14 @@ CALL_LIST = (
     ("autoscaling", "horizontalpodautoscalers", "delete"),  # when a service leaves hpa mode
     ("networking.k8s.io", "networkpolicies", "delete"),  # when a service's networkPolicy is disabled
     (render_gateway.GROUP, render_gateway.PLURAL, "delete"),  # when a service's routing goes back to service
+    # Mode keda: the ScaledObject and the HTTP add-on's routes, as the other owned objects; delete:
+    # when a service leaves mode keda, or stops scaling to zero (the routes), or the add-on changes.
+    *((RESOURCES[k][1], RESOURCES[k][2], v) for k in render_keda.KINDS for v in ("get", "create", "patch", "delete")),
     # The owned kinds are listed and watched by the operator's label (cache.py): the reconcile
     # and the autoscaler read those copies, never the API, while nothing changes.
     *((RESOURCES[k][1], RESOURCES[k][2], v) for k in ("Deployment", "Pod", "Service", "PodDisruptionBudget",
-                                                      "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND)
+                                                      "HorizontalPodAutoscaler", "NetworkPolicy", render_gateway.KIND,
+                                                      *render_keda.KINDS)
       for v in ("list", "watch")),
     # Server pods: the ones a scale-down is to remove marked with the lowest pod-deletion-cost
     # (autoscale.removal_marks; the ReplicaSet then removes those), stale marks cleared.

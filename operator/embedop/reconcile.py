@@ -25,7 +25,7 @@ import dataclasses
 from typing import Awaitable, Callable
 
 from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_models, render_network, spec as specs, status
-from embedop import write
+from embedop import reconcile_keda, write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -40,7 +40,8 @@ class Outcome:
     problems: list[str]
     applied: list[str]  # "Kind/name" of objects created or changed
     rejected: str | None = None  # the API's message when it refused an object
-    missing: str | None = None  # a kind the spec asks for that the cluster does not serve (its CRD)
+    missing: str | None = None  # a kind the spec asks for that the cluster does not serve (its CRD): lack()
+    missing_reason: str | None = None  # the Degraded reason (and the Event's) of the first one missing
     notice: str | None = None  # e.g. a newer default image that this service does not get
     gone: bool = False  # the service no longer exists or is being deleted
     body: dict | None = None  # the service as read
@@ -51,6 +52,12 @@ class Outcome:
     unpersisted: list[str] = dataclasses.field(default_factory=list)  # renders held: write.held's messages
     claim: dict | None = None  # spec.modelCache.claimName's claim, as watched (None: none, or not there)
     misfit: str | None = None  # a pod's termination message: its models do not fit its device (status.misfit)
+
+    def lack(self, reason: str, message: str) -> None:
+        """A kind the spec asks for that the cluster does not serve: Degraded with the first one's
+        reason, every message said."""
+        self.missing = f"{self.missing}; {message}" if self.missing else message
+        self.missing_reason = self.missing_reason or reason
 
 
 def owner_of(body: dict) -> render.Owner:
@@ -231,7 +238,7 @@ def observed(fresh: dict, spec: dict, acted_on: int | None) -> int | None:
 
 async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, live: dict | None,
                        outcome: Outcome) -> dict | None:
-    """→ the live HorizontalPodAutoscaler (mode hpa), for status."""
+    """→ the live HorizontalPodAutoscaler (mode hpa; KEDA's in mode keda), for status."""
     owner = owner_of(body)
     live = live and await write.adopted(cluster, "Deployment", live)  # before its resourceVersion guards the apply
     deployment, outcome.notice = deployment_for(settings, body, spec, live)
@@ -261,24 +268,14 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
                 outcome.rejected = outcome.scaled
     hpa = None
     companions = render.companions(owner, spec, settings.metrics_port, render_network.OperatorPods.of(settings))
-    for obj in map(drift.stamped, companions):
-        current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
-        if not_ours(current, owner):
-            outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    for obj in companions:
+        try:
+            current = await put_owned(cluster, owner, obj, outcome)
+        except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
+            if obj["kind"] != render_gateway.KIND:
+                raise
+            outcome.lack(render_gateway.CRD_MISSING, render_gateway.missing_crd_message(str(e)))  # the rest applied
             continue
-        current = current and await write.adopted(cluster, obj["kind"], current)
-        if drift.drifted(obj, current) and (stuck := write.held(cluster, obj, current)):
-            outcome.unpersisted.append(stuck)
-        elif drift.drifted(obj, current):
-            try:
-                current, stuck = await write.put(cluster, obj, current)
-            except NotFound as e:  # the namespace exists (the Deployment is in it): the kind does not
-                if obj["kind"] != render_gateway.KIND:
-                    raise
-                outcome.missing = render_gateway.missing_crd_message(str(e))  # Degraded and an Event, the rest applied
-                continue
-            outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
-            outcome.unpersisted.extend([stuck] if stuck else [])
         if obj["kind"] == "HorizontalPodAutoscaler":
             hpa = current
     # What the spec no longer asks for (mode hpa left, networkPolicy disabled) goes, if it is ours.
@@ -287,7 +284,30 @@ async def _apply_owned(cluster: Cluster, settings: OperatorSettings, body: dict,
         if existing is not None and owned_by(existing, owner):
             await cluster.delete(kind, owner.namespace, owner.name)
             outcome.applied.append(f"-{kind}/{owner.name}")
-    return hpa
+    deleted, keda_hpa = await reconcile_keda.apply(cluster, settings, owner, spec,
+                                                   lambda obj: put_owned(cluster, owner, obj, outcome), outcome.lack)
+    outcome.applied.extend(deleted)
+    return hpa or keda_hpa
+
+
+async def put_owned(cluster: Cluster, owner: render.Owner, obj: dict, outcome: Outcome) -> dict | None:
+    """Bring one owned object (not the Deployment) to `obj`: created when absent, applied when it
+    drifted, held when what we apply does not stick (write.py); someone else's is left alone and
+    reported (outcome.foreign). → the live object (None: someone else's); NotFound when the API
+    does not serve its kind."""
+    obj = drift.stamped(obj)
+    current = await cluster.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
+    if not_ours(current, owner):
+        outcome.foreign.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        return None
+    current = current and await write.adopted(cluster, obj["kind"], current)
+    if drift.drifted(obj, current) and (stuck := write.held(cluster, obj, current)):
+        outcome.unpersisted.append(stuck)
+    elif drift.drifted(obj, current):
+        current, stuck = await write.put(cluster, obj, current)
+        outcome.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        outcome.unpersisted.extend([stuck] if stuck else [])
+    return current
 
 
 async def _fill(cluster: Cluster, settings: OperatorSettings, body: dict, spec: dict, deployment: dict,
@@ -305,11 +325,14 @@ async def _fill(cluster: Cluster, settings: OperatorSettings, body: dict, spec: 
 
 def desired_replicas(spec: dict, deployment: dict | None, hpa: dict | None) -> int | None:
     """status.desiredReplicas as the reconcile writes it: spec.replicas (off), the HPA's wish or
-    the Deployment's count (hpa); None in mode operator, where the autoscaler writes it."""
+    the Deployment's count (hpa; keda, with KEDA's HPA, which KEDA itself overrides at zero: the
+    Deployment's count then); None in mode operator, where the autoscaler writes it."""
     mode = spec["autoscaling"]["mode"]
     if mode == "off":
         return spec["replicas"]
-    if mode == "hpa":
+    if mode == "keda" and ((deployment or {}).get("spec") or {}).get("replicas") == 0:
+        return 0
+    if mode in render.HANDED_OVER:
         wish = ((hpa or {}).get("status") or {}).get("desiredReplicas")
         return wish if wish is not None else ((deployment or {}).get("spec") or {}).get("replicas")
     return None
@@ -320,7 +343,7 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
     """`generation`: the one this reconcile acted on: a spec edit that lands meanwhile (and makes
     the write below retry on a fresh read) has not been observed."""
     owner = owner_of(body)
-    autoscaled = spec["autoscaling"]["mode"] == "operator"
+    autoscaled = spec["autoscaling"]["mode"] in status.AUTOSCALER_MODES
     pods = cluster.pods(owner.namespace, render.selector(owner.name))
     outcome.misfit = status.misfit(pods, ((deployment or {}).get("spec") or {}).get("template"))
 
@@ -332,7 +355,8 @@ async def _write_status(cluster: Cluster, body: dict, spec: dict, deployment: di
                       if autoscaled or c.get("type") not in status.AUTOSCALER_CONDITIONS]
         new = status.from_deployment(deployment, wanted, outcome.problems, generation, conditions, misfit=outcome.misfit,
                                      rejected=outcome.rejected, foreign=outcome.foreign,
-                                     missing=(render_gateway.CRD_MISSING, outcome.missing) if outcome.missing else None,
+                                     missing=(outcome.missing_reason, outcome.missing) if outcome.missing else None,
+                                     zero_is_ready=spec["autoscaling"]["mode"] != "keda",
                                      fill=(outcome.fill.state, outcome.fill.message)
                                      if outcome.fill and outcome.fill.holds else None,
                                      unpersisted=outcome.unpersisted)

@@ -7,7 +7,7 @@ import dataclasses
 
 from lightkube.utils.quantity import parse_quantity
 
-from embedop import crd, render_cache, render_gateway, render_models, render_network, render_security
+from embedop import crd, render_cache, render_gateway, render_keda, render_models, render_network, render_security
 
 # gRPC; the HTTP API (behind the keys and TLS when those are on; it answers /health and /metrics
 # too, for clients and gateways that check the port they use); the plain-text /health and /metrics
@@ -173,18 +173,24 @@ def server_image(spec: dict, live: dict | None, default: str, kept: str | None =
     return default, None
 
 
+# Modes whose count a HorizontalPodAutoscaler sets (ours in hpa, KEDA's in keda): the operator
+# hands spec.replicas over (reconcile.hand_over_replicas) and stops sending it.
+HANDED_OVER = ("hpa", "keda")
+
+
 def deployment_replicas(spec: dict, live: int | None, decision: int | None = None, exists: bool = True) -> int | None:
     """The Deployment's replica count, sent with every apply (under server-side apply, a count that
     its only manager stops sending is removed, and the Deployment defaults to 1).
     off: spec.replicas. operator: the autoscaler's decision when it makes one, else the live count
     (before the Deployment `exists`: spec.replicas), clamped to [minReplicas, maxReplicas].
-    hpa: None, the HorizontalPodAutoscaler owns the count; but a Deployment that does not exist yet
-    is created with the count, as in mode operator within the HPA's bounds (else it would start at
-    1 until the HPA acts), and the next apply hands it over as a switch to hpa does."""
+    hpa and keda: None, the HorizontalPodAutoscaler (ours, or KEDA's) owns the count; but a Deployment
+    that does not exist yet is created with the count, as in mode operator within the HPA's bounds
+    (else it would start at 1 until the HPA acts), and the next apply hands it over as a switch to
+    hpa does."""
     s = spec["autoscaling"]
     if s["mode"] == "off":
         return spec["replicas"]
-    if s["mode"] == "hpa" and exists:
+    if s["mode"] in HANDED_OVER and exists:
         return None
     base = next(v for v in (decision, live, spec["replicas"]) if v is not None)
     return min(max(base, s["minReplicas"]), s["maxReplicas"])
@@ -193,7 +199,8 @@ def deployment_replicas(spec: dict, live: int | None, decision: int | None = Non
 def mirrored_replicas(spec: dict, live: int | None) -> int | None:
     """What spec.replicas must become, or None when it stays. In modes operator and hpa the count
     belongs to the autoscaler or the HPA, and spec.replicas mirrors it (the live Deployment's count),
-    so that a switch to mode off, which applies spec.replicas, keeps the fleet as it is."""
+    so that a switch to mode off, which applies spec.replicas, keeps the fleet as it is (mode keda
+    too: KEDA's HPA, and KEDA itself at zero, set the count)."""
     if spec["autoscaling"]["mode"] == "off" or live is None or live == spec.get("replicas"):
         return None
     return live
@@ -385,6 +392,14 @@ def network_policy(owner: Owner, spec: dict, metrics_port: int = METRICS_PORT,
 
 def inference_pool(owner: Owner, spec: dict) -> dict:
     return render_gateway.inference_pool(_meta(owner), selector(owner.name), spec, HTTP_PORT)
+
+
+def keda_objects(owner: Owner, spec: dict, scaler_address: str, route: str | None) -> list[dict]:
+    """Mode keda's ScaledObject and the HTTP add-on's routes (render_keda.objects); `route`: the
+    route kind the cluster's add-on takes (render_keda.route_kind). A woken request waits for a pod
+    as long as a pod may take to start."""
+    return render_keda.objects(lambda name: _meta(owner, name), owner.namespace, spec, scaler_address, route,
+                               STARTUP_ALLOWANCE_S)
 
 
 # Companions rendered only when the spec asks for them: one the spec no longer asks for is deleted.

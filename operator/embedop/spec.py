@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from lightkube.models import core_v1, networking_v1
 
-from embedop import crd, render, render_cache, render_gateway, render_models, render_security
+from embedop import crd, render, render_cache, render_gateway, render_keda, render_models, render_security
 
 # Spec fields of Kubernetes types the CRD leaves open (by path), and the model each must fit.
 KUBERNETES_TYPES = {
@@ -139,4 +139,4 @@ def warnings(spec: dict) -> list[str]:
                    "Prometheus's pods to metricsFrom (if nothing else scrapes this service, ignore this)")
     if spec.get("routing") == "gateway":
         out += render_gateway.warnings(spec)
-    return out
+    return out + render_keda.warnings(spec)

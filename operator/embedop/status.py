@@ -3,12 +3,13 @@
 Two writers share the status, each with its own fields (and each writes only with the
 resourceVersion it read, so neither undoes the other):
 - the reconcile: observedGeneration, replicas, readyReplicas, selector, defaultImage, the Ready,
-  Progressing, Degraded, FieldNotPersisted and ModelCacheShared conditions, and desiredReplicas in modes off and hpa (where it clears
-  the autoscaler's conditions and measurements, which would go stale);
-- the autoscaler (mode operator): desiredReplicas, the measured rates, lastScaleTime/Reason, the
-  served task, with spec.models each model's (status.models), and the ScalingLimited,
-  MetricsUnavailable and TaskMismatch conditions (the reconcile clears these in modes off and hpa,
-  where nothing scrapes the pods).
+  Progressing, Degraded, FieldNotPersisted and ModelCacheShared conditions, and desiredReplicas in modes off, hpa and
+  keda (the HorizontalPodAutoscaler's wish, ours or KEDA's; in off and hpa it clears the
+  autoscaler's conditions and measurements, which would go stale);
+- the autoscaler (modes operator and keda, AUTOSCALER_MODES: it scrapes the pods): desiredReplicas
+  (mode operator), the measured rates, lastScaleTime/Reason, the served task, with spec.models each
+  model's (status.models), and the ScalingLimited, MetricsUnavailable and TaskMismatch conditions
+  (the reconcile clears these in modes off and hpa, where nothing scrapes the pods).
 The reconcile also keeps status.modelSummary (the Model column) and reads the pods' termination
 messages: models that do not fit the device make the service Degraded (misfit).
 (spec.replicas, in modes operator and hpa, mirrors the live count: reconcile.mirror_count.)
@@ -26,10 +27,12 @@ from embedop import drift
 # fail Argo CD's and Flux's health checks for good.
 RECONCILE_CONDITIONS = ("Ready", "Progressing", "Degraded", drift.FIELD_NOT_PERSISTED)
 TASK_MISMATCH = "TaskMismatch"
-# Ready's reason for a service at zero replicas on purpose (mode off, spec.replicas 0); a scale to
-# zero by KEDA or a later autoscaling mode says the same.
+# Ready's reason for a service at zero replicas: on purpose (mode off, spec.replicas 0: Ready True), or
+# scaled to zero by KEDA in mode keda (Ready False: ready_condition says why).
 SCALED_TO_ZERO = "ScaledToZero"
 AUTOSCALER_CONDITIONS = ("ScalingLimited", "MetricsUnavailable", TASK_MISMATCH)
+# Modes where the operator's autoscaler scrapes the pods and decides (in keda, for KEDA to apply).
+AUTOSCALER_MODES = ("operator", "keda")
 MEASURED = ("serviceRateTokensPerSecond", "arrivalRateTokensPerSecond", "estimatedDrainMs")
 # What a server writes first in its termination message when its models do not fit the device
 # (server/embedserve/model/device.py MISFIT_PREFIX; the operator's image does not hold the server).
@@ -102,7 +105,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
                     previous: list[dict], now: str | None = None, rejected: str | None = None,
                     foreign: list[str] | None = None, fill: tuple[str, str] | None = None,
                     missing: tuple[str, str] | None = None, unpersisted: list[str] | None = None,
-                    misfit: str | None = None) -> dict:
+                    misfit: str | None = None, zero_is_ready: bool = True) -> dict:
     """Replica counts and Ready / Progressing / Degraded from the Deployment's status; `rejected`
     is the API's message when it refused an object the spec rendered; `unpersisted`, the messages
     of renders held because the API server does not store them as sent (write.py: the
@@ -112,7 +115,8 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
     a model cache's fill Job the pods wait for (Failed: Degraded; else Progressing). A fill that
     runs while a Deployment exists (a new revision) hides nothing of the fleet's own state: a
     failing rollout or a missing count is still Degraded. `misfit`: a pod's termination message
-    saying its models do not fit the device (misfit()): Degraded, reason ModelsDoNotFit, with it."""
+    saying its models do not fit the device (misfit()): Degraded, reason ModelsDoNotFit, with it.
+    `zero_is_ready`: ready_condition's, whether zero pods wanted and left is Ready."""
     now = now or now_iso()
     st = (deployment or {}).get("status") or {}
     replicas, ready = int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0)
@@ -152,7 +156,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
         "replicas": replicas,
         "readyReplicas": ready,
         "conditions": merge_conditions(previous, [
-            ready_condition(healthy, ready, replicas, wanted, generation, previous, now),
+            ready_condition(healthy, ready, replicas, wanted, generation, previous, now, zero_is_ready),
             condition("Progressing", True, "FillingModelCache", fill[1], generation, previous, now) if filling else
             condition("Progressing", progressing, "RollingOut" if progressing else "Stable",
                       f"{updated} updated, {ready} ready, {replicas} existing, {wanted} wanted", generation, previous, now),
@@ -164,7 +168,7 @@ def from_deployment(deployment: dict | None, wanted: int | None, problems: list[
 
 
 def ready_condition(healthy: bool, ready: int, replicas: int, wanted: int, generation: int | None,
-                    previous: list[dict], now: str) -> dict:
+                    previous: list[dict], now: str, zero_is_ready: bool = True) -> dict:
     """Ready: every wanted replica is ready, and at least one is wanted; or, with none wanted (mode
     off at spec.replicas 0: stopped on purpose), none is left: True, reason SCALED_TO_ZERO.
 
@@ -172,10 +176,18 @@ def ready_condition(healthy: bool, ready: int, replicas: int, wanted: int, gener
     Knative service or KEDA ScaledObject scaled to zero is Ready. Ready says the service is as asked
     and nothing is wrong; readyReplicas says how many pods serve. False would hold `kubectl wait
     --for=condition=Ready`, Argo CD's and Flux's health and alerts on a state the user asked for.
-    Pods still running down (replicas > 0) are not there yet: False, ReplicasNotReady."""
-    if healthy and wanted == 0 and replicas == 0:
+    Pods still running down (replicas > 0) are not there yet: False, ReplicasNotReady.
+
+    Not `zero_is_ready` (mode keda, scaled to zero by KEDA after idleSeconds without demand): False,
+    reason SCALED_TO_ZERO. The service answers, but only after a pod's start (the HTTP add-on holds
+    the first requests meanwhile): a check that waits for Ready before sending traffic must not take
+    zero for a service ready to answer within its usual latency."""
+    if healthy and wanted == 0 and replicas == 0 and zero_is_ready:
         return condition("Ready", True, SCALED_TO_ZERO, "scaled to zero on purpose: no pod runs (spec.replicas 0)",
                          generation, previous, now)
+    if healthy and wanted == 0 and replicas == 0:
+        return condition("Ready", False, SCALED_TO_ZERO, "scaled to zero by KEDA after idleSeconds without demand: the "
+                         "next request wakes it (held by KEDA's HTTP add-on while a pod starts)", generation, previous, now)
     is_ready = healthy and wanted > 0 and ready >= wanted
     return condition("Ready", is_ready, "ReplicasReady" if is_ready else "ReplicasNotReady",
                      f"{ready}/{wanted} replicas ready", generation, previous, now)

@@ -153,8 +153,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
       see them; a JSON patch's result included), not to its scale subresource;
     - what the API server stores, not what was sent: an env entry's empty value is dropped,
       status fields an older CRD lacks (`unknown_status`) are pruned, and a custom resource served
-      with its CRD's schema (InferencePools: `schemas`) is pruned of what the schema lacks and
-      defaulted (tests/operator/structural.py); mutating webhooks (`mutators`) rewrite objects;
+      with its CRD's schema (InferencePools, KEDA's ScaledObjects and its HTTP add-on's routes:
+      `schemas`) is pruned of what the schema lacks and defaulted (tests/operator/structural.py),
+      and refused (422) where the schema or its CEL rules refuse it; mutating webhooks
+      (`mutators`) rewrite objects;
     - a create (POST) of a name that exists is refused 409 AlreadyExists (kmock's), and is recorded
       in metadata.managedFields as an Update of its field manager, which a JSON patch may rewrite
       (its `test` operations are preconditions: 422 when one fails); someone else's create landing
@@ -286,6 +288,12 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 crd_served = self.crds.get("inferencepools", inference_pool_schema.CRD)
                 if refused := inference_pool_schema.problems({k: v for k, v in merged.items() if k != "status"}, crd_served):
                     raise api_error(422, "Invalid", f"InferencePool.{merged['metadata'].get('name')} is invalid: {refused}")
+            elif request.resource is not None and request.resource.plural in KEDA_PLURALS:  # KEDA's, the add-on's
+                from tests.operator import keda_schema
+
+                if refused := keda_schema.problems(merged):
+                    raise api_error(422, "Invalid", f"{merged.get('kind')}.{merged['metadata'].get('name')} is invalid: "
+                                                    f"{refused}")
             _admit(merged)
         if request.subresource == "status" and isinstance(data, dict) and isinstance(data.get("status"), dict):
             data["status"] = {k: v for k, v in data["status"].items() if k not in unknown_status}
@@ -473,13 +481,36 @@ def _serve_inference_pools(k8s, crd_file: Path | None = None) -> None:
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
 
 
+# KEDA's ScaledObjects and its HTTP add-on's InterceptorRoutes and HTTPScaledObjects (their CRDs:
+# tests/operator/fixtures, keda_schema.py).
+KEDA_PLURALS = ("scaledobjects", "interceptorroutes", "httpscaledobjects")
+
+
+def _serve_keda(k8s, plurals) -> None:
+    """The CRDs of `plurals` (KEDA_PLURALS) installed: their objects pruned and defaulted by their
+    served version's schema, validated by it and its CEL rules (keda_schema.problems)."""
+    from tests.operator import keda_schema
+
+    for plural in plurals:
+        crd_ = keda_schema.CRDS[plural]
+        group, version = crd_["spec"]["group"], keda_schema.served(crd_)["name"]
+        k8s.crds[plural], k8s.schemas[plural] = crd_, keda_schema.schema(plural)
+        k8s.resources[f"{group}/{version}/{plural}"] = kmock.ResourceInfo(
+            kind=keda_schema.kind(plural), namespaced=True, shortnames=set(crd_["spec"]["names"].get("shortNames") or []),
+            verbs={"create", "delete", "get", "list", "patch", "update", "watch"}, subresources={"status"})
+
+
 class Emulator:
-    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool | Path = False):
+    def __init__(self, subject: str = "operator", with_crd: bool = True, inference_pools: bool | Path = False,
+                 keda: bool | tuple[str, ...] = False):
         """with_crd=False: the EmbeddingService resource is unknown to the API (no CRD).
         inference_pools: the Gateway API Inference Extension's InferencePool CRD is installed (by
         default not, as in most clusters: its list and writes are 404, as a real API server's);
-        a path: that CRD file (tests/operator/fixtures), else the newest one tracked."""
+        a path: that CRD file (tests/operator/fixtures), else the newest one tracked.
+        keda: KEDA's and its HTTP add-on's CRDs installed (True: all three; or those of these
+        plurals, KEDA_PLURALS); by default none, as in a cluster without KEDA."""
         self.subject, self.with_crd, self.inference_pools = subject, with_crd, inference_pools
+        self.keda = KEDA_PLURALS if keda is True else tuple(keda or ())
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -507,6 +538,7 @@ class Emulator:
                 )
             if self.inference_pools:
                 _serve_inference_pools(k8s, self.inference_pools if isinstance(self.inference_pools, Path) else None)
+            _serve_keda(k8s, self.keda)
             self.k8s = k8s
             self.url = str(server.url).rstrip("/")
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
@@ -517,6 +549,12 @@ class Emulator:
         """The InferencePool CRD installed now, while the operator runs."""
         async def install():
             _serve_inference_pools(self.k8s)
+        asyncio.run_coroutine_threadsafe(install(), self._loop).result(5)
+
+    def install_keda(self, plurals=KEDA_PLURALS) -> None:
+        """KEDA's (and its add-on's) CRDs of `plurals` installed now, while the operator runs."""
+        async def install():
+            _serve_keda(self.k8s, plurals)
         asyncio.run_coroutine_threadsafe(install(), self._loop).result(5)
 
     def expire_watches(self, plural: str) -> None:
