@@ -1,6 +1,6 @@
 """embedop: the embedfleet operator (EmbeddingService → GPU Deployments, Services, autoscaling).
 
-Flat, on purpose: twenty-nine modules in two kinds, each named for its job, and a subpackage per kind
+Flat, on purpose: thirty-three modules in two kinds, each named for its job, and a subpackage per kind
 would add a level without telling a reader more than this list does.
 
 Pure (dicts and numbers in, dicts and numbers out; tested as tables):
@@ -36,7 +36,11 @@ I/O, from the edge in:
   reconcile_keda  mode keda's objects in a reconcile: applied, deleted, what the cluster lacks said
   fill       a pre-filled model cache's Job: read, created, and whether the pods wait for it
   scrape     the pods' readings: which pods count, their /metrics (ports, fallback, timeouts)
-  autoscaler one autoscaling step: read the pods, decide, scale, record
+  autoscaler one autoscaling step: read the pods, decide, scale (mode keda: publish), record
+  decisions  mode keda's decisions, for KEDA: each service's count and whether it had demand lately
+  scaler     KEDA's external scaler (gRPC), served while this pod leads
+  externalscaler_pb2  KEDA's externalscaler.proto, compiled (generated: `make protos`)
+  externalscaler_pb2_grpc  its gRPC stubs (generated)
   fleet      one task per service: reconciles and autoscaler steps, kicked by watch events
   handlers   the only module with kopf handlers: startup, the services' events
   config     the operator's settings, from the environment, once

@@ -184,9 +184,13 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
         "estimatedDrainMs": max((demand.drain_s(s.readings()) * 1000 for s in scraped), default=0.0),
     }
     tasks = demand.tasks([s.readings() for s in scraped])
-    new: dict = {"desiredReplicas": decision.desired}
-    if decision.desired != current:
-        new.update(lastScaleTime=status.now_iso(), lastScaleReason=decision.reason)
+    # Mode keda: the count is KEDA's HPA's to set and the reconcile's to report (its wish); the
+    # decision is what the scaler tells it (embedop.scaler), not a scale of ours.
+    new: dict = {}
+    if spec["autoscaling"]["mode"] == "operator":
+        new["desiredReplicas"] = decision.desired
+        if decision.desired != current:
+            new.update(lastScaleTime=status.now_iso(), lastScaleReason=decision.reason)
     maximum = spec["autoscaling"]["maxReplicas"]
     reason = (("Saturated" if decision.saturated else "ScrapeFailed") if unscraped else
               "Scraped" if scraped else "NoReadyPods")
@@ -214,7 +218,8 @@ async def _write_status(cluster: Cluster, namespace: str, name: str, spec: dict,
         if mismatch is None:  # no served task known: no verdict on it
             conditions = [c for c in conditions if c.get("type") != status.TASK_MISMATCH]
         # The task is not among what makes the measurements due: it is written on its own.
-        changed = previous.get("desiredReplicas") != decision.desired or conditions != before
+        changed = previous.get("desiredReplicas") != new.get("desiredReplicas", previous.get("desiredReplicas")) \
+            or conditions != before
         models = status.served_models(names, tasks, caps, dict(decision.offered_by_model), previous.get("models"),
                                       due or changed) if names else None
         return {**new, **status.steady(previous, measured, due or changed), "conditions": conditions,

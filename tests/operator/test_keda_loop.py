@@ -1,0 +1,85 @@
+"""Mode keda, the loop on this machine: the real operator process, the emulated API server (with
+KEDA's CRDs), and a stand-in for KEDA and its HPA (tests/operator/keda_double.py) that reads the
+operator's external scaler over real gRPC, as KEDA does, and writes the Deployment's count through
+the scale subresource, as KEDA's HPA does. The scaler answers each mode keda service's decision
+(another mode's: UNAVAILABLE); a service idle for its idleSeconds is taken to zero and is Ready
+False, ScaledToZero. (With pods and load, the decision's rules are mode operator's, checked over
+traces in test_scaler.py; KEDA itself: tests/cluster/.)"""
+
+import grpc
+import pytest
+
+from embedop import externalscaler_pb2 as pb
+from embedop import scaler
+
+from tests.conftest import free_port
+from tests.operator.conftest import OperatorProcess, eventually
+from tests.operator.emulator import Emulator, new_service, service_path
+from tests.operator.keda_double import Keda
+
+NS = "default"
+ADDRESS = "embedop-scaler.embedfleet-system.svc:9090"  # what the ScaledObjects name (in-cluster)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    port = free_port()
+    with Emulator(keda=True) as e:
+        d = tmp_path_factory.mktemp("keda-loop")
+        op = OperatorProcess(e.kubeconfig(d / "kubeconfig"), d / "operator.log",
+                             env={"EMBEDOP_SCALER_PORT": str(port), "EMBEDOP_SCALER_ADDRESS": ADDRESS})
+        keda = Keda(e, NS, f"127.0.0.1:{port}", ADDRESS)
+        keda.start()
+        try:
+            yield e, op, keda
+        finally:
+            keda.stop()
+            op.stop()
+
+
+def deploy(name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
+
+
+def replicas(e, name: str) -> int:
+    return int(((e.get(deploy(name)) or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def test_the_operator_serves_its_decision_to_keda(cluster):
+    """The scaler in the operator process answers each mode keda service's decision, as KEDA
+    asks it (no pod has served yet: the count held within [minReplicas, maxReplicas]); a service
+    in another mode has none (UNAVAILABLE: KEDA's HPA keeps its count)."""
+    e, op, keda = cluster
+    spec = {"model": "m", "resources": {"gpu": 0}, "autoscaling": {"mode": "keda", "minReplicas": 2, "maxReplicas": 4,
+                                                                    "intervalSeconds": 1}}
+    e.request("POST", service_path(NS), new_service("held", spec, NS))
+    e.request("POST", service_path(NS), new_service("other", {"model": "m", "resources": {"gpu": 0}}, NS))
+    ref = pb.ScaledObjectRef(name="held", namespace=NS, scalerMetadata={"scalerAddress": ADDRESS})
+
+    def metric():
+        try:
+            return keda.stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref, metricName=scaler.METRIC))
+        except grpc.RpcError:
+            return None
+
+    value = eventually(metric, timeout=60).metricValues[0]
+    assert (value.metricName, value.metricValueFloat) == (scaler.METRIC, 2.0) and keda.stub.IsActive(ref).result
+    assert replicas(e, "held") == 2
+    eventually(lambda: replicas(e, "other") == 1, timeout=60)
+    with pytest.raises(grpc.RpcError) as error:
+        keda.stub.IsActive(pb.ScaledObjectRef(name="other", namespace=NS))
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_idle_service_goes_to_zero_after_its_idle_window(cluster):
+    e, op, keda = cluster
+    spec = {"model": "m", "resources": {"gpu": 0}, "autoscaling": {"mode": "keda", "minReplicas": 0, "maxReplicas": 2,
+                                                                    "intervalSeconds": 1, "idleSeconds": 3}}
+    e.request("POST", service_path(NS), new_service("idle", spec, NS))
+    eventually(lambda: e.get(f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects/idle"), timeout=60)
+    # The first decision counts as demand (an operator that just started has not seen the past):
+    # active, then idle 3 s later; KEDA's cooldown (idleSeconds) then takes it to zero.
+    eventually(lambda: ("idle", 0) in keda.writes and replicas(e, "idle") == 0, timeout=60)
+    ready = eventually(lambda: next((c for c in (e.get(service_path(NS, "idle")).get("status") or {}).get("conditions", [])
+                                     if c["type"] == "Ready" and c["reason"] == "ScaledToZero"), None), timeout=60)
+    assert ready["status"] == "False"
