@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from embedop import externalscaler_pb2 as pb
+from embedop import externalscaler_pb2_grpc as pb_grpc
 from embedop import scaler
 
 from tests.conftest import free_port
@@ -83,3 +84,39 @@ def test_an_idle_service_goes_to_zero_after_its_idle_window(cluster):
     ready = eventually(lambda: next((c for c in (e.get(service_path(NS, "idle")).get("status") or {}).get("conditions", [])
                                      if c["type"] == "Ready" and c["reason"] == "ScaledToZero"), None), timeout=60)
     assert ready["status"] == "False"
+
+
+def test_the_leader_labels_its_pod_for_its_term_and_closes_kedas_connection_at_its_end(tmp_path):
+    """The scaler's Service selects the pod labelled leader: the operator that takes the lease
+    labels its own pod and serves; at its term's end (here: a clean stop, which hands the lease
+    over) the label goes and its server closes, KEDA's open stream with it, so KEDA reconnects
+    through the Service to the next leader."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator-a", "namespace": NS},
+           "spec": {"containers": [{"name": "operator", "image": "embedop"}]}}
+    spec = {"model": "m", "resources": {"gpu": 0}, "autoscaling": {"mode": "keda", "intervalSeconds": 1}}
+    port = free_port()
+    with Emulator(keda=True) as e, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        e.request("POST", f"/api/v1/namespaces/{NS}/pods", pod)
+        e.request("POST", service_path(NS), new_service("s", spec, NS))
+        a = OperatorProcess(e.kubeconfig(tmp_path / "kubeconfig"), tmp_path / "operator-a.log",
+                            env={"EMBEDOP_SCALER_PORT": str(port), "POD_NAME": "operator-a", "EMBEDOP_POD_NAMESPACE": NS})
+        labels = lambda: e.get(f"/api/v1/namespaces/{NS}/pods/operator-a")["metadata"].get("labels") or {}  # noqa: E731
+        stub, ref = pb_grpc.ExternalScalerStub(channel), pb.ScaledObjectRef(name="s", namespace=NS)
+        try:
+            eventually(lambda: labels().get(scaler.LEADER_LABEL) == "leader", timeout=30)
+
+            def active():
+                try:
+                    return stub.IsActive(ref).result
+                except grpc.RpcError:
+                    return None
+
+            assert eventually(active, timeout=30) is True
+            stream = stub.StreamIsActive(ref)
+            assert next(stream).result is True  # KEDA's stream, open on the leader
+        finally:
+            a.stop()
+        assert scaler.LEADER_LABEL not in labels()
+        with pytest.raises(grpc.RpcError) as error:  # ended with the term, not left open on a follower
+            next(stream)
+        assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
