@@ -64,9 +64,16 @@ class Scaler(pb_grpc.ExternalScalerServicer):
                                                                   metricValue=count, metricValueFloat=float(count))])
 
 
+# What KEDA sends is a ScaledObject's name, namespace and trigger metadata: a few hundred bytes.
+# Anything far larger, or more streams than a cluster's ScaledObjects, is not KEDA's.
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_STREAMS = 1024  # per connection: KEDA keeps one StreamIsActive per mode keda ScaledObject
+
+
 async def serve(decisions: Decisions, port: int, host: str = "[::]") -> grpc.aio.Server:
     """The scaler on `port` (every address, IPv4 and IPv6), started."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_concurrent_streams", MAX_STREAMS)])
     pb_grpc.add_ExternalScalerServicer_to_server(Scaler(decisions), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -163,6 +163,15 @@ def test_a_service_without_a_decision_is_unavailable_and_push_of_specs_unimpleme
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_a_message_far_larger_than_kedas_is_refused_and_the_scaler_serves_on(served):
+    huge = pb.ScaledObjectRef(namespace=KEY[0], name=KEY[1], scalerMetadata={"x": "y" * 2 * scaler.MAX_MESSAGE_BYTES})
+    with pytest.raises(grpc.RpcError) as e:
+        served.stub.IsActive(huge)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    served.publish(1, True, 60, 0.0)
+    assert served.stub.IsActive(ref()).result
+
+
 def test_the_compiled_code_is_kedas_own_proto(tmp_path):
     """protos/embedop/externalscaler.proto is KEDA's file as vendored (no retyping), and the
     committed modules are what grpc_tools makes of it now."""
