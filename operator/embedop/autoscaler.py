@@ -72,8 +72,10 @@ async def step(cluster: Cluster, settings: OperatorSettings, reader: Reader, nam
     refused = None
     if mode == "keda":
         if decisions is not None:
-            decisions.publish((namespace, name), decision.desired, decision.offered > 0 or decision.load > 0,
-                              spec["autoscaling"]["idleSeconds"], now)
+            # Pods that serve but cannot be read are demand too: idle is what was read as idle.
+            demanded = decision.offered > 0 or decision.load > 0 or blind is not None
+            decisions.publish((namespace, name), decision.desired, demanded, spec["autoscaling"]["idleSeconds"], now,
+                              running=current > 0)
         # KEDA's HPA removes the pods: the idlest are marked for the ReplicaSet to pick, as mode
         # operator marks them; once no scale-down is under way, the marks go.
         alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]

@@ -4,14 +4,16 @@ whether the service has had demand within its idle window (autoscaling.idleSecon
 that step on the leader, read by the scaler's RPCs, on the operator's one event loop (no locks).
 Emptied when this pod stops leading: a follower has no decision to give.
 
-A service's first decision counts as demand: an operator that just started (or a new leader)
-has not seen the service's past, and must not let it go to zero before an idle window has passed
-under its own eyes."""
+A service's first decision counts as demand when it has pods: an operator that just started (or
+a new leader) has not seen the service's past, and must not take a serving fleet to zero before
+an idle window has passed under its own eyes. At zero it starts idle: counted as demand there, a
+restart or a leader change would wake every service at zero."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from typing import AsyncIterator
 
 Key = tuple[str, str]  # (namespace, name): the ScaledObject's, which is named as its service
@@ -30,10 +32,13 @@ class Decisions:
         self._last_demand: dict[Key, float] = {}
         self._changed: dict[Key, asyncio.Event] = {}  # set when a key's `active` flips (StreamIsActive)
 
-    def publish(self, key: Key, count: int, demanded: bool, idle_s: float, now: float) -> Published:
-        """A decision: `count` replicas; `demanded`: the service had demand at this step."""
-        if demanded or key not in self._last_demand:
+    def publish(self, key: Key, count: int, demanded: bool, idle_s: float, now: float, running: bool = True) -> Published:
+        """A decision: `count` replicas; `demanded`: the service had demand at this step;
+        `running`: it has pods (its Deployment's count is above 0)."""
+        if demanded or (key not in self._last_demand and running):
             self._last_demand[key] = now
+        elif key not in self._last_demand:
+            self._last_demand[key] = -math.inf
         published = Published(count, now - self._last_demand[key] < idle_s, now)
         before = self._published.get(key)
         self._published[key] = published

@@ -129,8 +129,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
 
         async def lead() -> None:
             if await term.start():
-                await fleet().lead()
+                # The scaler first: a ScaledObject the loops make must find its scaler answering
+                # (KEDA builds its HPA from the triggers that answer, and would leave ours out).
                 await _scaler.start()
+                await fleet().lead()
 
         async def end() -> None:
             term.end()
@@ -142,7 +144,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
         may_write = lambda: leadership.held() and term.passed  # noqa: E731
     cluster = cache.Cluster(kube, stores, may_write)
     _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
-    _scaler = scaler.ScalerTerm(_fleet.decisions, SETTINGS.scaler_port, kube, SETTINGS.pod_namespace, SETTINGS.pod_name)
+    _scaler = scaler.ScalerTerm(_fleet.decisions, SETTINGS.scaler_port, kube, SETTINGS.pod_namespace, SETTINGS.pod_name,
+                                leading=may_write)
+    await _scaler.forget()  # a label a crashed container of this pod left: not the leader yet
     namespaces = memo.get("namespaces") or None
     informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
     # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic

@@ -19,7 +19,9 @@ connection, so a follower that kept it open would be asked for ever). A service 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Callable
 
 import grpc
 
@@ -34,11 +36,13 @@ TARGET = 1.0  # per replica: ceil(count / 1) = count
 
 
 class Scaler(pb_grpc.ExternalScalerServicer):
-    def __init__(self, decisions: Decisions):
-        self.decisions = decisions
+    def __init__(self, decisions: Decisions, leading: Callable[[], bool] = lambda: True):
+        """`leading`: this pod may act now (its lease held and renewed): a leader whose renewals
+        lapse answers nothing rather than decisions that have stopped moving."""
+        self.decisions, self.leading = decisions, leading
 
     async def _published(self, ref: pb.ScaledObjectRef, context) -> Published:
-        published = self.decisions.get((ref.namespace, ref.name))
+        published = self.decisions.get((ref.namespace, ref.name)) if self.leading() else None
         if published is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"no decision for {ref.namespace}/{ref.name}: not an EmbeddingService in "
@@ -50,8 +54,11 @@ class Scaler(pb_grpc.ExternalScalerServicer):
 
     async def StreamIsActive(self, request: pb.ScaledObjectRef, context):
         async for active in self.decisions.activity((request.namespace, request.name)):
-            if active is None:  # gone from mode keda, or this pod stopped leading: KEDA asks again
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no decision for {request.namespace}/{request.name}")
+            if active is None or not self.leading():
+                # No decision (not yet, gone from mode keda, this pod no longer leads): the stream
+                # ends cleanly, which KEDA reads as EOF: it opens another after 2 s, its back-off
+                # reset (an error would double it up to a minute per reconnect).
+                return
             yield pb.IsActiveResponse(result=active)
 
     async def GetMetricSpec(self, request: pb.ScaledObjectRef, context) -> pb.GetMetricSpecResponse:
@@ -65,16 +72,16 @@ class Scaler(pb_grpc.ExternalScalerServicer):
 
 
 # What KEDA sends is a ScaledObject's name, namespace and trigger metadata: a few hundred bytes.
-# Anything far larger, or more streams than a cluster's ScaledObjects, is not KEDA's.
+# (Streams are not bounded: KEDA keeps one StreamIsActive per mode keda ScaledObject on its one
+# pooled connection, and its unary calls would queue behind them.)
 MAX_MESSAGE_BYTES = 64 * 1024
-MAX_STREAMS = 1024  # per connection: KEDA keeps one StreamIsActive per mode keda ScaledObject
 
 
-async def serve(decisions: Decisions, port: int, host: str = "[::]") -> grpc.aio.Server:
+async def serve(decisions: Decisions, port: int, host: str = "[::]",
+                leading: Callable[[], bool] = lambda: True) -> grpc.aio.Server:
     """The scaler on `port` (every address, IPv4 and IPv6), started."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_concurrent_streams", MAX_STREAMS)])
-    pb_grpc.add_ExternalScalerServicer_to_server(Scaler(decisions), server)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    pb_grpc.add_ExternalScalerServicer_to_server(Scaler(decisions, leading), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     log.info("KEDA external scaler on :%d", port)
@@ -89,33 +96,59 @@ LEADER_LABEL = "embedfleet.dev/scaler"
 class ScalerTerm:
     """The scaler for one leadership term (or, without election, the pod's life): served from
     `start`, and the pod labelled, until `stop` (which closes KEDA's connection, so it reconnects
-    through the Service to the next leader). The label is best effort: without it (no POD_NAME, or
-    RBAC without patch on pods in the operator's namespace) the Service reaches no pod, said once."""
+    through the Service to the next leader). `leading`: whether this pod may act now (a lapsed
+    lease: nothing is answered). The label is retried until it sticks (an API hiccup must not
+    leave the Service without an endpoint for a whole term); `forget` at start-up removes one a
+    crashed container left on this pod (a restart keeps the pod and its labels), so the Service
+    never selects a follower beside the leader."""
 
-    def __init__(self, decisions: Decisions, port: int, kube, namespace: str, pod: str):
+    RETRY_S = (1.0, 30.0)  # first and longest wait between tries of the label
+
+    def __init__(self, decisions: Decisions, port: int, kube, namespace: str, pod: str,
+                 leading: Callable[[], bool] = lambda: True):
         self.decisions, self.port, self.kube, self.namespace, self.pod = decisions, port, kube, namespace, pod
+        self.leading = leading
         self.server: grpc.aio.Server | None = None
+        self._labelling: asyncio.Task | None = None
+
+    async def forget(self) -> None:
+        """Before any election: this pod leads nothing yet."""
+        if self.port and self.pod and self.namespace:
+            await self._label(None)
 
     async def start(self) -> None:
         if not self.port or self.server is not None:
             return
-        self.server = await serve(self.decisions, self.port)
-        await self._label("leader")
+        self.server = await serve(self.decisions, self.port, leading=self.leading)
+        self._labelling = asyncio.create_task(self._label_until_it_sticks(), name="scaler-label")
 
     async def stop(self) -> None:
         server, self.server = self.server, None
         if server is None:
             return
+        if self._labelling is not None:
+            self._labelling.cancel()
+            await asyncio.gather(self._labelling, return_exceptions=True)
         await self._label(None)
         await server.stop(grace=1.0)
 
-    async def _label(self, value: str | None) -> None:
+    async def _label_until_it_sticks(self) -> None:
         if not self.pod or not self.namespace:
             log.warning("this operator pod's name or namespace is unknown (POD_NAME, POD_NAMESPACE): the scaler's "
                         "Service cannot select the leader; KEDA reaches the scaler only at EMBEDOP_SCALER_ADDRESS")
             return
+        wait, most = self.RETRY_S
+        while not await self._label("leader"):
+            await asyncio.sleep(wait)
+            wait = min(most, 2 * wait)
+
+    async def _label(self, value: str | None) -> bool:
+        if not self.pod or not self.namespace:
+            return True
         try:
             await self.kube.merge_patch("Pod", self.namespace, self.pod, {"metadata": {"labels": {LEADER_LABEL: value}}})
+            return True
         except Exception as e:  # noqa: BLE001 - the decisions are served whatever the label's fate
             log.warning("labelling this pod %s=%s failed (%s): the scaler's Service may not reach the leader",
                         LEADER_LABEL, value, e)
+            return False

@@ -75,7 +75,10 @@ class Router:
         end = time.monotonic() + (NO_POD_WAIT_S if remaining is None else remaining)
         while not pods and (left := end - time.monotonic()) > 0:
             await asyncio.sleep(min(NO_POD_POLL_S, left))
-            pods = await self.pods.resolved_again()
+            try:  # one lookup shared by every call waiting; never past the deadline
+                pods = await asyncio.wait_for(self.pods.resolved_again(), max(0.0, end - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
         if not pods:
             raise Failed(no_pod(self.target, self.pods.error), None)
         return pods
@@ -89,8 +92,10 @@ class Router:
         return choices[client_routing.pick([p.view(now) for p in choices], self._turn, self._rng)]
 
     async def health(self, request, timeout: float | None, metadata):
+        started = time.monotonic()
         pod = self.pick(await self.live_pods(timeout), None)
-        return await self._start(pod, "HealthCheck", request, timeout, metadata)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        return await self._start(pod, "HealthCheck", request, left, metadata)
 
     async def call(self, rpc: str, request, remaining: float | None, metadata, last):
         """One try on the pod least-drain picks (after a refusal with booked room: the pod that

@@ -200,6 +200,7 @@ class Pods:
         self.pods: dict[str, Pod] = {}  # by address, in DNS's order; retired ones too, until closed
         self._resolved = asyncio.Event()  # the first resolution has come (or failed)
         self._wake = asyncio.Event()  # resolve now: a connection closed
+        self._round, self._answered = 0, asyncio.Event()  # lookups answered; set (and replaced) at each
         self._resolver: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()
         self._lookup: asyncio.Task | None = None  # the system resolver's thread cannot be stopped
@@ -214,11 +215,13 @@ class Pods:
         return [p for p in self.pods.values() if not p.retired]
 
     async def resolved_again(self) -> list[Pod]:
-        """Resolve now, and → the pods once that lookup has answered (or failed)."""
+        """Resolve now (one lookup for every caller waiting meanwhile), and → the pods once it
+        has answered (or failed). Callers of `current` are not held up by it."""
         await self.current()
-        self._resolved.clear()
+        round_, answered = self._round, self._answered
         self._wake.set()
-        await self._resolved.wait()
+        while self._round == round_:
+            await answered.wait()
         return [p for p in self.pods.values() if not p.retired]
 
     async def _keep_resolving(self) -> None:
@@ -230,6 +233,9 @@ class Pods:
                 self.error = e
                 log.debug("resolving %s failed: %s", self.target.name, e)
             self._resolved.set()
+            self._round += 1  # resolved_again's waiters: this lookup answered
+            self._answered.set()
+            self._answered = asyncio.Event()
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.resolve_every_s)

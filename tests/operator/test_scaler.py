@@ -47,9 +47,9 @@ class Served:
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
 
-    def publish(self, count: int, demanded: bool, idle_s: float, now: float, key=KEY):
+    def publish(self, count: int, demanded: bool, idle_s: float, now: float, key=KEY, running: bool = True):
         async def go():
-            return self.decisions.publish(key, count, demanded, idle_s, now)
+            return self.decisions.publish(key, count, demanded, idle_s, now, running)
         return self.run(go())
 
     def close(self):
@@ -128,6 +128,10 @@ def test_activity_follows_demand_within_the_idle_window(served):
     assert not stub.IsActive(ref()).result
     served.publish(1, True, idle_s=60, now=1061.0)
     assert stub.IsActive(ref()).result
+    # At zero, a first decision is no demand: an operator restarting (or a new leader) must not
+    # wake every service at zero.
+    served.publish(0, False, idle_s=60, now=2000.0, key=("fleet", "asleep"), running=False)
+    assert not stub.IsActive(ref(("fleet", "asleep"))).result
 
 
 def test_stream_is_active_pushes_each_flip(served):
@@ -139,11 +143,10 @@ def test_stream_is_active_pushes_each_flip(served):
     assert next(stream).result is False
     served.publish(1, True, idle_s=10, now=11.0)
     assert next(stream).result is True
-    served.run(_forget(served.decisions))  # the service left mode keda: KEDA is told to ask again
-    with pytest.raises(grpc.RpcError) as e:
+    served.run(_forget(served.decisions))  # the service left mode keda: the stream ends cleanly
+    with pytest.raises(StopIteration):  # (OK, which KEDA reads as EOF: its reconnect back-off resets)
         next(stream)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    stream.cancel()
+    assert stream.code() == grpc.StatusCode.OK
 
 
 async def _forget(decisions: Decisions) -> None:
