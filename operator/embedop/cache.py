@@ -48,6 +48,9 @@ WATCHED = ("Deployment", "Pod", "Service", "PodDisruptionBudget", "HorizontalPod
 # stays a read of the copy, no API call) and lists again every ABSENT_RECHECK_S, quietly, so a CRD
 # installed later is picked up without a restart. Only a service that asks for one gets told.
 OPTIONAL_WATCHED = (render_gateway.KIND, *render_keda.KINDS)
+# Owned kinds watched whole, others' objects too (few per namespace): a ScaledObject someone made
+# for a service (render_keda.fighting) is said at the service's next check.
+WATCHED_WHOLE = (render_keda.KIND,)
 # Kinds the operator reads but does not own, so they carry no label of ours: listed and watched
 # whole in the namespaces it serves (the model cache's claims: their access modes and uid), kept
 # trimmed to what is read (TRIM), followed at the services' periodic checks (no kick); their
@@ -70,7 +73,19 @@ def _trim_claim(obj: dict) -> dict:
             "status": {k: st[k] for k in ("phase", "accessModes") if k in st}}
 
 
-TRIM = {"PersistentVolumeClaim": _trim_claim}
+def _trim_scaled_object(obj: dict) -> dict:
+    """Ours whole (drift compares it); someone else's (WATCHED_WHOLE): what render_keda.fighting
+    reads, not its triggers and KEDA's frequent status writes."""
+    if _ours(obj):
+        return obj
+    meta = obj.get("metadata") or {}
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences",
+                                              "deletionTimestamp") if k in meta},
+            "spec": {"scaleTargetRef": (obj.get("spec") or {}).get("scaleTargetRef") or {}}}
+
+
+TRIM = {"PersistentVolumeClaim": _trim_claim, render_keda.KIND: _trim_scaled_object}
 
 Key = tuple[str, str]
 
@@ -226,6 +241,8 @@ class Cluster:
         self.applied: dict[tuple[str, str, str], drift.Applied] = {}
         # Objects (by uid) whose adoption (write.adopted) was refused, and until when it is not tried.
         self.unadopted: dict[str, float] = {}
+        # Services (namespace, name) whose KEDA HPA was asked to be rebuilt (reconcile_keda._rebuild).
+        self.rebuilt: dict[tuple[str, str], tuple[float, int]] = {}  # (when, how many times)
         # Kinds whose copies are complete only once their informer has listed them (Informer.synced):
         # before (a list refused: RBAC), an absence is read from the API, not trusted.
         self.listed: dict[str, asyncio.Event] = {}
@@ -276,7 +293,7 @@ class Cluster:
         return self.select("Pod", namespace, labels)
 
     def select(self, kind: str, namespace: str, labels: dict) -> list[dict]:
-        """The copies of a watched kind (ours: the operator's label) that carry `labels`."""
+        """The copies of a watched kind (ours: the operator's label; all, of WATCHED_WHOLE) that carry `labels`."""
         return self.stores[kind].select(namespace, labels) if kind in self.stores else []
 
     def _check(self, what: str) -> None:

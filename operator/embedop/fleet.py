@@ -36,7 +36,7 @@ def retry_in(failures: int, first_s: float, cap_s: float) -> float:
 class Fleet:
     def __init__(self, cluster: Cluster, settings: OperatorSettings,
                  on_outcome: Callable[[reconcile.Outcome], None],
-                 on_decision: Callable[[dict, autoscaler.Step], None]):
+                 on_decision: Callable[[dict, autoscaler.Step], None], leading: bool = False):
         self.cluster, self.settings = cluster, settings
         self.on_outcome, self.on_decision = on_outcome, on_decision
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -48,10 +48,15 @@ class Fleet:
         self.locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
         # Mode keda's decisions, for KEDA (embedop.scaler): this pod's while it leads.
         self.decisions = Decisions()
+        # In a leadership term (lead() to close()): every service has its loop. Not whether this
+        # pod may write at this instant (cluster.may_write, which each pass checks): a service seen
+        # while a renewal is late must still get its loop, or it waits for its next change (a lapse
+        # that the election itself saw go by resumes with lead(), but not one a renewal ended first).
+        self.leading = leading
 
     def ensure(self, namespace: str, name: str) -> None:
         key = (namespace, name)
-        if self.cluster.may_write() and (key not in self.tasks or self.tasks[key].done()):
+        if self.leading and (key not in self.tasks or self.tasks[key].done()):
             self.kicks[key].set()  # its first pass reconciles at once
             self.tasks[key] = asyncio.create_task(self._run(namespace, name), name=f"embedop:{namespace}/{name}")
 
@@ -88,10 +93,12 @@ class Fleet:
 
     async def lead(self) -> None:
         """This pod now holds the lease: every known service gets its loop."""
+        self.leading = True
         for namespace, name in list(self.cluster.stores[crd.KIND].objects):
             self.ensure(namespace, name)
 
     async def close(self) -> None:
+        self.leading = False
         tasks = list(self.tasks.values())
         self.tasks.clear()
         self.decisions.clear()

@@ -131,24 +131,33 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
             if await term.start():
                 # The scaler first: a ScaledObject the loops make must find its scaler answering
                 # (KEDA builds its HPA from the triggers that answer, and would leave ours out).
-                await _scaler.start()
+                # One that cannot start (its port taken) must not keep every service unreconciled:
+                # it is said, tried again at the next term or lapse, and the loops start anyway.
+                try:
+                    await _scaler.start()
+                except Exception:  # noqa: BLE001 - grpc's bind failure is a bare RuntimeError
+                    log.exception("the KEDA external scaler could not start on :%d: mode keda services are not "
+                                  "scaled by this operator until it does", SETTINGS.scaler_port)
                 await fleet().lead()
 
         async def end() -> None:
             term.end()
-            await _scaler.stop()  # KEDA's connection closes: it reconnects to the next leader
-            await fleet().close()
+            try:
+                await _scaler.stop()  # KEDA's connection closes: it reconnects to the next leader
+            finally:
+                await fleet().close()
 
         leadership = Leadership(kube, SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.identity,
                                 SETTINGS.lease_seconds, on_start=lead, on_stop=end, request_s=SETTINGS.api_timeout_s)
         may_write = lambda: leadership.held() and term.passed  # noqa: E731
     cluster = cache.Cluster(kube, stores, may_write)
-    _fleet = Fleet(cluster, SETTINGS, _outcome, _decision)
+    _fleet = Fleet(cluster, SETTINGS, _outcome, _decision, leading=leadership is None)
     _scaler = scaler.ScalerTerm(_fleet.decisions, SETTINGS.scaler_port, kube, SETTINGS.pod_namespace, SETTINGS.pod_name,
-                                leading=may_write)
+                                leading=may_write, release=dict(SETTINGS.pod_labels or ()))
     await _scaler.forget()  # a label a crashed container of this pod left: not the leader yet
     namespaces = memo.get("namespaces") or None
-    informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick) for kind in cache.WATCHED]
+    informers = [cache.Informer(kube, kind, namespaces, stores[kind], _fleet.kick,
+                                labels={} if kind in cache.WATCHED_WHOLE else None) for kind in cache.WATCHED]
     # Not ours, so not labelled: every claim of the namespaces, read at each service's periodic
     # check; listed from the first read of one on (no claim in use: never).
     cluster.on_demand.update({kind: cache.Informer(kube, kind, namespaces, stores[kind], lambda *_: None, labels={})

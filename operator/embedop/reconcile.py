@@ -25,7 +25,7 @@ import dataclasses
 from typing import Awaitable, Callable
 
 from embedop import crd, drift, fill as fills, render, render_cache, render_gateway, render_models, render_network, spec as specs, status
-from embedop import reconcile_keda, write
+from embedop import reconcile_keda, render_keda, write
 from embedop.cache import Cluster
 from embedop.config import OperatorSettings
 from embedop.kube import FIELD_MANAGER, HANDOVER_MANAGER, Conflict, NotFound, Rejected, Retryable
@@ -54,8 +54,9 @@ class Outcome:
     misfit: str | None = None  # a pod's termination message: its models do not fit its device (status.misfit)
 
     def lack(self, reason: str, message: str) -> None:
-        """A kind the spec asks for that the cluster does not serve: Degraded with the first one's
-        reason, every message said."""
+        """A kind the spec asks for that the cluster does not serve (or a part of what it asks for
+        that the cluster's controllers left out: KEDA's HPA without our metric): Degraded with the
+        first one's reason, every message said."""
         self.missing = f"{self.missing}; {message}" if self.missing else message
         self.missing_reason = self.missing_reason or reason
 
@@ -192,7 +193,8 @@ async def _reconcile_once(cluster: Cluster, settings: OperatorSettings, namespac
     owner = owner_of(body)
     spec = specs.defaulted(body.get("spec") or {})
     problems = specs.problems(spec, name)
-    outcome = Outcome(problems, [], body=body, warnings=specs.warnings(spec))
+    outcome = Outcome(problems, [], body=body, warnings=specs.warnings(spec) + render_keda.fighting(
+        cluster.select(render_keda.KIND, namespace, {}), owner.owns, name, spec["autoscaling"]["mode"]))
     if render_cache.kind(spec["modelCache"]) in ("claim", "prefilled"):  # its access modes, for status
         try:
             outcome.claim = await cluster.get("PersistentVolumeClaim", namespace, spec["modelCache"]["claimName"], ours=True)

@@ -9,13 +9,16 @@ What the cluster lacks is said, not retried blindly: a kind whose informer found
 the informer has not listed yet) says the same. Without KEDA nothing of this mode is written and the
 service is Degraded naming KEDA's CRD; the Deployment keeps the count it has (its replicas were
 handed over as in mode hpa). Without the add-on, a service asking for zero keeps one pod (the
-ScaledObject's floor) and is Degraded naming the add-on's CRDs: nothing could wake it.
+ScaledObject's floor) and is Degraded naming the add-on's CRDs: nothing could wake it. A KEDA HPA
+built while the operator's scaler did not answer lacks its metric (render_keda.lacks_our_metric):
+Degraded, and KEDA is asked to build it again.
 
 The Deployment's spec.replicas is not handled here: render.deployment_replicas leaves it to KEDA's
 HorizontalPodAutoscaler in mode keda, and the reconcile hands it over as for mode hpa."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Awaitable, Callable
 
 from embedop import render, render_keda
@@ -26,7 +29,8 @@ from embedop.kube import NotFound
 # The reconcile's write of one owned object (reconcile.put_owned): → the live object, None when it
 # belongs to someone else (reported as NotOwned); NotFound when the API does not serve its kind.
 Put = Callable[[dict], Awaitable[dict | None]]
-# (reason, message): what the cluster lacks, for Degraded and an Event (reconcile.Outcome.lack).
+# (reason, message): what the cluster lacks (a CRD, our metric in KEDA's HPA), for Degraded and an
+# Event (reconcile.Outcome.lack).
 Lack = Callable[[str, str], None]
 
 
@@ -51,7 +55,25 @@ async def apply(cluster: Cluster, settings: OperatorSettings, owner: render.Owne
             deleted.append(f"-{kind}/{name}")
     hpa = await cluster.get("HorizontalPodAutoscaler", owner.namespace, render_keda.hpa_name(owner.name),
                             ours=True) if keda else None
+    if keda and (render_keda.KIND, owner.name) in written and render_keda.lacks_our_metric(hpa):
+        await _rebuild(cluster, owner, hpa)
+        lack(render_keda.METRIC_MISSING, render_keda.missing_metric_message(hpa["metadata"]["name"],
+                                                                            settings.scaler_address))
+    else:
+        cluster.rebuilt.pop((owner.namespace, owner.name), None)
     return deleted, hpa
+
+
+async def _rebuild(cluster: Cluster, owner: render.Owner, hpa: dict) -> None:
+    """Ask KEDA to build its HPA again (render_keda.REBUILD_ANNOTATION), now that this operator's
+    scaler answers (the reconcile runs on the leader, which serves it); again after growing waits
+    while the metric stays missing (render_keda.REBUILD_AFTER_S)."""
+    key, now = (owner.namespace, owner.name), cluster.clock()
+    if not render_keda.rebuild_due(last := cluster.rebuilt.get(key), now):
+        return
+    cluster.rebuilt[key] = (now, (last or (now, 0))[1] + 1)
+    await cluster.annotate("HorizontalPodAutoscaler", owner.namespace, hpa["metadata"]["name"],
+                           {render_keda.REBUILD_ANNOTATION: datetime.datetime.now(datetime.timezone.utc).isoformat()})
 
 
 async def _put_all(cluster: Cluster, settings: OperatorSettings, owner: render.Owner, spec: dict, put: Put,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from embedop import crd
+
 GROUP, VERSION, KIND, PLURAL = "keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"
 API_VERSION = f"{GROUP}/{VERSION}"
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -198,6 +200,48 @@ def objects(meta: Callable[[str], dict], namespace: str, spec: dict, scaler_addr
 
 
 KEDA_MISSING, ADDON_MISSING = "KedaCRDMissing", "KedaHTTPAddOnMissing"  # Degraded reasons, and the Events'
+METRIC_MISSING = "KedaMetricMissing"
+
+# The operator's one metric (scaler.py serves it), as KEDA's HPA names it: KEDA prefixes each
+# trigger's metric with its place among the triggers ("s<index>-", scalers.GenerateMetricNameWithIndex),
+# and ours is the first (scaled_object).
+SCALER_METRIC = "embedfleet-replicas"
+HPA_METRIC = f"s0-{SCALER_METRIC}"
+# An annotation on KEDA's HorizontalPodAutoscaler: KEDA's controller reconciles a ScaledObject when
+# one on the HPA it owns changes (its predicates ignore the ScaledObject's own metadata), and builds
+# the HPA again from every trigger that answers then.
+REBUILD_ANNOTATION = "embedfleet.dev/rebuild-metrics"
+# The wait after each request while the metric stays missing, the last one repeated: a new leader's
+# scaler may not be reachable at once (its label, the Service's endpoints, KEDA's reconnection
+# back-off), and a scaler KEDA cannot reach at all is not worth a write a minute.
+REBUILD_AFTER_S = (10.0, 30.0, 60.0, 300.0)
+
+
+def rebuild_due(last: tuple[float, int] | None, now: float) -> bool:
+    """Whether to ask KEDA again: `last` is (when, how many times so far) for this service."""
+    if last is None:
+        return True
+    when, times = last
+    return now - when >= REBUILD_AFTER_S[min(times, len(REBUILD_AFTER_S)) - 1]
+
+
+def lacks_our_metric(hpa: dict | None) -> bool:
+    """Whether KEDA's HPA was built without the operator's metric. KEDA builds it from the triggers
+    whose scaler answers GetMetricSpec at that moment and leaves a silent one out (it fails only
+    when none answers): an HPA made while the scaler was unreachable (a leader changing, a
+    NetworkPolicy) counts the add-on's pending requests alone, and stays so until KEDA reconciles
+    the ScaledObject again. False while there is no HPA yet."""
+    if hpa is None:
+        return False
+    names = {((m.get("external") or {}).get("metric") or {}).get("name") for m in (hpa.get("spec") or {}).get("metrics") or []}
+    return HPA_METRIC not in names
+
+
+def missing_metric_message(hpa: str, scaler_address: str) -> str:
+    return (f"KEDA's HorizontalPodAutoscaler {hpa} has no metric {HPA_METRIC}: KEDA could not reach the operator's "
+            f"scaler at {scaler_address} when it built it, so the count follows the HTTP add-on's pending requests "
+            f"alone; KEDA was asked to build it again (annotation {REBUILD_ANNOTATION}); if this stays, check that "
+            "KEDA's operator reaches that address (the chart's kedaScaler.from, EMBEDOP_SCALER_ADDRESS)")
 
 
 def missing_keda_message(error: str) -> str:
@@ -228,4 +272,22 @@ def warnings(spec: dict) -> list[str]:
         out.append("autoscaling.minReplicas 0 with routing gateway: the InferencePool's endpoint picker chooses "
                    "among running pods; at zero there is none, and a request sent past the HTTP add-on's "
                    "interceptor wakes nothing")
+    return out
+
+
+def fighting(scaled_objects: list[dict], ours: Callable[[dict], bool], service: str, mode: str) -> list[str]:
+    """Someone else's ScaledObjects that scale the service, through its scale subresource (the
+    docs' recipe for mode off, from before mode keda) or its Deployment: in any mode but off the
+    operator, or KEDA's HPA of its own ScaledObject, sets that count too, and the two fight.
+    `scaled_objects`: those of the service's namespace; `ours`: whether one is the service's own."""
+    if mode == "off":
+        return []
+    out = []
+    for so in scaled_objects:
+        ref = (so.get("spec") or {}).get("scaleTargetRef") or {}
+        kind = ref.get("kind") or "Deployment"
+        if not ours(so) and ref.get("name") == service and kind in (crd.KIND, "Deployment"):
+            out.append(f"ScaledObject {so['metadata']['name']} scales {kind}/{service} too, but in autoscaling.mode "
+                       f"{mode} the {'operator' if mode == 'operator' else 'HorizontalPodAutoscaler of the operator'} "
+                       "sets its count: the two fight; delete that ScaledObject, or set autoscaling.mode off to keep it")
     return out

@@ -27,11 +27,12 @@ import grpc
 
 from embedop import externalscaler_pb2 as pb
 from embedop import externalscaler_pb2_grpc as pb_grpc
+from embedop import render_keda
 from embedop.decisions import Decisions, Published
 
 log = logging.getLogger(__name__)
 
-METRIC = "embedfleet-replicas"  # the one metric: replicas the operator decided
+METRIC = render_keda.SCALER_METRIC  # the one metric: replicas the operator decided
 TARGET = 1.0  # per replica: ceil(count / 1) = count
 
 
@@ -105,9 +106,11 @@ class ScalerTerm:
     RETRY_S = (1.0, 30.0)  # first and longest wait between tries of the label
 
     def __init__(self, decisions: Decisions, port: int, kube, namespace: str, pod: str,
-                 leading: Callable[[], bool] = lambda: True):
+                 leading: Callable[[], bool] = lambda: True, release: dict | None = None):
+        """`release`: the labels of this release's operator pods (EMBEDOP_POD_LABELS): another
+        release in the namespace has a leader of its own, whose label is not ours to take."""
         self.decisions, self.port, self.kube, self.namespace, self.pod = decisions, port, kube, namespace, pod
-        self.leading = leading
+        self.leading, self.release = leading, release or {}
         self.server: grpc.aio.Server | None = None
         self._labelling: asyncio.Task | None = None
 
@@ -138,15 +141,34 @@ class ScalerTerm:
                         "Service cannot select the leader; KEDA reaches the scaler only at EMBEDOP_SCALER_ADDRESS")
             return
         wait, most = self.RETRY_S
-        while not await self._label("leader"):
+        while not await self._label("leader") or not await self._unlabel_others():
             await asyncio.sleep(wait)
             wait = min(most, 2 * wait)
 
-    async def _label(self, value: str | None) -> bool:
+    async def _unlabel_others(self) -> bool:
+        """The label off every other pod of this release: one an earlier leader kept (its removal
+        at its term's end failed, and it runs on as a follower) would have the Service send KEDA
+        to a pod that answers nothing. Only while this pod leads (a former leader still retrying
+        must not take its successor's)."""
+        if not self.leading():
+            return True  # nothing to do in this term any more (or a lapse: done at the next try)
+        try:
+            pods, _ = await self.kube.list_versioned("Pod", self.namespace, {**self.release, LEADER_LABEL: "leader"})
+        except Exception as e:  # noqa: BLE001 - tried again, as the label is
+            log.warning("listing the pods labelled %s=leader failed (%s)", LEADER_LABEL, e)
+            return False
+        stale = [p["metadata"]["name"] for p in pods if p["metadata"]["name"] != self.pod]
+        results = [self.leading() and await self._label(None, pod) for pod in stale]
+        if stale:
+            log.info("took the scaler's label off %s (a former leader's)", ", ".join(stale))
+        return all(results)
+
+    async def _label(self, value: str | None, pod: str | None = None) -> bool:
+        """Set (or, None, remove) the label on this pod, or on `pod`."""
         if not self.pod or not self.namespace:
             return True
         try:
-            await self.kube.merge_patch("Pod", self.namespace, self.pod, {"metadata": {"labels": {LEADER_LABEL: value}}})
+            await self.kube.merge_patch("Pod", self.namespace, pod or self.pod, {"metadata": {"labels": {LEADER_LABEL: value}}})
             return True
         except Exception as e:  # noqa: BLE001 - the decisions are served whatever the label's fate
             log.warning("labelling this pod %s=%s failed (%s): the scaler's Service may not reach the leader",

@@ -130,9 +130,11 @@ def test_rbac_is_exactly_what_the_operator_calls(case):
     roles = {o["kind"] for o in objects if "Role" in o["kind"] and not named(o, "-leader") and not named(o, "-scaler")
              and not named(o, "-scope.embedfleet-system")}
     assert roles == ({"Role", "RoleBinding"} if case == "namespaced" else {"ClusterRole", "ClusterRoleBinding"})
-    # KEDA's scaler (mode keda): the leader labels its own pod, in its own namespace, nothing else.
+    # KEDA's scaler (mode keda): the leader labels its own pod, and takes a former leader's label
+    # off (listed by it), in its own namespace, nothing else.
     (own,) = [o for o in objects if o["kind"] == "Role" and named(o, "-scaler")]
-    assert own["metadata"]["namespace"] == "embedfleet-system" and rbac_calls([own]) == {("", "pods", "patch")}
+    assert own["metadata"]["namespace"] == "embedfleet-system"
+    assert rbac_calls([own]) == {("", "pods", "list"), ("", "pods", "patch")}
     # The Lease is the operator's own, in its own namespace, whatever it watches: created (RBAC
     # cannot name what a create makes), then read and renewed by its name only.
     (lease,) = [o for o in objects if o["kind"] == "Role" and named(o, "-leader")]

@@ -11,7 +11,7 @@ garbage collection of what the service owns: tests/cluster/.)"""
 
 import pytest
 
-from embedop import render_keda
+from embedop import crd, render_keda
 from embedop.kube import CALLS
 from tests.operator import emulator as em
 from tests.operator import keda_schema
@@ -206,3 +206,22 @@ def test_without_keda_the_service_is_degraded_naming_it_and_others_are_served(em
         finally:
             for name in ("plain-op", "wants-keda"):
                 emulator.request("DELETE", service_path(NS, name))
+
+
+def test_someone_elses_scaled_object_on_the_service_is_said(keda, op):
+    """The docs' recipe from before mode keda (a ScaledObject on the EmbeddingService, in mode off)
+    fights any other mode: the operator says so, naming it, and leaves it alone (it is not ours)."""
+    name, path = "fought", f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects"
+    keda.request("POST", service_path(NS), new_service(name, {**SPEC, "autoscaling": {"mode": "keda", "minReplicas": 1}}, NS))
+    keda.request("POST", path, {"apiVersion": render_keda.API_VERSION, "kind": "ScaledObject",
+                                "metadata": {"name": "by-hand", "namespace": NS},  # as the docs once said
+                                "spec": {"scaleTargetRef": {"apiVersion": crd.API_VERSION,
+                                                            "kind": "EmbeddingService", "name": name},
+                                         "triggers": [{"type": "cpu", "metadata": {"value": "50"}}]}})
+    said = eventually(lambda: [e for e in keda.get(EVENTS)["items"] if e["involvedObject"]["name"] == name
+                               and e["reason"] == "SpecWarning" and "ScaledObject by-hand" in e.get("message", "")],
+                      timeout=60)
+    assert "EmbeddingService/fought" in said[0]["message"] and said[0]["type"] == "Warning"
+    assert keda.get(f"{path}/by-hand") is not None  # not ours: left as it is
+    keda.request("DELETE", f"{path}/by-hand")
+    keda.request("DELETE", service_path(NS, name))

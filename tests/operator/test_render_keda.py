@@ -260,3 +260,52 @@ def test_what_a_zero_spec_may_get_wrong_is_warned_not_refused(extra, said):
     assert len(zero) == len(said) and all(s in w for s, w in zip(said, zero))
     above = specs.defaulted({**BASE, **extra, "autoscaling": {"mode": "keda", "minReplicas": 1}})
     assert not [w for w in specs.warnings(above) if w.startswith("autoscaling.minReplicas 0")]
+
+
+def test_others_scaled_objects_on_the_service_are_said_in_every_mode_but_off():
+    def so(name, kind, target, owned=False):
+        return {"metadata": {"name": name, "owned": owned}, "spec": {"scaleTargetRef": {"kind": kind, "name": target}}}
+
+    objects = [so("recipe", "EmbeddingService", "svc"), so("on-deploy", "Deployment", "svc"),
+               so("ours", "Deployment", "svc", True), so("elsewhere", "Deployment", "other"),
+               {"metadata": {"name": "no-kind"}, "spec": {"scaleTargetRef": {"name": "svc"}}}]
+    ours = lambda o: o["metadata"].get("owned")  # noqa: E731
+    for mode in ("operator", "hpa", "keda"):
+        said = render_keda.fighting(objects, ours, "svc", mode)
+        assert [s.split()[1] for s in said] == ["recipe", "on-deploy", "no-kind"], said  # a kind left out is a Deployment
+        assert all(f"autoscaling.mode {mode}" in s for s in said)
+    assert render_keda.fighting(objects, ours, "svc", "off") == []
+
+
+def test_keda_hpa_without_the_operators_metric_is_told_apart():
+    def hpa(*names):
+        return {"spec": {"metrics": [{"type": "External", "external": {"metric": {"name": n}}} for n in names]}}
+
+    assert render_keda.lacks_our_metric(hpa("s1-svc-http"))
+    assert render_keda.lacks_our_metric({"spec": {}})
+    assert not render_keda.lacks_our_metric(hpa("s0-embedfleet-replicas", "s1-svc-http"))
+    assert not render_keda.lacks_our_metric(None)  # KEDA has not built it yet
+    assert render_keda.HPA_METRIC == "s0-" + render_keda.SCALER_METRIC
+
+
+def test_the_grpc_route_reaches_a_port_the_interceptor_speaks_h2c_to():
+    """KEDA's interceptor proxies to a route's target port in HTTP/1.1 unless that Service port says
+    appProtocol kubernetes.io/h2c (http-add-on interceptor/handler/upstream.go, requiresHTTP2): the
+    gRPC route's port must say it, the HTTP route's must not (the API port speaks HTTP/1.1)."""
+    spec = spec_of(minReplicas=0)
+    ports = {p["name"]: p for p in render.service(OWNER, spec)["spec"]["ports"]}
+    routes = {r["metadata"]["name"]: r for r in by_kind(render_all(minReplicas=0), render_keda.ROUTE_KIND)}
+    grpc, http = routes["search-grpc"]["spec"]["target"], routes["search-http"]["spec"]["target"]
+    assert routes["search-grpc"]["spec"]["target"]["service"] == render.service(OWNER, spec)["metadata"]["name"]
+    assert ports[grpc["portName"]].get("appProtocol") == "kubernetes.io/h2c"
+    assert ports[http["portName"]].get("appProtocol") != "kubernetes.io/h2c"
+
+
+def test_keda_is_asked_again_after_growing_waits():
+    waits = render_keda.REBUILD_AFTER_S
+    assert render_keda.rebuild_due(None, 0.0)
+    for times, wait in enumerate(waits, start=1):
+        assert not render_keda.rebuild_due((100.0, times), 100.0 + wait - 0.1)
+        assert render_keda.rebuild_due((100.0, times), 100.0 + wait)
+    assert not render_keda.rebuild_due((100.0, 50), 100.0 + waits[-1] - 0.1)  # the last one, repeated
+    assert list(waits) == sorted(waits) and waits[-1] >= 300  # KEDA that cannot reach it: no write a minute
