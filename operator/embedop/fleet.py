@@ -64,6 +64,8 @@ class Fleet:
         task = self.tasks.pop((namespace, name), None)
         self.generations.pop((namespace, name), None)
         self.decisions.forget((namespace, name))
+        # A service made again under this name starts KEDA's rebuild schedule afresh, not at its 5 min.
+        self.cluster.rebuilt.pop((namespace, name), None)
         if task is not None:
             task.cancel()
 

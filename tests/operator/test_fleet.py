@@ -49,9 +49,10 @@ async def test_a_service_seen_while_a_renewal_is_late_gets_its_loop(emulator, tm
         await fleet.cluster.kube.close()
 
 
-async def test_a_follower_runs_no_loop(emulator, tmp_path, monkeypatch):
+async def test_a_follower_runs_no_loop_and_a_deleted_service_leaves_nothing(emulator, tmp_path, monkeypatch):
     """Seen by a pod that does not lead: no loop (the leader's loops write; a follower's would only
-    wait). Its loops start when it leads."""
+    wait). Its loops start when it leads; a service deleted leaves no loop and no KEDA rebuild
+    schedule (one made again under its name would wait up to 5 min for its first request)."""
     may_write = [False]
     fleet = fleet_on(emulator, tmp_path, monkeypatch, may_write)
     try:
@@ -61,6 +62,9 @@ async def test_a_follower_runs_no_loop(emulator, tmp_path, monkeypatch):
         may_write[0] = True  # it took the lease
         await fleet.lead()
         assert set(fleet.tasks) == {(NS, "seen")}
+        fleet.cluster.rebuilt[(NS, "seen")] = (0.0, 4)  # KEDA asked to rebuild its HPA four times
+        fleet.stop(NS, "seen")  # the service is deleted
+        assert not fleet.tasks and (NS, "seen") not in fleet.cluster.rebuilt  # made again: asked at once
         await fleet.close()
         assert not fleet.tasks
     finally:

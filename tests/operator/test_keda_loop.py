@@ -6,6 +6,8 @@ the scale subresource, as KEDA's HPA does. The scaler answers each mode keda ser
 False, ScaledToZero. (With pods and load, the decision's rules are mode operator's, checked over
 traces in test_scaler.py; KEDA itself: tests/cluster/.)"""
 
+import socket
+
 import grpc
 import pytest
 
@@ -166,8 +168,6 @@ def test_the_leader_labels_its_pod_for_its_term_and_closes_kedas_connection_at_i
 def test_a_scaler_that_cannot_start_keeps_no_service_from_its_reconcile(tmp_path):
     """Its port taken (another process, no SO_REUSEPORT): said, and every service is reconciled
     all the same (the leader used to wait for the scaler before starting any loop)."""
-    import socket
-
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as taken, Emulator(keda=True) as e:
         taken.bind(("::", 0))
         taken.listen()

@@ -295,10 +295,10 @@ def test_the_grpc_route_reaches_a_port_the_interceptor_speaks_h2c_to():
     spec = spec_of(minReplicas=0)
     ports = {p["name"]: p for p in render.service(OWNER, spec)["spec"]["ports"]}
     routes = {r["metadata"]["name"]: r for r in by_kind(render_all(minReplicas=0), render_keda.ROUTE_KIND)}
-    grpc, http = routes["search-grpc"]["spec"]["target"], routes["search-http"]["spec"]["target"]
-    assert routes["search-grpc"]["spec"]["target"]["service"] == render.service(OWNER, spec)["metadata"]["name"]
-    assert ports[grpc["portName"]].get("appProtocol") == "kubernetes.io/h2c"
-    assert ports[http["portName"]].get("appProtocol") != "kubernetes.io/h2c"
+    to_grpc, to_http = routes["search-grpc"]["spec"]["target"], routes["search-http"]["spec"]["target"]
+    assert to_grpc["service"] == render.service(OWNER, spec)["metadata"]["name"]
+    assert ports[to_grpc["portName"]].get("appProtocol") == "kubernetes.io/h2c"
+    assert ports[to_http["portName"]].get("appProtocol") != "kubernetes.io/h2c"
 
 
 def test_keda_is_asked_again_after_growing_waits():
